@@ -1,0 +1,41 @@
+# duospec: `make demo` and `make test` work from a fresh clone.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# CPU build of torch; installed first so no dependency pulls a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: venv install test test-slow demo proto bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+venv: $(PY)
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: $(PY) pyproject.toml
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev]"
+	touch $@
+
+test: install
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-slow: install
+	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+demo: install
+	$(PY) -m duospec.demo
+
+proto: install
+	$(PY) -m duospec.protogen
+
+bench: install
+	$(VENV)/bin/duospec bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

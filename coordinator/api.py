@@ -1,0 +1,133 @@
+"""The coordinator's Python entry point: what the public API (gRPC server, demo, bench) wraps.
+
+    coordinator = ...  # coordinator.pipeline.PipelineCoordinator (Ray actors) or an in-process one
+    async for event in coordinator.generate(request):
+        if isinstance(event, TokensEvent): ...   # newly committed token ids (a diff)
+        else: ...                                # FinishEvent, always last
+
+Cancelling: stop iterating and close the generator (`await agen.aclose()`), or cancel the task that
+iterates it; the sequence's KV slots on both workers are freed.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol
+
+from duospec.sampling import SamplingParams
+
+
+class SpeculationMode(enum.Enum):
+    PEARL = "pearl"  # draft and target overlap; pre-verify early abort, post-verify speculation
+    VANILLA = "vanilla"  # draft γ, then verify, strictly alternating (the baseline)
+    OFF = "off"  # target-only autoregressive
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"  # max_new_tokens reached
+    STOP = "stop"  # a stop token id (or, in the API layer, a stop string)
+    EOS = "eos"  # the model's end-of-sequence token
+    CANCELLED = "cancelled"  # client cancel / deadline / shutdown
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    mode: SpeculationMode = SpeculationMode.PEARL
+    max_draft_tokens: int | None = None  # None = the model's default (γ in vanilla, max verify in pearl)
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    model: str = ""  # "" = the default model
+    tenant: str = "default"
+    priority_weight: float = 1.0  # weighted fair share of the target when saturated
+
+
+@dataclass
+class SpecStats:
+    drafted_tokens: int = 0  # draft tokens sent to the target for verification
+    accepted_tokens: int = 0  # draft tokens the target kept
+    target_forwards: int = 0  # verify passes that included this sequence
+    pre_verify_aborts: int = 0  # rounds aborted at the first draft token of a chunk
+    wasted_draft_tokens: int = 0  # drafted but discarded (after a rejection), incl. never verified
+    rejections: int = 0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Committed tokens per target forward (accepted + 1 recovered/bonus), as in the literature."""
+        if self.target_forwards == 0:
+            return 0.0
+        return (self.accepted_tokens + self.target_forwards) / self.target_forwards
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class TokensEvent:
+    token_ids: tuple[int, ...]  # newly committed tokens, in order
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+GenerationEvent = TokensEvent | FinishEvent
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    target_path: str
+    draft_path: str | None
+    vocab_size: int  # tokenizer vocabulary (ids must be < this)
+    max_context: int  # prompt + new tokens must fit
+    eos_token_id: int | None
+
+
+class Coordinator(Protocol):
+    def models(self) -> list[ModelInfo]: ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]: ...
+
+    async def stats(self) -> dict: ...  # live sequences, per-actor busy/idle, free slots
+
+    async def close(self) -> None: ...
+
+
+class CoordinatorError(Exception):
+    """An error with a gRPC-compatible status name, picklable across Ray."""
+
+    code: str = "INTERNAL"
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.code))
+
+
+class InvalidRequest(CoordinatorError):
+    code = "INVALID_ARGUMENT"
+
+
+class ModelNotFound(CoordinatorError):
+    code = "NOT_FOUND"
+
+
+class Overloaded(CoordinatorError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class Unavailable(CoordinatorError):
+    code = "UNAVAILABLE"

@@ -1,0 +1,5 @@
+import sys
+
+from duospec.cli import main
+
+sys.exit(main())
