@@ -91,6 +91,8 @@ class ModelInfo:
     vocab_size: int  # tokenizer vocabulary (ids must be < this)
     max_context: int  # prompt + new tokens must fit
     eos_token_id: int | None
+    draft_node_id: str = ""  # Ray node of the draft actor ("" in-process / no draft)
+    target_node_id: str = ""  # Ray node of the target actor
 
 
 class Coordinator(Protocol):
