@@ -1,0 +1,288 @@
+"""`duospec serve` configuration: typed, validated at load, errors that name the field and the fix.
+
+    server:   {host: 0.0.0.0, port: 50051, metrics_port: 9400, max_concurrent_requests: 64,
+               max_queued_requests: 256, max_new_tokens_limit: 2048, grace_period_s: 10,
+               tls: {cert_file: ..., key_file: ..., client_ca_file: ...}}
+    ledger: /var/lib/duospec/usage.db
+    tenants: /etc/duospec/tenants.yaml       # optional; see coordinator/tenancy.py
+    models:
+      - name: python-tiny                    # first model = default
+        target: /opt/duospec/models/target
+        draft: /opt/duospec/models/draft     # optional; no draft -> only mode off
+        device: auto                         # auto|cpu|cuda
+        dtype: auto                          # auto|float32|bfloat16|float16
+        max_batch_size: 8
+        speculation: {mode: pearl, max_draft_tokens: 4, max_lookahead: 8}
+
+YAML or TOML (chosen by the file suffix). Relative paths are resolved against the config file's folder.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator.api import SpeculationMode
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+class ConfigError(ValueError):
+    """A config value is missing or wrong; the message names the field and how to fix it."""
+
+
+@dataclass(frozen=True)
+class TlsSettings:
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None  # set = mutual TLS: clients must present a cert signed by it
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 9400  # 0 = no metrics endpoint
+    max_concurrent_requests: int = 64  # streams generating at once (all tenants)
+    max_queued_requests: int = 256  # waiting for a generation slot; beyond this RESOURCE_EXHAUSTED
+    max_new_tokens_limit: int = 2048  # a request asking for more is INVALID_ARGUMENT
+    default_max_new_tokens: int = 256  # used when a request leaves max_new_tokens at 0
+    grace_period_s: float = 10.0  # SIGTERM: how long in-flight streams may finish before cancel
+    tls: TlsSettings | None = None
+
+
+@dataclass(frozen=True)
+class SpeculationDefaults:
+    mode: SpeculationMode = SpeculationMode.PEARL
+    max_draft_tokens: int = 4
+    max_lookahead: int = 8
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    target: str
+    draft: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    max_batch_size: int = 8
+    speculation: SpeculationDefaults = field(default_factory=SpeculationDefaults)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    server: ServerSettings
+    models: list[ModelConfig]
+    ledger: str
+    tenants: str | None = None  # tenants file; None = auth off (loopback only, or --insecure-no-auth)
+
+
+DEFAULT_LEDGER = "duospec-usage.db"
+
+
+def load_serve_config(path: str | pathlib.Path) -> ServeConfig:
+    """Reads and validates a YAML (.yaml/.yml) or TOML (.toml) serve config."""
+    path = pathlib.Path(path)
+    raw = _read_mapping(path)
+    return parse_serve_config(raw, source=str(path), base_dir=path.parent)
+
+
+def parse_serve_config(raw: Any, *, source: str = "config", base_dir: pathlib.Path | None = None) -> ServeConfig:
+    base_dir = base_dir or pathlib.Path.cwd()
+    top = _Fields(raw, source, "")
+    server = _parse_server(top.section("server"), base_dir)
+    models_raw = top.get("models", list, required=True)
+    if not models_raw:
+        raise ConfigError(f"{source}: models: empty; add at least one model with `name` and `target`")
+    models = [_parse_model(_Fields(m, source, f"models[{i}]"), base_dir) for i, m in enumerate(models_raw)]
+    seen: set[str] = set()
+    for i, model in enumerate(models):
+        if model.name in seen:
+            raise ConfigError(f"{source}: models[{i}].name: {model.name!r} is listed twice; names must be unique")
+        seen.add(model.name)
+    ledger = top.get("ledger", str, default=DEFAULT_LEDGER)
+    tenants = top.get("tenants", str, default=None)
+    top.reject_unknown()
+    return ServeConfig(
+        server=server,
+        models=models,
+        ledger=_resolve(ledger, base_dir),
+        tenants=_resolve(tenants, base_dir) if tenants else None,
+    )
+
+
+def _parse_server(f: "_Fields", base_dir: pathlib.Path) -> ServerSettings:
+    d = ServerSettings()
+    tls = None
+    tls_fields = f.section("tls", required=False)
+    if tls_fields is not None:
+        tls = TlsSettings(
+            cert_file=_existing_file(tls_fields, "cert_file", base_dir, required=True),
+            key_file=_existing_file(tls_fields, "key_file", base_dir, required=True),
+            client_ca_file=_existing_file(tls_fields, "client_ca_file", base_dir, required=False),
+        )
+        tls_fields.reject_unknown()
+    settings = ServerSettings(
+        host=f.get("host", str, default=d.host),
+        port=f.int_in("port", 0, 65535, default=d.port),
+        metrics_port=f.int_in("metrics_port", 0, 65535, default=d.metrics_port),
+        max_concurrent_requests=f.int_in("max_concurrent_requests", 1, 1 << 20, default=d.max_concurrent_requests),
+        max_queued_requests=f.int_in("max_queued_requests", 0, 1 << 20, default=d.max_queued_requests),
+        max_new_tokens_limit=f.int_in("max_new_tokens_limit", 1, 1 << 24, default=d.max_new_tokens_limit),
+        default_max_new_tokens=f.int_in("default_max_new_tokens", 1, 1 << 24, default=d.default_max_new_tokens),
+        grace_period_s=f.float_in("grace_period_s", 0.0, 3600.0, default=d.grace_period_s),
+        tls=tls,
+    )
+    if settings.default_max_new_tokens > settings.max_new_tokens_limit:
+        raise ConfigError(
+            f"{f.where('default_max_new_tokens')}: {settings.default_max_new_tokens} is above "
+            f"max_new_tokens_limit {settings.max_new_tokens_limit}; lower it or raise the limit"
+        )
+    f.reject_unknown()
+    return settings
+
+
+def _parse_model(f: "_Fields", base_dir: pathlib.Path) -> ModelConfig:
+    name = f.get("name", str, required=True)
+    if not _MODEL_NAME.match(name):
+        raise ConfigError(
+            f"{f.where('name')}: {name!r} is not a valid model name; use letters, digits, '.', '_', '-' "
+            "(it names Ray actors duospec-target-<name>)"
+        )
+    target = f.get("target", str, required=True)
+    draft = f.get("draft", str, default=None)
+    spec_fields = f.section("speculation", required=False)
+    spec = SpeculationDefaults()
+    if spec_fields is not None:
+        mode_name = spec_fields.choice("mode", [m.value for m in SpeculationMode], default=spec.mode.value)
+        spec = SpeculationDefaults(
+            mode=SpeculationMode(mode_name),
+            max_draft_tokens=spec_fields.int_in("max_draft_tokens", 1, 64, default=spec.max_draft_tokens),
+            max_lookahead=spec_fields.int_in("max_lookahead", 1, 1024, default=spec.max_lookahead),
+        )
+        spec_fields.reject_unknown()
+    if draft is None and spec.mode is not SpeculationMode.OFF and spec_fields is not None and "mode" in spec_fields.raw:
+        raise ConfigError(
+            f"{f.where('speculation.mode')}: {spec.mode.value!r} needs a draft model; add `draft:` or set mode: off"
+        )
+    if draft is None:
+        spec = SpeculationDefaults(SpeculationMode.OFF, spec.max_draft_tokens, spec.max_lookahead)
+    model = ModelConfig(
+        name=name,
+        target=_resolve_model_path(target, base_dir),
+        draft=_resolve_model_path(draft, base_dir) if draft else None,
+        device=f.choice("device", DEVICES, default="auto"),
+        dtype=f.choice("dtype", DTYPES, default="auto"),
+        max_batch_size=f.int_in("max_batch_size", 1, 4096, default=8),
+        speculation=spec,
+    )
+    f.reject_unknown()
+    return model
+
+
+def _read_mapping(path: pathlib.Path) -> Any:
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such file; pass --config with an existing YAML or TOML file")
+    text = path.read_text(encoding="utf-8")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".toml":
+            import tomllib
+
+            return tomllib.loads(text)
+        if suffix in (".yaml", ".yml"):
+            import yaml
+
+            return yaml.safe_load(text)
+    except Exception as exc:  # parse errors from either library: report where, not a traceback
+        raise ConfigError(f"{path}: not valid {suffix[1:].upper()}: {exc}") from None
+    raise ConfigError(f"{path}: unknown config format {suffix!r}; use .yaml, .yml or .toml")
+
+
+def _resolve(value: str, base_dir: pathlib.Path) -> str:
+    p = pathlib.Path(value).expanduser()
+    return str(p if p.is_absolute() else (base_dir / p).resolve())
+
+
+def _resolve_model_path(value: str, base_dir: pathlib.Path) -> str:
+    # A relative path that exists next to the config is a local checkpoint; anything else may be a
+    # hub name ("org/model"), which transformers resolves where the machine has network.
+    candidate = pathlib.Path(value).expanduser()
+    if candidate.is_absolute():
+        return str(candidate)
+    local = base_dir / candidate
+    return str(local.resolve()) if local.exists() else value
+
+
+def _existing_file(f: "_Fields", key: str, base_dir: pathlib.Path, *, required: bool) -> str | None:
+    value = f.get(key, str, required=required, default=None)
+    if value is None:
+        return None
+    path = _resolve(value, base_dir)
+    if not pathlib.Path(path).is_file():
+        raise ConfigError(f"{f.where(key)}: file {path} does not exist; point it at a PEM file")
+    return path
+
+
+class _Fields:
+    """Typed access to one mapping of the config, remembering which keys were read."""
+
+    def __init__(self, raw: Any, source: str, prefix: str):
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            label = prefix or "top level"
+            raise ConfigError(f"{source}: {label}: expected a mapping, got {type(raw).__name__}")
+        self.raw, self.source, self.prefix, self._seen = raw, source, prefix, set()
+
+    def where(self, key: str) -> str:
+        return f"{self.source}: {self.prefix + '.' if self.prefix else ''}{key}"
+
+    def section(self, key: str, required: bool = False) -> "_Fields | None":
+        self._seen.add(key)
+        if key not in self.raw and not required:
+            return _Fields({}, self.source, self._child(key)) if key == "server" else None
+        return _Fields(self.raw.get(key), self.source, self._child(key))
+
+    def _child(self, key: str) -> str:
+        return f"{self.prefix}.{key}" if self.prefix else key
+
+    def get(self, key: str, kind: type | tuple, *, required: bool = False, default: Any = None) -> Any:
+        self._seen.add(key)
+        if key not in self.raw or self.raw[key] is None:
+            if required:
+                raise ConfigError(f"{self.where(key)}: missing; add it")
+            return default
+        value = self.raw[key]
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            expected = kind.__name__ if isinstance(kind, type) else "number"
+            raise ConfigError(f"{self.where(key)}: expected {expected}, got {type(value).__name__} {value!r}")
+        return value
+
+    def int_in(self, key: str, lo: int, hi: int, *, default: int) -> int:
+        value = self.get(key, int, default=default)
+        if not lo <= value <= hi:
+            raise ConfigError(f"{self.where(key)}: {value} is out of range; use an integer in [{lo}, {hi}]")
+        return value
+
+    def float_in(self, key: str, lo: float, hi: float, *, default: float) -> float:
+        value = self.get(key, (int, float), default=default)
+        if not math.isfinite(value) or not lo <= value <= hi:
+            raise ConfigError(f"{self.where(key)}: {value} is out of range; use a number in [{lo}, {hi}]")
+        return float(value)
+
+    def choice(self, key: str, options, *, default: str) -> str:
+        value = self.get(key, str, default=default)
+        if value not in options:
+            raise ConfigError(f"{self.where(key)}: {value!r} is not one of {', '.join(options)}")
+        return value
+
+    def reject_unknown(self) -> None:
+        unknown = sorted(set(self.raw) - self._seen)
+        if unknown:
+            raise ConfigError(f"{self.where(unknown[0])}: unknown key; check the spelling (known: {sorted(self._seen)})")

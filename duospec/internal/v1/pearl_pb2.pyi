@@ -1,0 +1,178 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DraftCommandKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DRAFT_COMMAND_KIND_UNSPECIFIED: _ClassVar[DraftCommandKind]
+    DRAFT_COMMAND_KIND_START: _ClassVar[DraftCommandKind]
+    DRAFT_COMMAND_KIND_RESET: _ClassVar[DraftCommandKind]
+    DRAFT_COMMAND_KIND_ADVANCE: _ClassVar[DraftCommandKind]
+    DRAFT_COMMAND_KIND_RELEASE: _ClassVar[DraftCommandKind]
+
+class BonusPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BONUS_POLICY_UNSPECIFIED: _ClassVar[BonusPolicy]
+    BONUS_POLICY_SAMPLE: _ClassVar[BonusPolicy]
+    BONUS_POLICY_SKIP: _ClassVar[BonusPolicy]
+
+class NextTokenKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NEXT_TOKEN_KIND_UNSPECIFIED: _ClassVar[NextTokenKind]
+    NEXT_TOKEN_KIND_RECOVERED: _ClassVar[NextTokenKind]
+    NEXT_TOKEN_KIND_BONUS: _ClassVar[NextTokenKind]
+    NEXT_TOKEN_KIND_NONE: _ClassVar[NextTokenKind]
+
+class VerifyErrorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    VERIFY_ERROR_KIND_UNSPECIFIED: _ClassVar[VerifyErrorKind]
+    VERIFY_ERROR_KIND_SLOTS_EXHAUSTED: _ClassVar[VerifyErrorKind]
+    VERIFY_ERROR_KIND_CONTEXT_OVERFLOW: _ClassVar[VerifyErrorKind]
+    VERIFY_ERROR_KIND_BAD_REQUEST: _ClassVar[VerifyErrorKind]
+DRAFT_COMMAND_KIND_UNSPECIFIED: DraftCommandKind
+DRAFT_COMMAND_KIND_START: DraftCommandKind
+DRAFT_COMMAND_KIND_RESET: DraftCommandKind
+DRAFT_COMMAND_KIND_ADVANCE: DraftCommandKind
+DRAFT_COMMAND_KIND_RELEASE: DraftCommandKind
+BONUS_POLICY_UNSPECIFIED: BonusPolicy
+BONUS_POLICY_SAMPLE: BonusPolicy
+BONUS_POLICY_SKIP: BonusPolicy
+NEXT_TOKEN_KIND_UNSPECIFIED: NextTokenKind
+NEXT_TOKEN_KIND_RECOVERED: NextTokenKind
+NEXT_TOKEN_KIND_BONUS: NextTokenKind
+NEXT_TOKEN_KIND_NONE: NextTokenKind
+VERIFY_ERROR_KIND_UNSPECIFIED: VerifyErrorKind
+VERIFY_ERROR_KIND_SLOTS_EXHAUSTED: VerifyErrorKind
+VERIFY_ERROR_KIND_CONTEXT_OVERFLOW: VerifyErrorKind
+VERIFY_ERROR_KIND_BAD_REQUEST: VerifyErrorKind
+
+class Sampling(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class DraftCommand(_message.Message):
+    __slots__ = ("seq_id", "epoch", "kind", "start_pos", "tail", "draft_until", "sampling")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    START_POS_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_UNTIL_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    epoch: int
+    kind: DraftCommandKind
+    start_pos: int
+    tail: _containers.RepeatedScalarFieldContainer[int]
+    draft_until: int
+    sampling: Sampling
+    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., kind: _Optional[_Union[DraftCommandKind, str]] = ..., start_pos: _Optional[int] = ..., tail: _Optional[_Iterable[int]] = ..., draft_until: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+
+class DraftControl(_message.Message):
+    __slots__ = ("commands",)
+    COMMANDS_FIELD_NUMBER: _ClassVar[int]
+    commands: _containers.RepeatedCompositeFieldContainer[DraftCommand]
+    def __init__(self, commands: _Optional[_Iterable[_Union[DraftCommand, _Mapping]]] = ...) -> None: ...
+
+class DraftChunk(_message.Message):
+    __slots__ = ("seq_id", "epoch", "start_pos", "tokens", "draft_probs")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    START_POS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    epoch: int
+    start_pos: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    draft_probs: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., start_pos: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DraftChunkBatch(_message.Message):
+    __slots__ = ("chunks", "busy_seconds", "idle_seconds")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[DraftChunk]
+    busy_seconds: float
+    idle_seconds: float
+    def __init__(self, chunks: _Optional[_Iterable[_Union[DraftChunk, _Mapping]]] = ..., busy_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ...) -> None: ...
+
+class VerifyItem(_message.Message):
+    __slots__ = ("seq_id", "epoch", "start_pos", "context", "draft_tokens", "draft_probs", "sampling", "bonus")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    START_POS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    BONUS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    epoch: int
+    start_pos: int
+    context: _containers.RepeatedScalarFieldContainer[int]
+    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    draft_probs: _containers.RepeatedScalarFieldContainer[bytes]
+    sampling: Sampling
+    bonus: BonusPolicy
+    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., start_pos: _Optional[int] = ..., context: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[bytes]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., bonus: _Optional[_Union[BonusPolicy, str]] = ...) -> None: ...
+
+class VerifyBatch(_message.Message):
+    __slots__ = ("batch_id", "items", "release_seq_ids")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    items: _containers.RepeatedCompositeFieldContainer[VerifyItem]
+    release_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, batch_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Verdict(_message.Message):
+    __slots__ = ("seq_id", "epoch", "n_accepted", "kind", "next_token")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    N_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    epoch: int
+    n_accepted: int
+    kind: NextTokenKind
+    next_token: int
+    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., n_accepted: _Optional[int] = ..., kind: _Optional[_Union[NextTokenKind, str]] = ..., next_token: _Optional[int] = ...) -> None: ...
+
+class VerifyError(_message.Message):
+    __slots__ = ("seq_id", "kind", "message")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    kind: VerifyErrorKind
+    message: str
+    def __init__(self, seq_id: _Optional[int] = ..., kind: _Optional[_Union[VerifyErrorKind, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class VerdictBatch(_message.Message):
+    __slots__ = ("batch_id", "verdicts", "errors", "forward_seconds")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    VERDICTS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    verdicts: _containers.RepeatedCompositeFieldContainer[Verdict]
+    errors: _containers.RepeatedCompositeFieldContainer[VerifyError]
+    forward_seconds: float
+    def __init__(self, batch_id: _Optional[int] = ..., verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[VerifyError, _Mapping]]] = ..., forward_seconds: _Optional[float] = ...) -> None: ...

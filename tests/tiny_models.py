@@ -1,0 +1,213 @@
+"""Tiny random-weight Hugging Face checkpoints on disk, for tests.
+
+Every test that needs "a model" builds one here: a few hundred KB, written in well under a second,
+deterministic for a given seed, loadable by ``AutoModelForCausalLM.from_pretrained`` and
+``AutoTokenizer.from_pretrained`` with no network.
+
+    tok_dir = tiny_tokenizer(tmp_path / "tok")
+    ckpt = make_tiny_checkpoint(tmp_path / "llama", "llama", seed=1)
+    ckpt_q = make_tiny_checkpoint(tmp_path / "qwen", "qwen2", tie_embeddings=True)
+
+Both functions are cached per output directory: calling them again on a directory they already
+filled (with the same arguments) returns at once, so a session fixture can share one directory.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+import random
+import shutil
+from typing import Any
+
+__all__ = ["FAMILIES", "BOS_TOKEN", "EOS_TOKEN", "PAD_TOKEN", "make_tiny_checkpoint", "tiny_tokenizer"]
+
+FAMILIES = ("llama", "llama3", "qwen2", "mistral")
+BOS_TOKEN = "<s>"
+EOS_TOKEN = "</s>"
+PAD_TOKEN = "<pad>"
+TOKENIZER_VOCAB_SIZE = 384
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+_STAMP = "tiny_model_args.json"
+
+# The training text is generated, not read from the repo, so the tokenizer never changes when the
+# repo's files do. Python-ish words, because the bundled models and most prompts are Python source.
+_WORDS = (
+    "def class return import from self None True False if elif else for while in not and or "
+    "with as try except finally raise yield lambda pass break continue print len range list "
+    "dict set tuple str int float value name path data result args kwargs token model draft "
+    "target verify accept reject slot cache batch chunk epoch position logits tensor shape"
+).split()
+_PUNCT = ("(", ")", ":", ",", ".", "=", "[", "]", " == ", " + ", "_", "\n", "\n    ", "    ", "'", '"')
+
+
+def _training_text(n_lines: int = 400) -> str:
+    rng = random.Random(20240611)
+    lines = []
+    for _ in range(n_lines):
+        parts = []
+        for _ in range(rng.randint(3, 10)):
+            parts.append(_WORDS[rng.randrange(len(_WORDS))])
+            parts.append(_PUNCT[rng.randrange(len(_PUNCT))] if rng.random() < 0.4 else " ")
+        parts.append(str(rng.randrange(1000)))
+        lines.append("".join(parts))
+    return "\n".join(lines) + "\nThe quick brown fox jumps over the lazy dog. Hello, world!\n"
+
+
+@functools.lru_cache(maxsize=1)
+def _trained_tokenizer_json() -> str:
+    """Train the byte-level BPE once per process; the JSON is what gets written to each dir."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        special_tokens=[BOS_TOKEN, EOS_TOKEN, PAD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_training_text()], trainer=trainer)
+    return tok.to_str()
+
+
+def tiny_tokenizer(out_dir: str | pathlib.Path) -> pathlib.Path:
+    """Write a small byte-level BPE tokenizer (~384 tokens, ids 0/1/2 = bos/eos/pad) to ``out_dir``.
+
+    Saved as a ``PreTrainedTokenizerFast`` directory; returns ``out_dir``. Any text round-trips
+    (byte-level), and no BOS is added automatically, so token ids are exactly what the text encodes.
+    Cached: if ``out_dir`` already holds a tokenizer.json, nothing is rewritten.
+    """
+    out = pathlib.Path(out_dir)
+    if (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file():
+        return out
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_trained_tokenizer_json()),
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.save_pretrained(str(out))
+    return out
+
+
+def _family_config(family: str, common: dict[str, Any], rope_scaling, attention_bias):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0}
+    if family == "llama3":
+        # original_max_position_embeddings well below the model's max, so the scaling changes the
+        # low frequencies that a tiny head_dim actually has.
+        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    if rope_scaling is not None:
+        rope = {"rope_theta": 10000.0, **rope_scaling}
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+    common = {**common, "rope_parameters": rope}
+    if family in ("llama", "llama3"):
+        return LlamaConfig(**common, attention_bias=bool(attention_bias))
+    if family == "qwen2":
+        if attention_bias is False:
+            raise ValueError("family='qwen2': Qwen2 always has q/k/v bias; leave attention_bias=None")
+        return Qwen2Config(**common)
+    if family == "mistral":
+        if attention_bias:
+            raise ValueError("family='mistral': Mistral has no attention bias; leave attention_bias=None")
+        return MistralConfig(**common, sliding_window=None)
+    raise ValueError(f"family={family!r} is not one of {FAMILIES}")
+
+
+def make_tiny_checkpoint(
+    out_dir: str | pathlib.Path,
+    family: str = "llama",
+    *,
+    vocab_size: int | None = None,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    tie_embeddings: bool = False,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+    rope_scaling: dict[str, Any] | None = None,
+    attention_bias: bool | None = None,
+    tokenizer_dir: str | pathlib.Path | None = None,
+    init_std: float = 0.02,
+    config_overrides: dict[str, Any] | None = None,
+) -> pathlib.Path:
+    """Write a random-weight causal LM checkpoint of ``family`` to ``out_dir`` and return the path.
+
+    family: "llama" | "llama3" (llama3 rope scaling) | "qwen2" (q/k/v bias) | "mistral".
+    vocab_size: defaults to the tokenizer's length; pass more to pad like real models do, or less
+        to build a deliberately broken checkpoint (tokenizer larger than the model).
+    rope_scaling: a rope parameter dict (e.g. {"rope_type": "linear", "factor": 2.0}) replacing the
+        family default. attention_bias: None = the family's default (only llama takes True).
+    tokenizer_dir: copy this tokenizer instead of the default ``tiny_tokenizer``.
+    init_std: std of the random weights (HF ``initializer_range``).
+    config_overrides: extra config fields (e.g. {"sliding_window": 8} for mistral).
+
+    Deterministic for a given seed and arguments. Cached: a directory already written with the same
+    arguments is returned untouched.
+    """
+    out = pathlib.Path(out_dir)
+    if family not in FAMILIES:
+        raise ValueError(f"family={family!r} is not one of {FAMILIES}")
+    args = dict(family=family, vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
+                num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+                tie_embeddings=tie_embeddings, max_position_embeddings=max_position_embeddings, seed=seed,
+                rope_scaling=rope_scaling, attention_bias=attention_bias, init_std=init_std,
+                tokenizer_dir=str(tokenizer_dir) if tokenizer_dir else None,
+                config_overrides=config_overrides)
+    stamp = out / _STAMP
+    if stamp.is_file() and json.loads(stamp.read_text()) == json.loads(json.dumps(args)):
+        return out
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    src_tok = pathlib.Path(tokenizer_dir) if tokenizer_dir else tiny_tokenizer(out)
+    if src_tok.resolve() != out.resolve():
+        for name in _TOKENIZER_FILES:
+            if (src_tok / name).is_file():
+                shutil.copyfile(src_tok / name, out / name)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    common = dict(
+        vocab_size=vocab_size or len(tok), hidden_size=hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_embeddings, initializer_range=init_std, rms_norm_eps=1e-6,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        **(config_overrides or {}),
+    )
+    config = _family_config(family, common, rope_scaling, attention_bias)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _perturb_norms(model, seed)
+    model.save_pretrained(str(out), safe_serialization=True)
+    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                     pad_token_id=tok.pad_token_id).save_pretrained(str(out))
+    stamp.write_text(json.dumps(args, sort_keys=True))
+    return out
+
+
+def _perturb_norms(model, seed: int) -> None:
+    """HF initialises RMSNorm weights (and biases) to exactly 1 (0); randomise them a little so a
+    forward that skipped a norm or a bias would not still match the reference."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 7919)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn(param.shape, generator=gen))
+            elif name.endswith(".bias"):
+                param.copy_(0.05 * torch.randn(param.shape, generator=gen))
