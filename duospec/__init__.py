@@ -6,13 +6,12 @@ stays cheap for workers that only need the engine.
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "Client": "duospec.sdk",
-    "AsyncClient": "duospec.sdk",
-    "GenerationResult": "duospec.sdk",
-    "GenerationChunk": "duospec.sdk",
-    "DuospecError": "duospec.sdk",
-}
+_SDK_NAMES = (
+    "Client", "AsyncClient", "GenerationResult", "GenerationChunk", "ModelCard", "DuospecError",
+    "InvalidArgument", "Unauthenticated", "PermissionDenied", "NotFound", "ResourceExhausted",
+    "DeadlineExceeded", "Unavailable", "Cancelled",
+)
+_LAZY = {name: "duospec.sdk" for name in _SDK_NAMES}
 
 
 def __getattr__(name):

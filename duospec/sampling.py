@@ -1,11 +1,26 @@
 """Sampling parameters, logits → probabilities, and counter-based randomness.
 
-(Foundation file: the rest of this module is filled in by the sampling/verify work.)
+Every random draw in duospec is keyed by ``(request seed, position, purpose)`` (DESIGN.md §4), never
+by a stateful generator: the drafter and the target live in different processes and verify chunks
+of whatever size happens to be ready, so a draw must not depend on how many draws came before it.
+``uniform`` is therefore a pure hash of its three arguments.
+
+Both sides turn logits into probabilities with the same ``probs_from_logits`` (temperature, then
+top-k, then top-p, renormalised), so p and q are processed identically before the verify rule.
 """
 
 from __future__ import annotations
 
+import enum
+import math
 from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_U64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64 increment: 2**64 / golden ratio
+_INV_2_53 = 1.0 / (1 << 53)
 
 
 @dataclass(frozen=True)
@@ -18,3 +33,169 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field and the accepted range."""
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(
+                f"sampling.temperature={t!r} is invalid: use a finite number >= 0 (0 = greedy)"
+            )
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(
+                f"sampling.top_k={self.top_k!r} is invalid: use an integer >= 0 (0 = no top-k)"
+            )
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
+            raise ValueError(
+                f"sampling.top_p={p!r} is invalid: use a number in (0, 1] (1 = no nucleus cut)"
+            )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (
+            0 <= self.seed <= _U64
+        ):
+            raise ValueError(
+                f"sampling.seed={self.seed!r} is invalid: use an integer in [0, 2**64)"
+            )
+
+
+class Purpose(enum.IntEnum):
+    """Why a uniform is drawn; part of the key so the draws for one position never collide."""
+
+    DRAFT = 1  # the drafter samples its token from q
+    ACCEPT = 2  # the verifier's accept test u < p(x)/q(x)
+    RESIDUAL = 3  # the recovered token from norm(max(0, p - q))
+    TARGET = 4  # bonus token, or any target-only draw (mode "off")
+
+
+def _mix64(x):
+    # splitmix64 finaliser: a bijection on 64-bit ints with full avalanche. Written once for both
+    # Python ints (masked) and numpy uint64 arrays (wrap natively), so the two paths cannot drift.
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _U64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _U64
+    return x ^ (x >> 31)
+
+
+def _key_hash(seed, position: int, purpose: Purpose):
+    # Each key part is folded in through its own round (seed, then position, then purpose), so
+    # neighbouring seeds or positions give unrelated values.
+    h = _mix64((seed + _GOLDEN) & _U64)
+    h = _mix64(((h ^ position) + _GOLDEN) & _U64)
+    return _mix64(((h ^ int(Purpose(purpose))) + _GOLDEN) & _U64)
+
+
+def _check_key(position: int) -> None:
+    if not 0 <= position <= _U64:
+        raise ValueError(f"position={position} is out of range: use an integer >= 0")
+
+
+def uniform(seed: int, position: int, purpose: Purpose) -> float:
+    """A uniform float in [0, 1) that depends only on ``(seed, position, purpose)``.
+
+    53 bits of a splitmix64-style hash of the key, the resolution of a double.
+    """
+    if not 0 <= seed <= _U64:
+        raise ValueError(f"seed={seed} is out of range: use an integer in [0, 2**64)")
+    _check_key(position)
+    return (_key_hash(seed, position, purpose) >> 11) * _INV_2_53
+
+
+def uniforms(seeds: np.ndarray, position: int, purpose: Purpose) -> np.ndarray:
+    """``uniform`` for many seeds at once: ``[n]`` float64, bit-identical to the scalar calls."""
+    seeds = np.asarray(seeds)
+    if seeds.dtype.kind not in "iu" or (seeds.dtype.kind == "i" and (seeds < 0).any()):
+        raise ValueError("seeds must be an array of non-negative integers")
+    _check_key(position)
+    h = _key_hash(seeds.astype(np.uint64), position, purpose)
+    return (h >> 11).astype(np.float64) * _INV_2_53
+
+
+def _check_logits(logits: torch.Tensor, name: str) -> None:
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[1] == 0:
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"{name} must be a 2-D tensor [n, vocab] with vocab > 0, got {shape}")
+    if not logits.is_floating_point():
+        raise ValueError(f"{name} must be floating point, got {logits.dtype}")
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``logits [n, V]`` → probabilities ``[n, V]`` float32 under ``params``.
+
+    Order: temperature, then top-k (ties at the k-th value are all kept), then top-p on the
+    renormalised top-k distribution (the smallest prefix of the sorted tokens whose mass reaches
+    top_p; the most likely token is always kept), then renormalise. Greedy params give the one-hot
+    argmax (lowest index on ties). Each row is computed independently of the other rows.
+    """
+    params.validate()
+    _check_logits(logits, "logits")
+    logits = logits.detach().to(torch.float32)
+    if torch.isnan(logits).any():
+        raise ValueError("logits contain NaN; the model output is broken")
+    if (logits == float("-inf")).all(dim=-1).any():
+        raise ValueError("a logits row is entirely -inf: no token can be sampled")
+    if params.greedy:
+        onehot = torch.zeros_like(logits)
+        onehot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        return onehot
+    scaled = logits / params.temperature
+    vocab = scaled.shape[1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(scaled, params.top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        probs = _top_p(probs, params.top_p)
+    return probs
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    kept = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def sample_token(probs_row: torch.Tensor, u: float) -> int:
+    """Inverse-CDF sample of ``probs_row [V]`` (need not be normalised) with the uniform ``u``."""
+    if not 0.0 <= u < 1.0:
+        raise ValueError(f"u={u!r} must be in [0, 1)")
+    return int(sample_tokens(probs_row, np.array([u], dtype=np.float64))[0])
+
+
+def sample_tokens(probs_row: torch.Tensor | np.ndarray, us: np.ndarray) -> np.ndarray:
+    """``sample_token`` for many uniforms ``us [n]`` against one row: ``[n]`` int64 token ids.
+
+    Works in float64 and scales each u by the row's total, so rows that sum to 1 ± rounding are
+    fine. Never returns a zero-probability token: the search lands on the first token whose
+    cumulative mass exceeds ``u * total`` (a zero entry never raises the cumulative sum), and
+    where rounding pushes past the end, the last token with positive mass is taken.
+    """
+    if isinstance(probs_row, torch.Tensor):
+        probs_row = probs_row.detach().cpu().to(torch.float64).numpy()
+    row = np.asarray(probs_row, dtype=np.float64)
+    if row.ndim != 1 or row.size == 0:
+        raise ValueError(f"probs_row must be a non-empty 1-D row [vocab], got shape {row.shape}")
+    if not (np.isfinite(row).all() and (row >= 0).all()):
+        raise ValueError("probs_row must hold finite, non-negative probabilities")
+    us = np.asarray(us, dtype=np.float64)
+    if us.size and not ((us >= 0.0).all() and (us < 1.0).all()):
+        raise ValueError("every uniform must be in [0, 1)")
+    cdf = np.cumsum(row)
+    total = cdf[-1]
+    if total <= 0.0:
+        raise ValueError("probs_row has no positive mass: nothing can be sampled")
+    index = np.searchsorted(cdf, us * total, side="right")
+    last_positive = int(np.flatnonzero(row > 0.0)[-1])
+    overshoot = index > last_positive
+    return np.where(overshoot, last_positive, index).astype(np.int64)
+
+
+def sample_target(logits_row: torch.Tensor, params: SamplingParams, position: int) -> int:
+    """The target's own draw at ``position``: greedy argmax, else p sampled with the TARGET uniform."""
+    if not isinstance(logits_row, torch.Tensor) or logits_row.dim() != 1:
+        raise ValueError("logits_row must be a 1-D tensor [vocab]")
+    if params.greedy:
+        params.validate()
+        return int(torch.argmax(logits_row))
+    probs = probs_from_logits(logits_row.unsqueeze(0), params)[0]
+    return sample_token(probs, uniform(params.seed, position, Purpose.TARGET))

@@ -102,14 +102,16 @@ class DraftChunk(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., start_pos: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class DraftChunkBatch(_message.Message):
-    __slots__ = ("chunks", "busy_seconds", "idle_seconds")
+    __slots__ = ("chunks", "busy_seconds", "idle_seconds", "failed_seq_ids")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     chunks: _containers.RepeatedCompositeFieldContainer[DraftChunk]
     busy_seconds: float
     idle_seconds: float
-    def __init__(self, chunks: _Optional[_Iterable[_Union[DraftChunk, _Mapping]]] = ..., busy_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ...) -> None: ...
+    failed_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[DraftChunk, _Mapping]]] = ..., busy_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., failed_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
     __slots__ = ("seq_id", "epoch", "start_pos", "context", "draft_tokens", "draft_probs", "sampling", "bonus")

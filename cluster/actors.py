@@ -1,0 +1,101 @@
+"""Launching the named, restartable draft and target actors of one model pair."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from cluster.placement import PlacementError, create_placement_group, plan_placement
+from cluster.runtime import NAMESPACE
+
+log = logging.getLogger(__name__)
+
+
+def actor_name(role: str, model: str) -> str:
+    return f"duospec-{role}-{model}"
+
+
+@dataclass
+class WorkerPair:
+    model: str
+    target: object  # ray ActorHandle (TargetWorker)
+    draft: object | None  # ray ActorHandle (DraftWorker)
+    placement_group: object
+    target_info: dict
+    draft_info: dict | None
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for handle in (self.draft, self.target):
+            if handle is not None:
+                try:
+                    ray.kill(handle, no_restart=True)
+                except Exception:  # already gone
+                    pass
+        try:
+            remove_placement_group(self.placement_group)
+        except Exception:
+            pass
+
+
+def launch_pair(
+    model: str,
+    target_path: str,
+    draft_path: str | None,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    max_slots: int = 16,
+    placement_timeout_s: float = 30.0,
+    load_timeout_s: float = 300.0,
+    max_restarts: int = 4,
+) -> WorkerPair:
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from draft_worker.actor import DraftWorker
+    from target_worker.actor import TargetWorker
+
+    for role in ("draft", "target"):
+        try:
+            ray.get_actor(actor_name(role, model), namespace=NAMESPACE)
+        except ValueError:
+            continue
+        raise PlacementError(
+            f"actor {actor_name(role, model)!r} already exists in Ray namespace {NAMESPACE!r}: another duospec "
+            f"serve is running this model on the cluster; stop it or serve under another model name"
+        )
+    use_gpu = {"cpu": False, "cuda": True}.get(device)
+    plan = plan_placement(ray.nodes(), use_gpu=use_gpu)
+    log.info("placing %s: %s", model, plan.description)
+    group = create_placement_group(plan, name=f"duospec-{model}", timeout_s=placement_timeout_s)
+    handles = {}
+    for index, (role, cls, path) in enumerate((("draft", DraftWorker, draft_path), ("target", TargetWorker, target_path))):
+        if path is None:
+            continue
+        handles[role] = (
+            ray.remote(cls)
+            .options(
+                name=actor_name(role, model),
+                namespace=NAMESPACE,
+                num_cpus=plan.bundles[index].get("CPU", 1),
+                num_gpus=plan.bundles[index].get("GPU", 0),
+                max_restarts=max_restarts,
+                max_concurrency=4,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
+            )
+            .remote(path, device=device, dtype=dtype, max_slots=max_slots)
+        )
+    pair = WorkerPair(model, handles["target"], handles.get("draft"), group, {}, None)
+    try:
+        infos = ray.get([h.info.remote() for h in handles.values()], timeout=load_timeout_s)
+    except Exception as exc:
+        pair.shutdown()
+        cause = getattr(exc, "cause", None) or exc
+        raise PlacementError(f"the {model} workers failed to start: {type(cause).__name__}: {cause}") from None
+    by_role = dict(zip(handles, infos))
+    pair.target_info = by_role["target"]
+    pair.draft_info = by_role.get("draft")
+    return pair

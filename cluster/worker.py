@@ -1,0 +1,69 @@
+"""What the two model actors share: load a model with one torch thread, host a gRPC servicer on this
+node, report where they are."""
+
+from __future__ import annotations
+
+import os
+from concurrent import futures
+
+import grpc
+
+from cluster.runtime import node_ip, torch_threads_for_actor
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+class GrpcModelWorker:
+    """Base for DraftWorker and TargetWorker actors. Subclasses build their servicer in `_serve`."""
+
+    role = "worker"
+
+    def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", max_slots: int = 16):
+        import torch
+
+        from duospec.engine import load_model
+
+        torch.set_num_threads(torch_threads_for_actor())
+        self.model_path = model_path
+        self.device = resolve_device(device)
+        self.runner = load_model(model_path, device=self.device, dtype=dtype, max_slots=max_slots)
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"duospec-{self.role}"),
+            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
+        )
+        self._serve(self.server)
+        host = node_ip()
+        self.port = self.server.add_insecure_port(f"{host}:0")
+        self._endpoint = f"{host}:{self.port}"
+        self.server.start()
+
+    def _serve(self, server) -> None:
+        raise NotImplementedError
+
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def info(self) -> dict:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {
+            "role": self.role,
+            "endpoint": self._endpoint,
+            "node_id": ctx.get_node_id(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "device": self.device,
+            "pid": os.getpid(),
+            "model_path": self.model_path,
+            "free_slots": self.runner.free_slots,
+            "max_slots": self.runner.max_slots,
+        }
+
+    def health(self) -> bool:
+        return True

@@ -1,0 +1,132 @@
+"""Links from the scheduler to the two workers: in-process (threads) or gRPC streams.
+
+Both kinds carry the same protobuf messages, so the scheduler cannot tell them apart: `send` never
+blocks, `responses()` is an async iterator that ends (or raises) when the worker is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+
+import grpc
+
+from draft_worker.drafter import Drafter
+from draft_worker.service import DraftLoop
+from duospec.internal.v1 import pearl_pb2_grpc as pb_grpc
+from target_worker.verifier import Verifier
+
+_END = object()
+
+
+class _AsyncInbox:
+    """Delivers messages from worker threads into the event loop that owns the link."""
+
+    def __init__(self):
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put_threadsafe(self, message) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, message)
+
+    async def iterate(self):
+        while True:
+            message = await self.queue.get()
+            if message is _END:
+                return
+            yield message
+
+
+class LocalDraftLink:
+    """The drafter on a thread of this process (in-process decoding, tests, benchmarks)."""
+
+    def __init__(self, drafter: Drafter):
+        self.inbox = _AsyncInbox()
+        self.loop = DraftLoop(drafter, self.inbox.put_threadsafe).start()
+
+    def send(self, message) -> None:
+        self.loop.submit(message)
+
+    def responses(self):
+        return self.inbox.iterate()
+
+    async def close(self) -> None:
+        self.loop.stop()
+        self.loop.drafter.release_all()
+        self.inbox.put_threadsafe(_END)
+
+
+class LocalTargetLink:
+    """The verifier on its own thread; batches are run in order, one at a time."""
+
+    def __init__(self, verifier: Verifier):
+        self.verifier = verifier
+        self.inbox = _AsyncInbox()
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="duospec-target-loop", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            batch = self.requests.get()
+            if batch is _END:
+                return
+            self.inbox.put_threadsafe(self.verifier.run(batch))
+
+    def send(self, message) -> None:
+        self.requests.put(message)
+
+    def responses(self):
+        return self.inbox.iterate()
+
+    async def close(self) -> None:
+        self.requests.put(_END)
+        await asyncio.to_thread(self.thread.join, 5.0)
+        self.verifier.release_all()
+        self.inbox.put_threadsafe(_END)
+
+
+class GrpcStreamLink:
+    """A bidirectional gRPC stream (DraftService.Draft or TargetService.Verify) to a worker actor."""
+
+    def __init__(self, endpoint: str, method: str):
+        self.endpoint = endpoint
+        self.channel = grpc.aio.insecure_channel(
+            endpoint,
+            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
+        )
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        if method == "draft":
+            self.call = pb_grpc.DraftServiceStub(self.channel).Draft(self._requests())
+        elif method == "verify":
+            self.call = pb_grpc.TargetServiceStub(self.channel).Verify(self._requests())
+        else:
+            raise ValueError(f"unknown stream {method!r}")
+
+    async def _requests(self):
+        while True:
+            message = await self.outbox.get()
+            if message is _END:
+                return
+            yield message
+
+    def send(self, message) -> None:
+        self.outbox.put_nowait(message)
+
+    def responses(self):
+        return self.call.__aiter__()
+
+    async def close(self) -> None:
+        self.outbox.put_nowait(_END)
+        self.call.cancel()
+        await self.channel.close()
+
+
+async def wait_for_channel(endpoint: str, timeout: float) -> None:
+    """Raises a clear error if the worker's gRPC endpoint does not answer within `timeout` seconds."""
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        try:
+            await asyncio.wait_for(channel.channel_ready(), timeout)
+        except asyncio.TimeoutError:
+            raise ConnectionError(f"worker gRPC endpoint {endpoint} did not answer within {timeout:.0f} s") from None

@@ -1,0 +1,56 @@
+"""In-process coordinator: both models in this process, each on its own thread.
+
+The same scheduler, policies and worker code as the Ray pipeline, with in-process links instead of
+gRPC streams. Used by tests, benchmarks (the "in-process" column) and `duospec serve --backend local`.
+"""
+
+from __future__ import annotations
+
+from coordinator.links import LocalDraftLink, LocalTargetLink
+from coordinator.models import model_info
+from coordinator.router import ModelEntry, ModelRouter, scheduler_config
+from coordinator.scheduler import Scheduler
+from draft_worker.drafter import Drafter
+from target_worker.verifier import Verifier
+
+
+def load_runner(path: str, model_config, max_slots: int):
+    from cluster.worker import resolve_device
+    from duospec.engine import load_model
+
+    return load_model(
+        path,
+        device=resolve_device(getattr(model_config, "device", "auto")),
+        dtype=getattr(model_config, "dtype", "auto"),
+        max_slots=max_slots,
+    )
+
+
+class LocalCoordinator(ModelRouter):
+    def __init__(self, models: list, *, runners: dict | None = None):
+        """`models`: coordinator.config.ModelConfig list. `runners` ({name: (target, draft)}) lets
+        tests and benchmarks pass already-loaded ModelRunners."""
+        super().__init__()
+        for config in models:
+            info = model_info(config)
+            preloaded = (runners or {}).get(config.name)
+            self.add_model(ModelEntry(info, config, self._opener(info, config, preloaded)))
+
+    @staticmethod
+    def _opener(info, config, preloaded):
+        async def open_scheduler() -> Scheduler:
+            sched_config = scheduler_config(config)
+            if preloaded is not None:
+                target_runner, draft_runner = preloaded
+            else:
+                target_runner = load_runner(info.target_path, config, sched_config.max_sequences)
+                draft_runner = (
+                    load_runner(info.draft_path, config, sched_config.max_sequences) if info.draft_path else None
+                )
+            target = LocalTargetLink(Verifier(target_runner))
+            draft = LocalDraftLink(Drafter(draft_runner)) if draft_runner is not None else None
+            scheduler = Scheduler(info, target, draft, sched_config)
+            await scheduler.start()
+            return scheduler
+
+        return open_scheduler

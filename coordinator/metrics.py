@@ -1,0 +1,119 @@
+"""Prometheus metrics (DESIGN.md §9), on the server's own CollectorRegistry.
+
+Counter names follow vLLM where the concept exists (`duospec:` instead of `vllm:`); prometheus_client
+appends `_total` to counters on exposition, as vLLM's do. Every per-request series has a `tenant`
+label. Not exported yet: `duospec:spec_decode_num_accepted_tokens_per_pos{position}` — SpecStats does
+not carry per-position acceptance counts.
+
+Gauges about the actors come from `await coordinator.stats()`, sampled by the server on a timer
+(collection runs on the HTTP thread, which cannot await); keys are read defensively because the
+stats dict belongs to the coordinator:
+    {"live_sequences": int, "ready": bool,
+     "actors": {"draft": {"slots_in_use": int, "free_slots": int, "busy_s": float, "idle_s": float}, ...}}
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from coordinator.api import FinishReason, SpecStats
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    10.0, 20.0, 40.0, 80.0)
+
+
+class ServerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r, t = self.registry, ["tenant"]
+        self.num_drafts = Counter("duospec:spec_decode_num_drafts", "Verify passes over draft tokens", t, registry=r)
+        self.num_draft_tokens = Counter(
+            "duospec:spec_decode_num_draft_tokens", "Draft tokens sent to the target", t, registry=r)
+        self.num_accepted_tokens = Counter(
+            "duospec:spec_decode_num_accepted_tokens", "Draft tokens the target accepted", t, registry=r)
+        self.pre_verify_aborts = Counter(
+            "duospec:spec_decode_pre_verify_aborts", "Rounds aborted at the first draft token", t, registry=r)
+        self.wasted_draft_tokens = Counter(
+            "duospec:spec_decode_num_wasted_draft_tokens", "Draft tokens discarded after a rejection", t, registry=r)
+        self.prompt_tokens = Counter("duospec:prompt_tokens", "Prompt tokens processed", t, registry=r)
+        self.generation_tokens = Counter("duospec:generation_tokens", "Tokens generated", t, registry=r)
+        self.request_success = Counter(
+            "duospec:request_success", "Finished requests by finish reason", ["tenant", "finish_reason"], registry=r)
+        self.request_failure = Counter(
+            "duospec:request_failure", "Requests that ended with an error status", ["tenant", "code"], registry=r)
+        self.ttft = Histogram("duospec:time_to_first_token_seconds", "Time to first token", t,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("duospec:inter_token_latency_seconds", "Time between committed tokens", t,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("duospec:e2e_request_latency_seconds", "Request latency", t,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.streams_running = Gauge("duospec:num_requests_running", "Streams generating", registry=r)
+        self.streams_waiting = Gauge("duospec:num_requests_waiting", "Streams queued for a slot", registry=r)
+        self.live_sequences = Gauge("duospec:coordinator_live_sequences", "Sequences the coordinator holds",
+                                    registry=r)
+        self.slots_in_use = Gauge("duospec:actor_slots_in_use", "KV slots in use", ["actor"], registry=r)
+        self.free_slots = Gauge("duospec:actor_free_slots", "KV slots free", ["actor"], registry=r)
+        self.busy_seconds = Gauge("duospec:actor_busy_seconds", "Seconds the actor spent computing",
+                                  ["actor"], registry=r)
+        self.idle_seconds = Gauge("duospec:actor_idle_seconds", "Seconds the actor waited for work",
+                                  ["actor"], registry=r)
+
+    def observe_first_token(self, tenant: str, seconds: float) -> None:
+        self.ttft.labels(tenant).observe(seconds)
+
+    def observe_tokens(self, tenant: str, n_tokens: int, seconds_since_last: float) -> None:
+        """A commit of n tokens after `seconds_since_last`: n inter-token gaps of seconds/n each."""
+        if n_tokens <= 0:
+            return
+        gap = seconds_since_last / n_tokens
+        hist = self.itl.labels(tenant)
+        for _ in range(n_tokens):
+            hist.observe(gap)
+
+    def observe_finish(self, tenant: str, finish_reason: FinishReason, prompt_tokens: int,
+                       completion_tokens: int, stats: SpecStats, e2e_seconds: float) -> None:
+        self.request_success.labels(tenant, finish_reason.value).inc()
+        self.prompt_tokens.labels(tenant).inc(prompt_tokens)
+        self.generation_tokens.labels(tenant).inc(completion_tokens)
+        self.e2e.labels(tenant).observe(e2e_seconds)
+        if stats.drafted_tokens:
+            self.num_drafts.labels(tenant).inc(stats.target_forwards)
+        self.num_draft_tokens.labels(tenant).inc(stats.drafted_tokens)
+        self.num_accepted_tokens.labels(tenant).inc(stats.accepted_tokens)
+        self.pre_verify_aborts.labels(tenant).inc(stats.pre_verify_aborts)
+        self.wasted_draft_tokens.labels(tenant).inc(stats.wasted_draft_tokens)
+
+    def observe_failure(self, tenant: str, code: str) -> None:
+        self.request_failure.labels(tenant, code).inc()
+
+    def update_from_coordinator(self, stats: Any) -> None:
+        """Copies what it recognizes from `coordinator.stats()`; unknown shapes are skipped."""
+        if not isinstance(stats, dict):
+            return
+        live = _number(stats.get("live_sequences"))
+        if live is not None:
+            self.live_sequences.set(live)
+        actors = stats.get("actors")
+        if not isinstance(actors, dict):
+            return
+        for name, actor in actors.items():
+            if not isinstance(actor, dict):
+                continue
+            for key, gauge in (("slots_in_use", self.slots_in_use), ("free_slots", self.free_slots),
+                               ("busy_s", self.busy_seconds), ("idle_s", self.idle_seconds)):
+                value = _number(actor.get(key))
+                if value is not None:
+                    gauge.labels(str(name)).set(value)
+
+    def serve(self, port: int, host: str = "0.0.0.0"):
+        """Starts the /metrics HTTP endpoint on its own thread; returns (server, thread)."""
+        return start_http_server(port, addr=host, registry=self.registry)
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)

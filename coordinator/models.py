@@ -1,0 +1,70 @@
+"""Reading a model pair's facts (vocabulary, context, EOS) and checking the pair can work together,
+before any worker is started."""
+
+from __future__ import annotations
+
+import pathlib
+
+from coordinator.api import ModelInfo
+
+
+class ModelPairError(ValueError):
+    """The draft and target cannot be used together; the message says why and what to do."""
+
+
+def _tokenizer(path: str):
+    from duospec.engine import load_tokenizer
+
+    return load_tokenizer(path)
+
+
+def _max_context(config) -> int:
+    return int(getattr(config, "max_position_embeddings", 0) or 2048)
+
+
+def check_pair(target_path: str, draft_path: str | None) -> None:
+    """Raises ModelPairError if the drafter's tokenizer differs from the target's."""
+    if draft_path is None:
+        return
+    target_vocab = _tokenizer(target_path).get_vocab()
+    draft_vocab = _tokenizer(draft_path).get_vocab()
+    if target_vocab != draft_vocab:
+        diff = len(set(target_vocab.items()) ^ set(draft_vocab.items()))
+        raise ModelPairError(
+            f"draft {draft_path} and target {target_path} have different tokenizers ({len(draft_vocab)} vs "
+            f"{len(target_vocab)} tokens, {diff} entries differ); speculative decoding needs the same "
+            f"vocabulary: distill a draft for this target with `duospec distill`"
+        )
+
+
+def model_info(model_config, max_context: int | None = None) -> ModelInfo:
+    """The facts a request is validated against, read from the checkpoints' configs."""
+    from transformers import AutoConfig
+
+    from duospec.engine import CheckpointError
+
+    target = str(model_config.target)
+    draft = str(model_config.draft) if getattr(model_config, "draft", None) else None
+    for path in filter(None, (target, draft)):
+        if not (pathlib.Path(path) / "config.json").is_file():
+            raise CheckpointError(f"{path}: not a checkpoint directory (no config.json)")
+    check_pair(target, draft)
+    target_cfg = AutoConfig.from_pretrained(target)
+    tokenizer = _tokenizer(target)
+    context = _max_context(target_cfg)
+    if draft is not None:
+        context = min(context, _max_context(AutoConfig.from_pretrained(draft)))
+    if max_context:
+        context = min(context, max_context)
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        eos = getattr(target_cfg, "eos_token_id", None)
+        eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+    return ModelInfo(
+        name=model_config.name,
+        target_path=target,
+        draft_path=draft,
+        vocab_size=min(len(tokenizer), int(target_cfg.vocab_size)),
+        max_context=context,
+        eos_token_id=eos,
+    )

@@ -1,0 +1,50 @@
+"""Speculation policies: one scheduler loop, three strategies (STYLE.md §5).
+
+A policy answers three questions for a sequence: how far the drafter may run ahead of the committed
+prefix, when the sequence is ready to go into a verify batch, and how many draft tokens to verify.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coordinator.api import SpeculationMode
+from duospec.internal.v1 import pearl_pb2 as pb
+
+
+@dataclass(frozen=True)
+class SpeculationPolicy:
+    mode: SpeculationMode
+    max_draft_tokens: int  # pearl: most drafts per verify; vanilla: γ
+    max_lookahead: int  # pearl: how far the drafter may run past the committed prefix
+
+    @property
+    def uses_draft(self) -> bool:
+        return self.mode is not SpeculationMode.OFF
+
+    def lookahead(self) -> int:
+        """Draft positions allowed past the committed prefix."""
+        if self.mode is SpeculationMode.PEARL:
+            return max(self.max_lookahead, self.max_draft_tokens)
+        if self.mode is SpeculationMode.VANILLA:
+            return self.max_draft_tokens  # the drafter stops at γ and idles until the verdict
+        return 0
+
+    def ready(self, n_drafts: int, remaining: int, draft_alive: bool) -> bool:
+        """Whether a sequence with `n_drafts` unverified drafts should go to the target now."""
+        if not (self.uses_draft and draft_alive):
+            return True
+        if self.mode is SpeculationMode.PEARL:
+            return n_drafts >= 1  # pre-verify: one token is enough when the target is free
+        return n_drafts >= min(self.max_draft_tokens, remaining)  # vanilla: a full γ chunk
+
+    def verify_count(self, n_drafts: int, remaining: int) -> int:
+        return max(0, min(n_drafts, self.max_draft_tokens, remaining))
+
+    def bonus(self, greedy: bool, n_verify: int) -> int:
+        # Pearl with sampling declines the bonus: whether a position is decided by the bonus rule or
+        # the accept/reject rule would otherwise depend on chunk timing, and seeded output must not.
+        # With no drafts at all (drafter gone) the bonus is the only way forward.
+        if self.mode is SpeculationMode.PEARL and not greedy and n_verify > 0:
+            return pb.BONUS_POLICY_SKIP
+        return pb.BONUS_POLICY_SAMPLE

@@ -1,0 +1,129 @@
+"""What both coordinators share: per-model schedulers, request validation, mode defaults.
+
+`LocalCoordinator` (coordinator/local.py) and `PipelineCoordinator` (coordinator/pipeline.py) differ
+only in how they open the links to the draft and target workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from coordinator.api import (
+    GenerationRequest,
+    InvalidRequest,
+    ModelInfo,
+    ModelNotFound,
+    SpeculationMode,
+    Unavailable,
+)
+from coordinator.policies import SpeculationPolicy
+from coordinator.scheduler import Scheduler, SchedulerConfig
+
+
+@dataclass
+class ModelEntry:
+    info: ModelInfo
+    config: object  # coordinator.config.ModelConfig
+    open_scheduler: Callable[[], Awaitable[Scheduler]]
+    scheduler: Scheduler | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def get_scheduler(self) -> Scheduler:
+        if self.scheduler is None:
+            async with self.lock:
+                if self.scheduler is None:
+                    self.scheduler = await self.open_scheduler()
+        return self.scheduler
+
+
+def scheduler_config(model_config) -> SchedulerConfig:
+    return SchedulerConfig(
+        max_batch_size=int(getattr(model_config, "max_batch_size", 8)),
+        max_sequences=int(getattr(model_config, "max_sequences", 16)),
+    )
+
+
+class ModelRouter:
+    """Implements coordinator.api.Coordinator over one scheduler per served model."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, ModelEntry] = {}
+        self.default_model: str | None = None
+        self.closed = False
+
+    def add_model(self, entry: ModelEntry) -> None:
+        self.entries[entry.info.name] = entry
+        if self.default_model is None:
+            self.default_model = entry.info.name
+
+    def models(self) -> list[ModelInfo]:
+        return [entry.info for entry in self.entries.values()]
+
+    def resolve(self, name: str) -> ModelEntry:
+        entry = self.entries.get(name or self.default_model or "")
+        if entry is None:
+            known = ", ".join(self.entries) or "none"
+            raise ModelNotFound(f"model {name!r} is not served here; available: {known}")
+        return entry
+
+    def policy_for(self, entry: ModelEntry, request: GenerationRequest) -> SpeculationPolicy:
+        spec = getattr(entry.config, "speculation", None)
+        default_mode = getattr(spec, "mode", SpeculationMode.PEARL)
+        max_draft = request.max_draft_tokens or getattr(spec, "max_draft_tokens", 4)
+        mode = request.mode or default_mode
+        if entry.info.draft_path is None:
+            mode = SpeculationMode.OFF
+        return SpeculationPolicy(
+            mode=mode,
+            max_draft_tokens=int(max_draft),
+            max_lookahead=int(getattr(spec, "max_lookahead", 8)),
+        )
+
+    def validate(self, entry: ModelEntry, request: GenerationRequest) -> None:
+        info = entry.info
+        ids = request.prompt_token_ids
+        if not ids:
+            raise InvalidRequest("prompt is empty: send at least one token")
+        bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"prompt_token_ids: id {bad} is outside the vocabulary [0, {info.vocab_size})")
+        if request.max_new_tokens < 1:
+            raise InvalidRequest(f"max_new_tokens={request.max_new_tokens}: must be >= 1")
+        if len(ids) + request.max_new_tokens > info.max_context:
+            raise InvalidRequest(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds the model "
+                f"context of {info.max_context} tokens; shorten the prompt or lower max_new_tokens"
+            )
+        if request.max_draft_tokens is not None and not 0 <= request.max_draft_tokens <= 64:
+            raise InvalidRequest(f"max_draft_tokens={request.max_draft_tokens}: must be in [0, 64]")
+        if not (math.isfinite(request.priority_weight) and request.priority_weight > 0):
+            raise InvalidRequest("priority_weight must be a positive number")
+        try:
+            request.sampling.validate()
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+
+    async def generate(self, request: GenerationRequest):
+        if self.closed:
+            raise Unavailable("the coordinator is shutting down; retry on another replica")
+        entry = self.resolve(request.model)
+        self.validate(entry, request)
+        policy = self.policy_for(entry, request)
+        scheduler = await entry.get_scheduler()
+        async for event in scheduler.generate(request, policy):
+            yield event
+
+    async def stats(self) -> dict:
+        return {
+            name: (entry.scheduler.stats() if entry.scheduler is not None else {"live_sequences": 0})
+            for name, entry in self.entries.items()
+        }
+
+    async def close(self) -> None:
+        self.closed = True
+        for entry in self.entries.values():
+            if entry.scheduler is not None:
+                await entry.scheduler.close()

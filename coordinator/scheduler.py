@@ -1,0 +1,451 @@
+"""The PEARL scheduler: one loop for every live sequence and every mode (DESIGN.md §3).
+
+    drafter ──DraftChunkBatch──▶ _on_draft_batch ─┐
+                                                  ├─▶ _dispatch ──VerifyBatch──▶ target
+    target ──VerdictBatch──▶ _on_verdict_batch ───┘        (at most one batch in flight)
+                 │
+                 └─▶ commit, stream TokensEvent, ADVANCE / RESET (abort + rollback) ──▶ drafter
+
+Everything runs on one asyncio loop, so sequence state needs no locks. The target is kept busy:
+whenever a verdict batch comes back, the next batch goes out with whatever drafts have arrived (one
+token is enough in pearl: that is pre-verify), while the drafter keeps drafting past the chunk under
+verification (post-verify). A rejection bumps the sequence's epoch; chunks and verdicts with an old
+epoch are dropped. The mode only changes the policy object (coordinator/policies.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol
+
+from coordinator.api import (
+    CoordinatorError,
+    FinishEvent,
+    FinishReason,
+    GenerationRequest,
+    ModelInfo,
+    TokensEvent,
+    Unavailable,
+)
+from coordinator.policies import SpeculationPolicy
+from coordinator.sequence import Sequence
+from duospec.internal.v1 import pearl_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+class Link(Protocol):
+    """A bidirectional message stream to a worker (gRPC or in-process)."""
+
+    def send(self, message) -> None: ...  # never blocks
+
+    def responses(self) -> AsyncIterator: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass
+class InFlightVerify:
+    """The one verify batch the target is working on."""
+
+    batch_id: int
+    seq_ids: list[int]
+    sent_at: float
+
+
+@dataclass
+class WorkerTimes:
+    busy_s: float = 0.0
+    idle_s: float = 0.0
+    messages: int = 0
+
+
+@dataclass
+class _Failure:
+    error: CoordinatorError
+
+
+@dataclass
+class SchedulerConfig:
+    max_batch_size: int = 8  # sequences per verify batch
+    max_sequences: int = 16  # live sequences (KV slots on each worker)
+    stats_window: list = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, info: ModelInfo, target: Link, draft: Link | None, config: SchedulerConfig):
+        self.info = info
+        self.target = target
+        self.draft = draft
+        self.config = config
+        self.sequences: dict[int, Sequence] = {}
+        self.inflight: InFlightVerify | None = None
+        self.target_times = WorkerTimes()
+        self.draft_times = WorkerTimes()
+        self._seq_ids = itertools.count(1)
+        self._batch_ids = itertools.count(1)
+        self._target_releases: list[int] = []
+        self._vtime: dict[str, float] = {}  # weighted fair share: committed tokens / weight per tenant
+        self._slots = asyncio.Semaphore(config.max_sequences)
+        self._tasks: list[asyncio.Task] = []
+        self._idle_since = time.monotonic()
+        self._deferring = False  # True while a batch is being applied: dispatch once, at its end
+        self.closed = False
+
+    async def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._read_target(), name="duospec-target-reader"))
+        if self.draft is not None:
+            self._tasks.append(asyncio.create_task(self._read_draft(), name="duospec-draft-reader"))
+
+    async def close(self) -> None:
+        self.closed = True
+        for seq in list(self.sequences.values()):
+            self._finish(seq, FinishReason.CANCELLED)
+        for task in self._tasks:
+            task.cancel()
+        for link in (self.draft, self.target):
+            if link is not None:
+                await link.close()
+
+    # -- public entry --------------------------------------------------------------------------
+    async def generate(self, request: GenerationRequest, policy: SpeculationPolicy):
+        """Async generator of TokensEvent..., FinishEvent. Closing it early cancels the sequence."""
+        if self.closed:
+            raise Unavailable("the coordinator is shutting down; retry on another replica")
+        await self._slots.acquire()
+        seq = None
+        try:
+            seq = self._add(request, policy)
+            while True:
+                event = await seq.events.get()
+                if isinstance(event, _Failure):
+                    raise event.error
+                yield event
+                if isinstance(event, FinishEvent):
+                    return
+        finally:
+            if seq is not None and seq.finish_reason is None:
+                self._finish(seq, FinishReason.CANCELLED, notify=False)
+            self._slots.release()
+
+    def _add(self, request: GenerationRequest, policy: SpeculationPolicy) -> Sequence:
+        use_draft = policy.uses_draft and self.draft is not None
+        seq = Sequence(
+            seq_id=next(self._seq_ids),
+            request=request,
+            policy=policy,
+            committed=list(request.prompt_token_ids),
+            prompt_len=len(request.prompt_token_ids),
+            eos_token_id=self.info.eos_token_id,
+            draft_alive=use_draft,
+        )
+        seq.round_start = seq.prompt_len
+        self.sequences[seq.seq_id] = seq
+        active = [self._vtime.get(s.request.tenant, 0.0) for s in self.sequences.values()]
+        self._vtime[request.tenant] = max(self._vtime.get(request.tenant, 0.0), min(active, default=0.0))
+        if use_draft:
+            self._start_draft(seq)
+        self._dispatch()
+        return seq
+
+    def _start_draft(self, seq: Sequence) -> None:
+        from draft_worker.drafter import sampling_to_proto
+
+        seq.draft_started = True
+        seq.draft_fed_len = 0
+        self.draft.send(
+            pb.DraftControl(
+                commands=[
+                    pb.DraftCommand(
+                        seq_id=seq.seq_id,
+                        epoch=seq.epoch,
+                        kind=pb.DRAFT_COMMAND_KIND_START,
+                        start_pos=0,
+                        tail=seq.committed,
+                        draft_until=seq.draft_until(),
+                        sampling=sampling_to_proto(seq.request.sampling),
+                    )
+                ]
+            )
+        )
+
+    # -- drafts in -----------------------------------------------------------------------------
+    async def _read_draft(self) -> None:
+        try:
+            async for batch in self.draft.responses():
+                self._on_draft_batch(batch)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the stream broke: the drafter is gone
+            log.warning("draft stream ended: %s; continuing target-only", type(exc).__name__)
+        self._draft_lost()
+
+    def _draft_lost(self) -> None:
+        for seq in self.sequences.values():
+            if seq.draft_alive:
+                seq.stats.wasted_draft_tokens += seq.drop_drafts()
+                seq.draft_alive = False
+        if not self.closed:
+            self._dispatch()
+
+    def _on_draft_batch(self, batch: pb.DraftChunkBatch) -> None:
+        self.draft_times.busy_s += batch.busy_seconds
+        self.draft_times.idle_s += batch.idle_seconds
+        self.draft_times.messages += 1
+        self._deferring = True
+        try:
+            self._apply_draft_chunks(batch)
+        finally:
+            self._deferring = False
+        self._dispatch()
+
+    def _apply_draft_chunks(self, batch: pb.DraftChunkBatch) -> None:
+        for seq_id in batch.failed_seq_ids:
+            seq = self.sequences.get(seq_id)
+            if seq is not None:
+                seq.stats.wasted_draft_tokens += seq.drop_drafts()
+                seq.draft_alive = False
+        for chunk in batch.chunks:
+            seq = self.sequences.get(chunk.seq_id)
+            if seq is None or not seq.draft_alive:
+                continue
+            if chunk.epoch != seq.epoch:  # drafted on a branch that was aborted
+                seq.stats.wasted_draft_tokens += len(chunk.tokens)
+                continue
+            expected = len(seq.committed) + len(seq.drafts)
+            if chunk.start_pos != expected:
+                log.warning("seq %d: draft chunk at %d, expected %d; resyncing", seq.seq_id, chunk.start_pos, expected)
+                self._abort(seq, wasted=len(chunk.tokens))
+                continue
+            seq.drafts.extend(chunk.tokens)
+            seq.draft_probs.extend(chunk.draft_probs)
+            seq.draft_fed_len = chunk.start_pos + len(chunk.tokens) - 1
+
+    # -- verify out ----------------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        if self.inflight is not None or self.closed or self._deferring:
+            return
+        ready = [
+            s
+            for s in self.sequences.values()
+            if s.finish_reason is None and s.policy.ready(len(s.drafts), s.remaining, s.uses_draft)
+        ]
+        if not ready and not self._target_releases:
+            return
+        chosen = self._fair_share(ready)
+        items = [self._verify_item(seq) for seq in chosen]
+        batch = pb.VerifyBatch(batch_id=next(self._batch_ids), items=items, release_seq_ids=self._target_releases)
+        self._target_releases = []
+        now = time.monotonic()
+        self.target_times.idle_s += now - self._idle_since
+        self.inflight = InFlightVerify(batch.batch_id, [s.seq_id for s in chosen], now)
+        self.target.send(batch)
+
+    def _fair_share(self, ready: list[Sequence]) -> list[Sequence]:
+        """Weighted fair share of the target when more sequences are ready than fit in a batch."""
+        limit = self.config.max_batch_size
+        if len(ready) <= limit:
+            return ready
+        vtime = dict(self._vtime)
+        chosen: list[Sequence] = []
+        pool = sorted(ready, key=lambda s: s.started_at)
+        while pool and len(chosen) < limit:
+            seq = min(pool, key=lambda s: vtime.get(s.request.tenant, 0.0))
+            pool.remove(seq)
+            chosen.append(seq)
+            # Expected tokens per verify ~ 1 + drafts; charge provisionally so one tenant can't take all.
+            vtime[seq.request.tenant] = vtime.get(seq.request.tenant, 0.0) + 1.0 / seq.request.priority_weight
+        return chosen
+
+    def _verify_item(self, seq: Sequence) -> pb.VerifyItem:
+        from draft_worker.drafter import sampling_to_proto
+
+        k = seq.policy.verify_count(len(seq.drafts), seq.remaining) if seq.uses_draft else 0
+        seq.verifying = k
+        seq.stats.target_forwards += 1
+        seq.stats.drafted_tokens += k
+        return pb.VerifyItem(
+            seq_id=seq.seq_id,
+            epoch=seq.epoch,
+            start_pos=seq.target_len,
+            context=seq.committed[seq.target_len :],
+            draft_tokens=seq.drafts[:k],
+            draft_probs=seq.draft_probs[:k] if not seq.greedy else [],
+            sampling=sampling_to_proto(seq.request.sampling),
+            bonus=seq.policy.bonus(seq.greedy, k),
+        )
+
+    # -- verdicts in ---------------------------------------------------------------------------
+    async def _read_target(self) -> None:
+        try:
+            async for batch in self.target.responses():
+                self._on_verdict_batch(batch)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.error("target stream ended: %s", type(exc).__name__)
+        self._target_lost()
+
+    def _target_lost(self) -> None:
+        self.inflight = None
+        for seq in list(self.sequences.values()):
+            self._fail(seq, Unavailable("the target worker is unavailable; retry shortly"))
+
+    def _on_verdict_batch(self, batch: pb.VerdictBatch) -> None:
+        self.target_times.busy_s += batch.forward_seconds
+        self.target_times.messages += 1
+        self._idle_since = time.monotonic()
+        self.inflight = None
+        self._deferring = True
+        try:
+            for error in batch.errors:
+                seq = self.sequences.get(error.seq_id)
+                if seq is not None:
+                    seq.verifying = None
+                    self._fail(seq, _verify_error(error))
+            for verdict in batch.verdicts:
+                seq = self.sequences.get(verdict.seq_id)
+                if seq is None or seq.finish_reason is not None or verdict.epoch != seq.epoch:
+                    continue
+                self._apply_verdict(seq, verdict)
+        finally:
+            self._deferring = False
+        self._dispatch()
+
+    def _apply_verdict(self, seq: Sequence, verdict: pb.Verdict) -> None:
+        k = seq.verifying or 0
+        seq.verifying = None
+        accepted = verdict.n_accepted
+        has_next = verdict.kind != pb.NEXT_TOKEN_KIND_NONE
+        new_tokens = seq.drafts[:accepted] + ([verdict.next_token] if has_next else [])
+        old_len = len(seq.committed)
+        seq.stats.accepted_tokens += accepted
+        rejected = verdict.kind == pb.NEXT_TOKEN_KIND_RECOVERED and accepted < k
+        if rejected:
+            seq.stats.rejections += 1
+            if accepted == 0 and old_len == seq.round_start and k >= 1:
+                seq.stats.pre_verify_aborts += 1
+        rest, rest_probs = seq.drafts[k:], seq.draft_probs[k:]
+        seq.target_len = old_len + len(new_tokens) - 1  # the target keeps committed[:-1]
+        kept = seq.commit(new_tokens)
+        self._vtime[seq.request.tenant] = (
+            self._vtime.get(seq.request.tenant, 0.0) + len(kept) / seq.request.priority_weight
+        )
+        if kept:
+            seq.events.put_nowait(TokensEvent(tuple(kept)))
+        if seq.finish_reason is not None:
+            self._finish(seq, seq.finish_reason)
+            return
+        if not seq.uses_draft:
+            return
+        if rejected:
+            self._abort(seq, wasted=len(seq.drafts) - accepted)
+        elif has_next:  # bonus: keep the speculation past it only if the drafter guessed it
+            if rest and rest[0] == verdict.next_token:
+                seq.drafts, seq.draft_probs = rest[1:], rest_probs[1:]
+                self._advance(seq)
+            else:
+                self._abort(seq, wasted=len(rest))
+        else:
+            seq.drafts, seq.draft_probs = rest, rest_probs
+            self._advance(seq)
+
+    def _advance(self, seq: Sequence) -> None:
+        self.draft.send(
+            pb.DraftControl(
+                commands=[
+                    pb.DraftCommand(
+                        seq_id=seq.seq_id,
+                        epoch=seq.epoch,
+                        kind=pb.DRAFT_COMMAND_KIND_ADVANCE,
+                        draft_until=seq.draft_until(),
+                    )
+                ]
+            )
+        )
+
+    def _abort(self, seq: Sequence, wasted: int) -> None:
+        """Rejection: new epoch; the drafter rolls back to what it shares with the committed prefix."""
+        seq.epoch += 1
+        seq.stats.wasted_draft_tokens += wasted
+        seq.drop_drafts()
+        start = min(seq.draft_fed_len, len(seq.committed) - 1)
+        seq.draft_fed_len = start
+        seq.round_start = len(seq.committed)
+        self.draft.send(
+            pb.DraftControl(
+                commands=[
+                    pb.DraftCommand(
+                        seq_id=seq.seq_id,
+                        epoch=seq.epoch,
+                        kind=pb.DRAFT_COMMAND_KIND_RESET,
+                        start_pos=start,
+                        tail=seq.committed[start:],
+                        draft_until=seq.draft_until(),
+                    )
+                ]
+            )
+        )
+
+    # -- endings -------------------------------------------------------------------------------
+    def _release(self, seq: Sequence) -> None:
+        self.sequences.pop(seq.seq_id, None)
+        self._target_releases.append(seq.seq_id)
+        if seq.draft_started and seq.draft_alive and self.draft is not None:
+            self.draft.send(
+                pb.DraftControl(
+                    commands=[pb.DraftCommand(seq_id=seq.seq_id, kind=pb.DRAFT_COMMAND_KIND_RELEASE)]
+                )
+            )
+        seq.stats.wasted_draft_tokens += seq.drop_drafts()
+        if not self.closed:
+            self._dispatch()
+
+    def _finish(self, seq: Sequence, reason: FinishReason, notify: bool = True) -> None:
+        seq.finish_reason = reason
+        self._release(seq)
+        if notify:
+            seq.events.put_nowait(
+                FinishEvent(
+                    finish_reason=reason,
+                    prompt_tokens=seq.prompt_len,
+                    completion_tokens=len(seq.committed) - seq.prompt_len,
+                    stats=seq.stats,
+                )
+            )
+
+    def _fail(self, seq: Sequence, error: CoordinatorError) -> None:
+        seq.finish_reason = FinishReason.CANCELLED
+        self._release(seq)
+        seq.events.put_nowait(_Failure(error))
+
+    def stats(self) -> dict:
+        return {
+            "live_sequences": len(self.sequences),
+            "verify_in_flight": self.inflight is not None,
+            "target": {
+                "busy_s": self.target_times.busy_s,
+                "idle_s": self.target_times.idle_s,
+                "batches": self.target_times.messages,
+            },
+            "draft": {
+                "busy_s": self.draft_times.busy_s,
+                "idle_s": self.draft_times.idle_s,
+                "batches": self.draft_times.messages,
+                "connected": self.draft is not None,
+            },
+        }
+
+
+def _verify_error(error: pb.VerifyError) -> CoordinatorError:
+    from coordinator.api import InvalidRequest, Overloaded
+
+    if error.kind == pb.VERIFY_ERROR_KIND_SLOTS_EXHAUSTED:
+        return Overloaded(f"the target has no free KV slot: {error.message}; retry shortly")
+    if error.kind == pb.VERIFY_ERROR_KIND_CONTEXT_OVERFLOW:
+        return InvalidRequest(error.message)
+    return CoordinatorError(f"target rejected the sequence: {error.message}", code="INTERNAL")

@@ -1,0 +1,208 @@
+"""The public gRPC server: GenerationService + grpc.health.v1 + reflection, around any Coordinator.
+
+    server = DuospecServer(coordinator, settings, tenants=load_tenants(path), ledger_path="usage.db")
+    port = await server.start()          # binds; health turns SERVING once the coordinator is ready
+    await server.wait_for_termination()  # until shutdown() (SIGTERM in `duospec serve`)
+
+Shutdown (`shutdown()`): stop admitting (new Generate calls get UNAVAILABLE, health NOT_SERVING), let
+in-flight streams finish for `grace_period_s`, then end the rest with finish_reason CANCELLED, stop
+the gRPC server and close the coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import pathlib
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from coordinator.admission import Admission
+from coordinator.api import Coordinator, SpeculationMode
+from coordinator.config import ConfigError, ServerSettings, TlsSettings
+from coordinator.ledger import UsageLedger
+from coordinator.metrics import ServerMetrics
+from coordinator.service import GenerationServicer, Lifecycle
+from coordinator.tenancy import Tenant, TenantRegistry
+from duospec.v1 import generation_pb2 as pb
+from duospec.v1 import generation_pb2_grpc as pb_grpc
+
+log = logging.getLogger("duospec.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
+HEALTH_POLL_S = 1.0
+_HARD_STOP_WAIT_S = 5.0  # after the grace period: how long cancelled streams get to send their last message
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_auth_policy(host: str, tenants: list[Tenant] | None, insecure_no_auth: bool) -> bool:
+    """Returns whether auth is on. Off is allowed on loopback, or anywhere with --insecure-no-auth."""
+    if tenants is not None:
+        return True
+    if is_loopback(host):
+        log.warning("auth is off: no tenants file, bound to loopback %s (local development)", host)
+        return False
+    if insecure_no_auth:
+        log.warning("auth is OFF on %s (--insecure-no-auth): anyone who can reach the port can generate", host)
+        return False
+    raise ConfigError(
+        f"server.host: {host} is not loopback and no tenants file is set; pass --tenants FILE "
+        "(create one with `duospec tenants add`), bind 127.0.0.1, or pass --insecure-no-auth"
+    )
+
+
+def load_tokenizers(coordinator: Coordinator) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    return {m.name: AutoTokenizer.from_pretrained(m.target_path) for m in coordinator.models()}
+
+
+def server_credentials(tls: TlsSettings) -> grpc.ServerCredentials:
+    key = pathlib.Path(tls.key_file).read_bytes()
+    cert = pathlib.Path(tls.cert_file).read_bytes()
+    ca = pathlib.Path(tls.client_ca_file).read_bytes() if tls.client_ca_file else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+class DuospecServer:
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        settings: ServerSettings,
+        *,
+        tenants: list[Tenant] | None = None,
+        insecure_no_auth: bool = False,
+        ledger_path: str | None = None,
+        metrics: ServerMetrics | None = None,
+        tokenizers: dict[str, Any] | None = None,
+        default_modes: dict[str, SpeculationMode] | None = None,
+        health_poll_s: float = HEALTH_POLL_S,
+    ):
+        auth_on = check_auth_policy(settings.host, tenants, insecure_no_auth)
+        self.coordinator = coordinator
+        self.settings = settings
+        self.metrics = metrics or ServerMetrics()
+        self.lifecycle = Lifecycle()
+        self.admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests)
+        self.ledger = UsageLedger(ledger_path) if ledger_path else None
+        self.health = health.aio.HealthServicer()
+        self.servicer = GenerationServicer(
+            coordinator, settings, tokenizers if tokenizers is not None else load_tokenizers(coordinator),
+            registry=TenantRegistry(tenants or []) if auth_on else None,
+            admission=self.admission, lifecycle=self.lifecycle, metrics=self.metrics, ledger=self.ledger,
+            default_modes=default_modes,
+        )
+        self.health_poll_s = health_poll_s
+        self.port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health_task: asyncio.Task | None = None
+        self._metrics_http = None
+        self._stopped = asyncio.Event()
+        self._ready = asyncio.Event()
+
+    async def start(self) -> int:
+        """Binds and starts serving; returns the bound port (useful with port 0)."""
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_GenerationServiceServicer_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            server,
+        )
+        address = f"{self.settings.host}:{self.settings.port}"
+        if self.settings.tls is not None:
+            self.port = server.add_secure_port(address, server_credentials(self.settings.tls))
+        else:
+            self.port = server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"could not bind {address}; is the port in use? pick another with --port")
+        await self._set_health(False)
+        await server.start()
+        self._server = server
+        if self.settings.metrics_port:
+            self._metrics_http = self.metrics.serve(self.settings.metrics_port)
+        self._health_task = asyncio.create_task(self._health_loop())
+        return self.port
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        """Returns once health is SERVING (the coordinator reported ready)."""
+        await asyncio.wait_for(self._ready.wait(), timeout)
+
+    async def wait_for_termination(self) -> None:
+        await self._stopped.wait()
+
+    async def shutdown(self, grace_period_s: float | None = None) -> None:
+        """Drain, then cancel what is left, then stop. Safe to call twice."""
+        if self.lifecycle.draining:
+            await self._stopped.wait()
+            return
+        grace = self.settings.grace_period_s if grace_period_s is None else grace_period_s
+        self.lifecycle.draining = True
+        self.admission.draining = True
+        await self._set_health(False)
+        log.info("draining: %d streams in flight, grace period %.1f s", self.lifecycle.active_streams, grace)
+        try:
+            await asyncio.wait_for(self.lifecycle.idle.wait(), grace)
+        except asyncio.TimeoutError:
+            log.warning("grace period over: cancelling %d streams", self.lifecycle.active_streams)
+            self.lifecycle.hard_stop.set()
+            try:
+                await asyncio.wait_for(self.lifecycle.idle.wait(), _HARD_STOP_WAIT_S)
+            except asyncio.TimeoutError:
+                log.warning("%d streams did not end; stopping anyway", self.lifecycle.active_streams)
+        await self._close()
+
+    async def _close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        if self._server is not None:
+            await self._server.stop(1.0)
+        if self._metrics_http is not None:
+            http_server, _thread = self._metrics_http
+            http_server.shutdown()
+        try:
+            await self.coordinator.close()
+        finally:
+            if self.ledger is not None:
+                self.ledger.close()
+            self._stopped.set()
+
+    async def _health_loop(self) -> None:
+        while True:
+            ready = False
+            try:
+                stats = await asyncio.wait_for(self.coordinator.stats(), max(1.0, 5 * self.health_poll_s))
+                self.metrics.update_from_coordinator(stats)
+                ready = _coordinator_ready(stats)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # an unreachable coordinator is NOT_SERVING, not a crash
+                log.warning("coordinator stats failed: %s", type(exc).__name__)
+            await self._set_health(ready and not self.lifecycle.draining)
+            await asyncio.sleep(self.health_poll_s)
+
+    async def _set_health(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set("", status)
+        await self.health.set(SERVICE_NAME, status)
+        if serving:
+            self._ready.set()
+
+
+def _coordinator_ready(stats: Any) -> bool:
+    """`stats["ready"]` when the coordinator reports it; a coordinator that answers without it is ready."""
+    if isinstance(stats, dict) and "ready" in stats:
+        return bool(stats["ready"])
+    return True

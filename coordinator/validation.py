@@ -1,0 +1,190 @@
+"""Turns a public `GenerateRequest` into a `GenerationRequest`, or a RequestError naming the field.
+
+Everything a user can get wrong is caught here and reported as INVALID_ARGUMENT (NOT_FOUND for an
+unknown model) with the proto field path, so nothing user-caused reaches the coordinator as INTERNAL.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, replace
+from typing import Any
+
+from coordinator.api import GenerationRequest, ModelInfo, SpeculationMode
+from coordinator.config import ServerSettings
+from duospec.sampling import SamplingParams
+from duospec.v1 import generation_pb2 as pb
+
+MAX_REQUEST_ID_CHARS = 128
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_DRAFT_TOKENS = 64
+CHAT_ROLES = ("system", "user", "assistant")
+
+_MODES = {
+    pb.SPECULATION_MODE_PEARL: SpeculationMode.PEARL,
+    pb.SPECULATION_MODE_VANILLA: SpeculationMode.VANILLA,
+    pb.SPECULATION_MODE_OFF: SpeculationMode.OFF,
+}
+
+
+class RequestError(Exception):
+    """A user error; `code` is the gRPC status name, the message names the field and the fix."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def invalid(field: str, problem: str) -> RequestError:
+    return RequestError("INVALID_ARGUMENT", f"{field}: {problem}")
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    request: GenerationRequest  # tenant fields still default: filled in after admission
+    stop_strings: tuple[str, ...]
+    client_request_id: str  # echoed back to the client
+
+
+def resolve_model(model: str, models: dict[str, ModelInfo], default_model: str) -> ModelInfo:
+    name = model or default_model
+    info = models.get(name)
+    if info is None:
+        raise RequestError("NOT_FOUND", f"model: {name!r} is not served here; available: {', '.join(models)}")
+    return info
+
+
+def validate_request(
+    req: pb.GenerateRequest,
+    info: ModelInfo,
+    tokenizer: Any,
+    settings: ServerSettings,
+    default_mode: SpeculationMode,
+    internal_request_id: str,
+) -> ValidatedRequest:
+    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
+        raise invalid("request_id", f"{len(req.request_id)} characters; use at most {MAX_REQUEST_ID_CHARS}")
+    prompt_ids = _prompt_token_ids(req, info, tokenizer)
+    max_new = _max_new_tokens(req.stopping, len(prompt_ids), info, settings)
+    stops = _stop_strings(req.stopping)
+    stop_ids = _stop_token_ids(req.stopping, info)
+    mode, max_draft = _speculation(req.speculation, info, default_mode)
+    request = GenerationRequest(
+        request_id=internal_request_id,
+        prompt_token_ids=tuple(prompt_ids),
+        max_new_tokens=max_new,
+        sampling=_sampling(req.sampling),
+        mode=mode,
+        max_draft_tokens=max_draft,
+        stop_token_ids=frozenset(stop_ids),
+        ignore_eos=req.stopping.ignore_eos,
+        model=info.name,
+    )
+    return ValidatedRequest(request, stops, req.request_id or internal_request_id)
+
+
+def with_tenant(v: ValidatedRequest, tenant: str, weight: float) -> GenerationRequest:
+    return replace(v.request, tenant=tenant, priority_weight=weight)
+
+
+def _prompt_token_ids(req: pb.GenerateRequest, info: ModelInfo, tokenizer: Any) -> list[int]:
+    which = req.WhichOneof("input")
+    if which is None:
+        raise invalid("prompt", "empty; set one of prompt, prompt_token_ids or messages")
+    if which == "prompt":
+        if not req.prompt:
+            raise invalid("prompt", "empty; send at least one character")
+        ids = list(tokenizer.encode(req.prompt, add_special_tokens=True))
+    elif which == "prompt_token_ids":
+        ids = list(req.prompt_token_ids.ids)
+        if not ids:
+            raise invalid("prompt_token_ids.ids", "empty; send at least one token id")
+        for i, tok in enumerate(ids):
+            if tok >= info.vocab_size:
+                raise invalid(f"prompt_token_ids.ids[{i}]", f"{tok} is not below the vocabulary size {info.vocab_size}")
+    else:
+        ids = _chat_token_ids(req.messages, info, tokenizer)
+    if not ids:
+        raise invalid(which, "tokenizes to no tokens; send more text")
+    return ids
+
+
+def _chat_token_ids(messages: pb.ChatMessages, info: ModelInfo, tokenizer: Any) -> list[int]:
+    if not messages.messages:
+        raise invalid("messages.messages", "empty; send at least one message")
+    for i, m in enumerate(messages.messages):
+        if m.role not in CHAT_ROLES:
+            raise invalid(f"messages.messages[{i}].role", f"{m.role!r}; use one of {', '.join(CHAT_ROLES)}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise invalid("messages", f"model {info.name!r} has no chat template; send `prompt` text instead")
+    # Render to text first, then encode: the template already contains any BOS it wants.
+    text = tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.content} for m in messages.messages],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _max_new_tokens(stopping: pb.StoppingCriteria, n_prompt: int, info: ModelInfo, s: ServerSettings) -> int:
+    room = info.max_context - n_prompt
+    if room < 1:
+        raise invalid("prompt", f"{n_prompt} tokens leave no room in the model's context of {info.max_context}; "
+                      "shorten the prompt")
+    requested = stopping.max_new_tokens
+    if requested == 0:
+        return min(s.default_max_new_tokens, room)
+    if requested > s.max_new_tokens_limit:
+        raise invalid("stopping.max_new_tokens", f"{requested} is above the server limit {s.max_new_tokens_limit}")
+    if requested > room:
+        raise invalid("stopping.max_new_tokens", f"prompt ({n_prompt} tokens) + {requested} new tokens exceed the "
+                      f"model's context of {info.max_context}; ask for at most {room}")
+    return requested
+
+
+def _stop_strings(stopping: pb.StoppingCriteria) -> tuple[str, ...]:
+    if len(stopping.stop) > MAX_STOP_STRINGS:
+        raise invalid("stopping.stop", f"{len(stopping.stop)} stop strings; send at most {MAX_STOP_STRINGS}")
+    for i, s in enumerate(stopping.stop):
+        if not s:
+            raise invalid(f"stopping.stop[{i}]", "empty string; remove it")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise invalid(f"stopping.stop[{i}]", f"{len(s)} characters; use at most {MAX_STOP_STRING_CHARS}")
+    return tuple(stopping.stop)
+
+
+def _stop_token_ids(stopping: pb.StoppingCriteria, info: ModelInfo) -> list[int]:
+    if len(stopping.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise invalid("stopping.stop_token_ids", f"{len(stopping.stop_token_ids)} ids; send at most {MAX_STOP_TOKEN_IDS}")
+    for i, tok in enumerate(stopping.stop_token_ids):
+        if tok >= info.vocab_size:
+            raise invalid(f"stopping.stop_token_ids[{i}]", f"{tok} is not below the vocabulary size {info.vocab_size}")
+    return list(stopping.stop_token_ids)
+
+
+def _sampling(sp: pb.SamplingParams) -> SamplingParams:
+    if not math.isfinite(sp.temperature) or sp.temperature < 0:
+        raise invalid("sampling.temperature", f"{sp.temperature}; use 0 (greedy) or a positive finite number")
+    if not math.isfinite(sp.top_p) or not 0 <= sp.top_p <= 1:
+        raise invalid("sampling.top_p", f"{sp.top_p}; use a value in (0, 1] (0 means unset = 1.0)")
+    # Unset seed: a fresh random one, so the request is still reproducible from the server's side.
+    seed = sp.seed if sp.HasField("seed") else secrets.randbits(63)
+    return SamplingParams(temperature=float(sp.temperature), top_k=int(sp.top_k), top_p=float(sp.top_p or 1.0),
+                          seed=int(seed))
+
+
+def _speculation(sp: pb.SpeculationParams, info: ModelInfo, default_mode: SpeculationMode):
+    if sp.mode == pb.SPECULATION_MODE_UNSPECIFIED:
+        mode = default_mode if info.draft_path else SpeculationMode.OFF
+    elif sp.mode in _MODES:
+        mode = _MODES[sp.mode]
+    else:
+        raise invalid("speculation.mode", f"unknown value {sp.mode}; use PEARL, VANILLA or OFF")
+    if mode is not SpeculationMode.OFF and not info.draft_path:
+        raise invalid("speculation.mode", f"model {info.name!r} has no draft model; use OFF or leave it unset")
+    if sp.max_draft_tokens > MAX_DRAFT_TOKENS:
+        raise invalid("speculation.max_draft_tokens", f"{sp.max_draft_tokens}; use at most {MAX_DRAFT_TOKENS}")
+    return mode, (sp.max_draft_tokens or None)

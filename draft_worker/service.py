@@ -1,0 +1,130 @@
+"""The drafter's serving loop and its gRPC service.
+
+`DraftLoop` runs the Drafter on its own thread: it applies commands as soon as they arrive (an abort
+lands before the next drafted token), drafts while any sequence is below its lookahead bound, and
+emits one DraftChunkBatch per step. It waits (and counts idle time) only when no sequence may draft.
+The same loop serves the gRPC stream (DraftServicer) and in-process use (coordinator/links.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+from draft_worker.drafter import Drafter
+from duospec.engine import SlotsExhausted
+from duospec.internal.v1 import pearl_pb2 as pb
+from duospec.internal.v1 import pearl_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class DraftLoop:
+    def __init__(self, drafter: Drafter, emit: Callable[[pb.DraftChunkBatch], None]):
+        self.drafter = drafter
+        self.emit = emit
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.busy_s = 0.0
+        self.idle_s = 0.0
+        self._thread = threading.Thread(target=self._run, name="duospec-draft-loop", daemon=True)
+
+    def start(self) -> "DraftLoop":
+        self._thread.start()
+        return self
+
+    def submit(self, control: pb.DraftControl) -> None:
+        """Thread-safe; never blocks."""
+        self.inbox.put(control)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.inbox.put(_STOP)
+        self._thread.join(timeout)
+
+    def _apply(self, control, failed: list[int]) -> bool:
+        if control is _STOP:
+            return False
+        for cmd in control.commands:
+            try:
+                self.drafter.apply(cmd)
+            except (SlotsExhausted, ValueError) as exc:
+                log.warning("draft sequence %d dropped: %s", cmd.seq_id, exc)
+                failed.append(cmd.seq_id)
+        return True
+
+    def _run(self) -> None:
+        busy = idle = 0.0
+        while True:
+            failed: list[int] = []
+            # 1. Apply every pending command without waiting; aborts take effect before the next token.
+            try:
+                while True:
+                    if not self._apply(self.inbox.get_nowait(), failed):
+                        return
+            except queue.Empty:
+                pass
+            # 2. Draft one token for every sequence below its bound, or wait for a command.
+            if self.drafter.has_work():
+                started = time.perf_counter()
+                chunks = self.drafter.step()
+                busy += time.perf_counter() - started
+            else:
+                chunks = []
+                started = time.perf_counter()
+                try:
+                    control = self.inbox.get(timeout=0.5)
+                except queue.Empty:
+                    control = None
+                idle += time.perf_counter() - started
+                if control is not None and not self._apply(control, failed):
+                    return
+            if chunks or failed:
+                self.busy_s += busy
+                self.idle_s += idle
+                self.emit(
+                    pb.DraftChunkBatch(chunks=chunks, busy_seconds=busy, idle_seconds=idle, failed_seq_ids=failed)
+                )
+                busy = idle = 0.0
+
+
+class DraftServicer(pb_grpc.DraftServiceServicer):
+    """One coordinator stream at a time; a new stream releases the previous one's sequences."""
+
+    def __init__(self, drafter: Drafter):
+        self.drafter = drafter
+        self._lock = threading.Lock()
+        self._loop: DraftLoop | None = None
+
+    def Draft(self, request_iterator, context):
+        out: queue.SimpleQueue = queue.SimpleQueue()
+        with self._lock:
+            if self._loop is not None:
+                self._loop.stop()
+            self.drafter.release_all()
+            loop = self._loop = DraftLoop(self.drafter, out.put).start()
+
+        def read_commands():
+            try:
+                for control in request_iterator:
+                    loop.submit(control)
+            except Exception:  # the client went away
+                pass
+            out.put(_STOP)
+
+        threading.Thread(target=read_commands, name="duospec-draft-reader", daemon=True).start()
+        try:
+            while True:
+                batch = out.get()
+                if batch is _STOP:
+                    return
+                yield batch
+        finally:
+            loop.stop()
+            with self._lock:
+                if self._loop is loop:
+                    self._loop = None
+                    self.drafter.release_all()

@@ -1,0 +1,97 @@
+"""`duospec train-tiny` (the bundled pair) and `duospec distill` (a draft for any Llama-family target)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    tiny = subparsers.add_parser(
+        "train-tiny",
+        help="train the bundled tokenizer, target and draft on the Python standard library",
+        description="Train the bundled tokenizer, target and draft on this interpreter's standard "
+                    "library source. Rerunning the same command resumes from the run directory.",
+    )
+    tiny.add_argument("--out", type=Path, default=Path("models"), help="writes OUT/target and OUT/draft")
+    tiny.add_argument("--run-dir", type=Path, default=Path("runs/tiny"),
+                      help="checkpoints, token caches and log.txt (default: runs/tiny)")
+    tiny.add_argument("--minutes", type=float, default=75.0,
+                      help="total training time; 80%% joint target+draft, 20%% draft-only distillation")
+    tiny.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--no-bf16", action="store_true", help="train in fp32 instead of bf16 autocast")
+    tiny.set_defaults(func=_train_tiny)
+
+    _register_distill(subparsers)
+
+
+def _train_tiny(args: argparse.Namespace) -> int:
+    if args.minutes <= 0:
+        print(f"duospec train-tiny: --minutes must be positive, got {args.minutes}", file=sys.stderr)
+        return 2
+    from duospec.training.recipe import TinyRecipe, train_tiny
+
+    recipe = TinyRecipe(joint_minutes=round(args.minutes * 0.8, 3),
+                        distill_minutes=round(args.minutes * 0.2, 3), seed=args.seed,
+                        threads=args.threads, bf16_autocast=not args.no_bf16)
+    try:
+        summary = train_tiny(recipe, args.run_dir, args.out)
+    except ValueError as err:
+        print(f"duospec train-tiny: {err}", file=sys.stderr)
+        return 2
+    print(f"target: {summary['target_params']:,} params, draft: {summary['draft_params']:,} params; "
+          f"written to {args.out}/target and {args.out}/draft")
+    return 0
+
+
+def _register_distill(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "distill",
+        help="distill a small draft model from a Llama-family target",
+        description="Distill a draft (LlamaForCausalLM, the target's tokenizer and vocabulary) from a "
+                    "Llama/Qwen2/Mistral target on text files. Rerunning with the same --out resumes.",
+    )
+    parser.add_argument("--target", type=Path, required=True, help="target checkpoint directory")
+    parser.add_argument("--data", nargs="+", required=True, metavar="PATH",
+                        help="text files or directories (walked recursively)")
+    parser.add_argument("--out", type=Path, required=True, help="draft checkpoint directory to write")
+    parser.add_argument("--draft-layers", type=int, default=2)
+    parser.add_argument("--draft-hidden", type=int, default=256)
+    parser.add_argument("--draft-heads", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
+                        help="continue from OUT's checkpoint if it belongs to the same run (default)")
+    parser.set_defaults(func=_distill)
+
+
+def _distill(args: argparse.Namespace) -> int:
+    from duospec.training.distill import DistillError, DistillOptions, distill
+
+    try:
+        options = DistillOptions.from_args(args)
+        result = distill(options)
+    except DistillError as err:
+        print(f"duospec distill: {err}", file=sys.stderr)
+        return 2
+    print(f"draft written to {result}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run these sub-commands without the rest of the CLI (`python -m duospec.cli.train ...`), so a
+    long training run does not depend on unrelated command modules importing cleanly."""
+    parser = argparse.ArgumentParser(prog="python -m duospec.cli.train")
+    register(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

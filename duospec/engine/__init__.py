@@ -1,0 +1,26 @@
+"""The model engine: checkpoints in, a slot-KV-cache ``ModelRunner`` out.
+
+    ckpt = load_checkpoint("models/target", device="cpu", max_slots=8)
+    slot = ckpt.runner.allocate_slot()
+    logits = ckpt.runner.forward([SlotChunk(slot, 0, prompt_ids)])[0]   # [n, vocab] float32, CPU
+    ckpt.runner.truncate(slot, n_accepted)                               # rollback
+
+Files: runner.py (interface + slot bookkeeping), llama.py (lean Llama/Qwen2/Mistral forward),
+hf_runner.py (transformers fallback), loader.py (paths, options, backend choice), errors.py.
+"""
+
+from duospec.engine.errors import CheckpointError, SlotsExhausted
+from duospec.engine.loader import LoadedCheckpoint, load_checkpoint, load_model, load_tokenizer, resolve_dtype
+from duospec.engine.runner import ModelRunner, SlotChunk
+
+__all__ = [
+    "CheckpointError",
+    "LoadedCheckpoint",
+    "ModelRunner",
+    "SlotChunk",
+    "SlotsExhausted",
+    "load_checkpoint",
+    "load_model",
+    "load_tokenizer",
+    "resolve_dtype",
+]

@@ -1,0 +1,300 @@
+"""duospec's own forward for the Llama family (Llama incl. llama3 rope scaling, Qwen2, Mistral) over a
+slot KV cache.
+
+KV cache: per layer ``k_cache``/``v_cache`` of shape ``[max_slots, n_kv_heads, max_context, head_dim]``,
+preallocated once. A forward writes each chunk's keys/values at ``(slot, position)``; rollback is
+the slot length in ``ModelRunner`` (stale positions are masked out and overwritten later).
+
+One forward = one ragged batch: projections and MLPs run on the ``N`` flattened tokens; attention is
+one SDPA call per layer over ``[B, heads, T, K]`` (``T`` = longest chunk, ``K`` = longest context)
+with a boolean mask for causality, ragged lengths and sliding windows. Math follows transformers'
+modeling_llama / modeling_qwen2 / modeling_mistral so the logits match on the same weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate, chain
+
+import torch
+import torch.nn.functional as F
+
+from duospec.engine.errors import CheckpointError
+from duospec.engine.runner import ModelRunner, SlotChunk
+
+__all__ = ["LEAN_MODEL_TYPES", "LeanLlamaRunner", "lean_unsupported_reason"]
+
+LEAN_MODEL_TYPES = ("llama", "qwen2", "mistral")
+# Rope variants whose frequencies are fixed at load time; "dynamic"/"longrope" depend on the
+# sequence length at run time and go to the HF fallback.
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _rope_params(config) -> dict:
+    # transformers 5 keeps everything in `rope_parameters`; 4.x had `rope_scaling` + `rope_theta`.
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if "sliding_attention" in params or "full_attention" in params:
+        return {"rope_type": "per-layer"}
+    return dict(params)
+
+
+def _rope_type(config) -> str:
+    params = _rope_params(config)
+    return params.get("rope_type", params.get("type", "default"))
+
+
+def lean_unsupported_reason(config) -> str | None:
+    """Why the lean forward cannot run this config (None = it can)."""
+    if config.model_type not in LEAN_MODEL_TYPES:
+        return f"model_type {config.model_type!r} is not one of {LEAN_MODEL_TYPES}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} (only 'silu')"
+    if getattr(config, "mlp_bias", False):
+        return "mlp_bias=True"
+    rope_type = _rope_type(config)
+    if rope_type not in _STATIC_ROPE_TYPES:
+        return f"rope type {rope_type!r} (supported: {_STATIC_ROPE_TYPES})"
+    if _rope_params(config).get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) != 1.0:
+        return "partial_rotary_factor != 1"
+    return None
+
+
+def _inv_freq(config) -> tuple[torch.Tensor, float]:
+    """Rotary inverse frequencies and the cos/sin scale, computed by transformers' own functions so
+    every scaling variant matches it exactly."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = _rope_type(config)
+    if rope_type in ROPE_INIT_FUNCTIONS:
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        return inv_freq.float(), float(scale)
+    # transformers 5 moved "default" into each model's rotary class; this is its formula.
+    params = _rope_params(config)
+    base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+
+
+def _layer_windows(config) -> list[int | None]:
+    """Sliding-window size per layer (None = full attention), the way each family declares it."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if config.model_type == "qwen2":
+        if not getattr(config, "use_sliding_window", False):
+            return [None] * n
+        if layer_types is None:  # transformers 4.x: layers from max_window_layers on slide
+            first = getattr(config, "max_window_layers", n)
+            return [window if i >= first else None for i in range(n)]
+    if layer_types is not None:
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    return [window] * n
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor  # [hidden]
+    qkv_w: torch.Tensor  # [(n_heads + 2 * n_kv_heads) * head_dim, hidden]
+    qkv_b: torch.Tensor | None
+    o_w: torch.Tensor  # [hidden, n_heads * head_dim]
+    o_b: torch.Tensor | None
+    post_norm: torch.Tensor  # [hidden]
+    gate_up_w: torch.Tensor  # [2 * intermediate, hidden]
+    down_w: torch.Tensor  # [hidden, intermediate]
+    window: int | None
+    k_cache: torch.Tensor  # [max_slots, n_kv_heads, max_context, head_dim]
+    v_cache: torch.Tensor
+
+
+@dataclass
+class _Batch:
+    """Index tensors for one ragged forward, built once and shared by every layer."""
+
+    tokens: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N]
+    slots: torch.Tensor  # [N] slot of each token
+    batch_slots: torch.Tensor | slice  # [B] slot per chunk, or a slice when they are consecutive
+    pad_index: torch.Tensor | None  # [N] row in the padded [B*T] layout; None when all chunks are T long
+    masks: dict[int | None, torch.Tensor | None]  # window -> [B, 1, T, K] bool (True = attend)
+    last_rows: torch.Tensor  # [B] row of each chunk's last token
+    sizes: list[int]  # [B]
+    n_chunks: int
+    max_len: int  # T
+    max_ctx: int  # K
+
+
+class LeanLlamaRunner(ModelRunner):
+    backend = "lean"
+
+    def __init__(self, config, state_dict: dict[str, torch.Tensor], *, device: torch.device,
+                 dtype: torch.dtype, max_slots: int, max_context: int) -> None:
+        super().__init__(max_slots, max_context)
+        reason = lean_unsupported_reason(config)
+        if reason is not None:
+            raise CheckpointError(f"the lean backend cannot run this model: {reason}; use backend='hf'")
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.vocab_size = config.vocab_size
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = getattr(config, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        self.eps = config.rms_norm_eps
+        with torch.no_grad():
+            self._load_weights(config, state_dict)
+            self._build_rope(config)
+
+    # ---- load --------------------------------------------------------------------------------
+
+    def _load_weights(self, config, sd: dict[str, torch.Tensor]) -> None:
+        def take(name: str) -> torch.Tensor:
+            if name not in sd:
+                raise CheckpointError(f"weight {name!r} missing from the checkpoint's state dict")
+            return sd[name].to(device=self.device, dtype=self.dtype)
+
+        def maybe(name: str) -> torch.Tensor | None:
+            return take(name) if name in sd else None
+
+        self.embed = take("model.embed_tokens.weight")
+        tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in sd
+        self.lm_head = self.embed if tied else take("lm_head.weight")
+        self.final_norm = take("model.norm.weight")
+        cache_shape = (self.max_slots, self.n_kv_heads, self.max_context, self.head_dim)
+        self.layers: list[_Layer] = []
+        for i, window in enumerate(_layer_windows(config)):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            biases = [maybe(a + f"{x}_proj.bias") for x in "qkv"]
+            self.layers.append(_Layer(
+                input_norm=take(p + "input_layernorm.weight"),
+                qkv_w=torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"]),
+                qkv_b=torch.cat(biases) if all(b is not None for b in biases) else None,
+                o_w=take(a + "o_proj.weight"),
+                o_b=maybe(a + "o_proj.bias"),
+                post_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up_w=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+                down_w=take(p + "mlp.down_proj.weight"),
+                window=window if window is not None and window < self.max_context else None,
+                k_cache=torch.zeros(cache_shape, device=self.device, dtype=self.dtype),
+                v_cache=torch.zeros(cache_shape, device=self.device, dtype=self.dtype),
+            ))
+        self._windows = sorted({layer.window for layer in self.layers}, key=lambda w: w or 0)
+
+    def _build_rope(self, config) -> None:
+        inv_freq, scale = _inv_freq(config)
+        if inv_freq.numel() * 2 != self.head_dim:
+            raise CheckpointError(f"rotary dim {inv_freq.numel() * 2} != head_dim {self.head_dim}")
+        # Same arithmetic as transformers' rotary embedding: fp32 angles, then cast to the model dtype.
+        freqs = torch.arange(self.max_context, dtype=torch.float)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * scale).to(device=self.device, dtype=self.dtype)  # [max_context, head_dim]
+        self.sin = (emb.sin() * scale).to(device=self.device, dtype=self.dtype)
+
+    # ---- forward -----------------------------------------------------------------------------
+
+    def _forward(self, chunks: Sequence[SlotChunk], *, last_only: bool, to_cpu: bool):
+        with torch.inference_mode():
+            batch = self._prepare(chunks)
+            h = F.embedding(batch.tokens, self.embed)  # [N, hidden]
+            cos = self.cos[batch.positions].unsqueeze(1)  # [N, 1, head_dim]
+            sin = self.sin[batch.positions].unsqueeze(1)
+            for layer in self.layers:
+                h = self._attention(layer, h, cos, sin, batch)
+                h = self._mlp(layer, h)
+            if last_only:
+                h = h[batch.last_rows]
+            logits = F.linear(self._norm(h, self.final_norm), self.lm_head).float()
+            if to_cpu:
+                logits = logits.cpu()
+        self._commit_lengths(chunks)
+        return logits if last_only else list(logits.split(batch.sizes))
+
+    def _prepare(self, chunks: Sequence[SlotChunk]) -> _Batch:
+        sizes = [len(c.token_ids) for c in chunks]
+        starts = [c.start_pos for c in chunks]
+        slots = [c.slot for c in chunks]
+        n_chunks, max_len = len(chunks), max(sizes)
+        contexts = [s + n for s, n in zip(starts, sizes)]
+        max_ctx = max(contexts)
+        positions = list(chain.from_iterable(range(s, s + n) for s, n in zip(starts, sizes)))
+        token_slots = list(chain.from_iterable([c.slot] * n for c, n in zip(chunks, sizes)))
+        tokens = list(chain.from_iterable(c.token_ids for c in chunks))
+        # One host->device copy for all per-token indices.
+        flat = torch.tensor([tokens, positions, token_slots], dtype=torch.long).to(self.device, non_blocking=True)
+        uniform = all(n == max_len for n in sizes)
+        pad_index = None
+        if not uniform:
+            pad_index = torch.tensor(
+                list(chain.from_iterable(range(b * max_len, b * max_len + n) for b, n in enumerate(sizes))),
+                dtype=torch.long).to(self.device, non_blocking=True)
+        consecutive = slots == list(range(slots[0], slots[0] + n_chunks))
+        batch_slots = (slice(slots[0], slots[0] + n_chunks) if consecutive
+                       else torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True))
+        last = [end - 1 for end in accumulate(sizes)]
+        masks = {w: self._mask(starts, sizes, contexts, max_len, max_ctx, w) for w in self._windows}
+        return _Batch(tokens=flat[0], positions=flat[1], slots=flat[2], batch_slots=batch_slots,
+                      pad_index=pad_index, masks=masks,
+                      last_rows=torch.tensor(last, dtype=torch.long).to(self.device, non_blocking=True),
+                      sizes=sizes, n_chunks=n_chunks, max_len=max_len, max_ctx=max_ctx)
+
+    def _mask(self, starts, sizes, contexts, max_len, max_ctx, window) -> torch.Tensor | None:
+        """[B, 1, T, K] bool, True = attend. None when every query may see every gathered key."""
+        if max_len == 1 and all(c == max_ctx for c in contexts) and (window is None or max_ctx <= window):
+            return None
+        start = torch.tensor(starts, dtype=torch.long)[:, None]
+        last = torch.tensor(sizes, dtype=torch.long)[:, None] - 1
+        # Padded query rows repeat the chunk's last real row, so no row is fully masked (NaN-free);
+        # their outputs are dropped.
+        q_pos = start + torch.arange(max_len)[None, :].clamp(max=last)  # [B, T]
+        k_pos = torch.arange(max_ctx)[None, None, :]  # [1, 1, K]
+        mask = k_pos <= q_pos[:, :, None]
+        if window is not None:
+            mask &= k_pos > q_pos[:, :, None] - window
+        return mask.unsqueeze(1).to(self.device, non_blocking=True)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, weight.shape, weight, self.eps)
+        # transformers' order for half types: normalise in fp32, cast back, then scale.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * xf.to(x.dtype)
+
+    def _attention(self, layer: _Layer, h: torch.Tensor, cos, sin, batch: _Batch) -> torch.Tensor:
+        n_tok = h.shape[0]
+        nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = F.linear(self._norm(h, layer.input_norm), layer.qkv_w, layer.qkv_b)
+        qk = qkv[:, : (nh + nkv) * hd].view(n_tok, nh + nkv, hd)
+        qk = qk * cos + _rotate_half(qk) * sin  # rope on queries and keys in one go
+        q, k = qk[:, :nh], qk[:, nh:]
+        v = qkv[:, (nh + nkv) * hd:].view(n_tok, nkv, hd)
+        layer.k_cache[batch.slots, :, batch.positions] = k
+        layer.v_cache[batch.slots, :, batch.positions] = v
+        if isinstance(batch.batch_slots, slice):
+            keys = layer.k_cache[batch.batch_slots, :, : batch.max_ctx]
+            values = layer.v_cache[batch.batch_slots, :, : batch.max_ctx]
+        else:
+            keys = layer.k_cache.index_select(0, batch.batch_slots)[:, :, : batch.max_ctx]
+            values = layer.v_cache.index_select(0, batch.batch_slots)[:, :, : batch.max_ctx]
+        b, t = batch.n_chunks, batch.max_len
+        if batch.pad_index is None:
+            q_pad = q.reshape(b, t, nh, hd)
+        else:
+            q_pad = q.new_zeros(b * t, nh, hd).index_copy_(0, batch.pad_index, q).view(b, t, nh, hd)
+        out = F.scaled_dot_product_attention(
+            q_pad.transpose(1, 2), keys, values, attn_mask=batch.masks[layer.window], enable_gqa=nh != nkv
+        )  # [B, nh, T, hd]
+        out = out.transpose(1, 2).reshape(b * t, nh * hd)
+        if batch.pad_index is not None:
+            out = out.index_select(0, batch.pad_index)
+        return h + F.linear(out, layer.o_w, layer.o_b)
+
+    def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(self._norm(h, layer.post_norm), layer.gate_up_w).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, layer.down_w)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

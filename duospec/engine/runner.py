@@ -1,0 +1,164 @@
+"""The model-runner interface every worker and decoder calls, and the slot bookkeeping it shares.
+
+Glossary:
+    slot     one sequence's KV-cache row. A runner has ``max_slots`` of them; a sequence holds one from
+             ``allocate_slot()`` until ``free_slot()``.
+    length   how many positions of a slot hold valid keys/values (positions ``0 .. length-1``).
+    chunk    ``SlotChunk(slot, start_pos, token_ids)``: "these tokens sit at positions
+             ``start_pos ..``; compute their logits and cache them". The slot is first truncated to
+             ``start_pos``, so re-feeding a position after a rejection overwrites what was there.
+    rollback ``truncate(slot, length)``: a single integer; rejected positions are overwritten later.
+
+Logits are returned as float32 on the CPU by default (the verify rule runs there, in float32);
+``to_cpu=False`` keeps them float32 on the runner's device.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from duospec.engine.errors import SlotsExhausted
+
+__all__ = ["SlotChunk", "ModelRunner"]
+
+
+@dataclass(frozen=True)
+class SlotChunk:
+    slot: int
+    # position of token_ids[0]; the slot is truncated to start_pos before the chunk is written
+    start_pos: int
+    # [n_tokens], n_tokens >= 1
+    token_ids: Sequence[int]
+
+
+class ModelRunner(abc.ABC):
+    """A causal LM with a per-slot KV cache, driven by ragged batches of ``SlotChunk``.
+
+    Attributes (set by subclasses): ``vocab_size`` (logits width, the model's), ``max_context``
+    (positions per slot), ``max_slots``, ``device``, ``dtype`` (weights and cache), ``backend``
+    ("lean" or "hf"), ``config`` (the transformers config).
+    """
+
+    vocab_size: int
+    max_context: int
+    max_slots: int
+    device: torch.device
+    dtype: torch.dtype
+    backend: str
+
+    def __init__(self, max_slots: int, max_context: int) -> None:
+        if max_slots < 1:
+            raise ValueError(f"max_slots={max_slots}: must be >= 1")
+        if max_context < 1:
+            raise ValueError(f"max_context={max_context}: must be >= 1")
+        self.max_slots = max_slots
+        self.max_context = max_context
+        # None = free; an int = allocated, holding that many valid positions.
+        self._lengths: list[int | None] = [None] * max_slots
+
+    # ---- slots -------------------------------------------------------------------------------
+
+    def allocate_slot(self) -> int:
+        """Return a free slot (lowest index first) with length 0."""
+        for slot, length in enumerate(self._lengths):
+            if length is None:
+                self._lengths[slot] = 0
+                self._on_allocate(slot)
+                return slot
+        raise SlotsExhausted(
+            f"all {self.max_slots} KV-cache slots are in use; free a slot (free_slot) or load the "
+            f"model with a larger max_slots"
+        )
+
+    def free_slot(self, slot: int) -> None:
+        self._check_allocated(slot)
+        self._lengths[slot] = None
+        self._on_free(slot)
+
+    def slot_length(self, slot: int) -> int:
+        return self._check_allocated(slot)
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Roll ``slot`` back to ``length`` valid positions (``0 <= length <= slot_length``)."""
+        current = self._check_allocated(slot)
+        if not 0 <= length <= current:
+            raise ValueError(f"truncate(slot={slot}, length={length}): length must be in [0, {current}]")
+        self._lengths[slot] = length
+
+    @property
+    def free_slots(self) -> int:
+        return sum(length is None for length in self._lengths)
+
+    def _check_allocated(self, slot: int) -> int:
+        if not (isinstance(slot, int) and 0 <= slot < self.max_slots):
+            raise ValueError(f"slot={slot!r}: not a slot index in [0, {self.max_slots})")
+        length = self._lengths[slot]
+        if length is None:
+            raise ValueError(f"slot={slot}: not allocated (allocate_slot() first, or it was freed)")
+        return length
+
+    def _on_allocate(self, slot: int) -> None:
+        """Hook for backends that keep per-slot objects."""
+
+    def _on_free(self, slot: int) -> None:
+        """Hook for backends that keep per-slot objects."""
+
+    # ---- forward -----------------------------------------------------------------------------
+
+    def forward(self, chunks: Sequence[SlotChunk], *, to_cpu: bool = True) -> list[torch.Tensor]:
+        """One batched forward over a ragged list of chunks (at most one chunk per slot).
+
+        Returns per chunk float32 logits ``[n_tokens, vocab_size]``: row j is the distribution of
+        the token after ``token_ids[j]``. On the CPU unless ``to_cpu=False``. Afterwards each slot's
+        length is ``start_pos + n_tokens``.
+        """
+        self._validate(chunks)
+        return self._forward(chunks, last_only=False, to_cpu=to_cpu)
+
+    def forward_last(self, chunks: Sequence[SlotChunk], *, to_cpu: bool = True) -> torch.Tensor:
+        """Like ``forward`` but only each chunk's last position: float32 ``[len(chunks), vocab_size]``.
+        Cheaper (the LM head runs on one row per chunk); the drafter's hot path."""
+        self._validate(chunks)
+        return self._forward(chunks, last_only=True, to_cpu=to_cpu)
+
+    @abc.abstractmethod
+    def _forward(self, chunks: Sequence[SlotChunk], *, last_only: bool, to_cpu: bool):
+        """Run validated chunks; update the slot lengths. Returns a list (last_only=False) or a
+        stacked tensor (last_only=True)."""
+
+    def _validate(self, chunks: Sequence[SlotChunk]) -> None:
+        if not chunks:
+            raise ValueError("forward: chunks is empty; pass at least one SlotChunk")
+        seen: set[int] = set()
+        for i, chunk in enumerate(chunks):
+            length = self._check_allocated(chunk.slot)
+            if chunk.slot in seen:
+                raise ValueError(f"chunks[{i}]: slot {chunk.slot} appears twice in one forward; merge the chunks")
+            seen.add(chunk.slot)
+            n = len(chunk.token_ids)
+            if n < 1:
+                raise ValueError(f"chunks[{i}] (slot {chunk.slot}): token_ids is empty")
+            if not 0 <= chunk.start_pos <= length:
+                raise ValueError(
+                    f"chunks[{i}] (slot {chunk.slot}): start_pos={chunk.start_pos} but the slot holds "
+                    f"{length} positions; start_pos must be in [0, {length}] (no gaps)"
+                )
+            if chunk.start_pos + n > self.max_context:
+                raise ValueError(
+                    f"chunks[{i}] (slot {chunk.slot}): positions up to {chunk.start_pos + n} exceed "
+                    f"max_context={self.max_context}; load the model with a larger max_context"
+                )
+            lo, hi = min(chunk.token_ids), max(chunk.token_ids)
+            if lo < 0 or hi >= self.vocab_size:
+                raise ValueError(
+                    f"chunks[{i}] (slot {chunk.slot}): token id {lo if lo < 0 else hi} outside "
+                    f"[0, {self.vocab_size})"
+                )
+
+    def _commit_lengths(self, chunks: Sequence[SlotChunk]) -> None:
+        for chunk in chunks:
+            self._lengths[chunk.slot] = chunk.start_pos + len(chunk.token_ids)

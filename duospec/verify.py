@@ -1,0 +1,191 @@
+"""The lossless verify rule: one pure function from (drafts, p, q, params, position) to a verdict.
+
+Glossary (DESIGN.md §4; vLLM and Leviathan et al. name p and q the other way round in places):
+
+- **p**: the target distribution at a position, ``probs_from_logits(target_logits, params)``.
+- **q**: the draft distribution the draft token was sampled from, after the same temperature,
+  top-k and top-p (and, across processes, the float16 round trip of ``qcodec.DraftProbs``).
+- **accepted tokens**: the longest prefix of the draft tokens that passes the test, position by
+  position. Greedy: ``x == argmax p``. Sampling: ``u < p(x) / q(x)`` with
+  ``u = uniform(seed, pos, ACCEPT)``, i.e. accept with probability ``min(1, p(x)/q(x))``.
+- **recovered token**: after the first rejection, one token from ``norm(max(0, p - q))`` at the
+  rejected position (``uniform(seed, pos, RESIDUAL)``); greedy: ``argmax p``.
+- **bonus token**: when every draft is accepted, one token from p at the position after the last
+  draft, drawn exactly as ``sample_target`` draws it (``uniform(seed, pos, TARGET)``).
+- **no next token** (``NextTokenKind.NONE``): every draft accepted and the caller declined the
+  bonus (``sample_bonus=False``). PEARL with sampling declines it so that every position is
+  decided by the draft-then-verify rule whatever the chunk timing, keeping seeded output
+  timing-independent.
+
+Under this rule each emitted token is distributed exactly as p, whatever q is (Leviathan et al.
+2023, Chen et al. 2023). Randomness is counter-based, so equal inputs give equal verdicts.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from duospec.qcodec import DraftProbs
+from duospec.sampling import (
+    Purpose,
+    SamplingParams,
+    probs_from_logits,
+    sample_target,
+    sample_token,
+    uniform,
+)
+
+
+class NextTokenKind(enum.Enum):
+    RECOVERED = "recovered"  # resampled after a rejection (greedy: the target's argmax)
+    BONUS = "bonus"  # all drafts accepted; one more token from p
+    NONE = "none"  # all drafts accepted and the bonus was declined
+
+
+@dataclass(frozen=True)
+class Verdict:
+    n_accepted: int  # draft tokens kept, a prefix of the chunk
+    next_token: int | None  # None only with kind NONE
+    kind: NextTokenKind
+
+    def __post_init__(self) -> None:
+        if (self.next_token is None) != (self.kind is NextTokenKind.NONE):
+            raise ValueError(f"Verdict next_token={self.next_token} contradicts kind={self.kind}")
+
+
+DraftQ = Sequence[DraftProbs] | torch.Tensor | None
+
+
+def verify(
+    draft_tokens: Sequence[int],
+    target_logits: torch.Tensor,
+    draft_probs: DraftQ,
+    params: SamplingParams,
+    start_pos: int,
+    *,
+    sample_bonus: bool = True,
+) -> Verdict:
+    """Decide how many of ``draft_tokens`` to keep and which token follows them.
+
+    Args:
+        draft_tokens: ``[k]`` the drafter's tokens; ``draft_tokens[0]`` sits at ``start_pos``.
+        target_logits: ``[k+1, V]``; row ``i`` is the target's prediction for ``start_pos + i``,
+            row ``k`` the bonus position.
+        draft_probs: q for each draft token, ``k`` ``DraftProbs`` or a ``[k, V]`` tensor. Ignored
+            (may be None) when ``params`` is greedy; required otherwise.
+        params: the request's sampling parameters, applied identically to p and q.
+        start_pos: sequence position of ``draft_tokens[0]``; keys the random draws.
+        sample_bonus: if False, an all-accepted chunk yields kind NONE instead of a bonus token.
+    """
+    k = _check_inputs(draft_tokens, target_logits, params, start_pos)
+    # The rule runs on the CPU: k+1 rows are cheap to move and numpy does the per-token work.
+    target_logits = target_logits.detach().cpu()
+    tokens = [int(t) for t in draft_tokens]
+    if params.greedy:
+        return _verify_greedy(tokens, target_logits, sample_bonus)
+    draft_q = _DraftQ(draft_probs, k, target_logits.shape[1])
+    p_rows = probs_from_logits(target_logits[:k], params).numpy().astype(np.float64) if k else ()
+    for i, x in enumerate(tokens):
+        pos = start_pos + i
+        p_row, q_row = p_rows[i], draft_q.row(i)
+        # p(x) >= q(x) accepts without consulting u (u < 1 always), so the draw is skipped.
+        a = float(acceptance_probability(p_row[x], q_row[x]))
+        if a < 1.0 and not uniform(params.seed, pos, Purpose.ACCEPT) < a:
+            u = uniform(params.seed, pos, Purpose.RESIDUAL)
+            recovered = sample_token(torch.from_numpy(residual_distribution(p_row, q_row)), u)
+            return Verdict(i, recovered, NextTokenKind.RECOVERED)
+    if not sample_bonus:
+        return Verdict(k, None, NextTokenKind.NONE)
+    bonus = sample_target(target_logits[k], params, start_pos + k)
+    return Verdict(k, bonus, NextTokenKind.BONUS)
+
+
+def acceptance_probability(p_x: np.ndarray | float, q_x: np.ndarray | float) -> np.ndarray:
+    """``min(1, p(x)/q(x))``, elementwise; 0 where ``q(x) = 0`` or ``p(x) = 0``.
+
+    q(x) = 0 means the drafter could not have drawn x, so there is no ratio to test; p(x) = 0 means
+    the target (after truncation) never emits x. Both are rejections whatever u is. Exposed, with
+    ``residual_distribution``, so the statistical tests can apply the rule to many draws at once.
+    """
+    p_x = np.asarray(p_x, dtype=np.float64)
+    q_x = np.asarray(q_x, dtype=np.float64)
+    valid = (p_x > 0.0) & (q_x > 0.0)
+    ratio = np.divide(p_x, q_x, out=np.zeros(np.broadcast(p_x, q_x).shape), where=valid)
+    return np.minimum(ratio, 1.0)
+
+
+def residual_distribution(p_row: np.ndarray, q_row: np.ndarray) -> np.ndarray:
+    """Unnormalised ``max(0, p - q)`` ``[V]`` float64; p itself when that has no mass.
+
+    The residual is empty only when p == q up to rounding, where a rejection is (almost) never
+    drawn and p is the exact answer.
+    """
+    residual = np.maximum(np.asarray(p_row, np.float64) - np.asarray(q_row, np.float64), 0.0)
+    return residual if residual.sum() > 0.0 else np.asarray(p_row, np.float64)
+
+
+def _verify_greedy(tokens: list[int], target_logits: torch.Tensor, sample_bonus: bool) -> Verdict:
+    argmax = target_logits.argmax(dim=-1).tolist()
+    for i, x in enumerate(tokens):
+        if x != argmax[i]:
+            return Verdict(i, argmax[i], NextTokenKind.RECOVERED)
+    if not sample_bonus:
+        return Verdict(len(tokens), None, NextTokenKind.NONE)
+    return Verdict(len(tokens), argmax[len(tokens)], NextTokenKind.BONUS)
+
+
+class _DraftQ:
+    """q rows as float64 numpy, decoded lazily: only positions up to the first rejection."""
+
+    def __init__(self, draft_probs: DraftQ, k: int, vocab_size: int) -> None:
+        self._vocab_size = vocab_size
+        if draft_probs is None:
+            if k:
+                raise ValueError("draft_probs is None but sampling needs q for every draft token")
+            self._rows: torch.Tensor | Sequence[DraftProbs] = ()
+        elif isinstance(draft_probs, torch.Tensor):
+            if tuple(draft_probs.shape) != (k, vocab_size):
+                raise ValueError(
+                    f"draft_probs tensor has shape {tuple(draft_probs.shape)}, expected "
+                    f"[k, V] = [{k}, {vocab_size}]"
+                )
+            self._rows = draft_probs.detach().to(torch.float64).numpy()
+        else:
+            if len(draft_probs) != k or not all(isinstance(d, DraftProbs) for d in draft_probs):
+                raise ValueError(
+                    f"draft_probs must hold one DraftProbs per draft token ({k}), got "
+                    f"{[type(d).__name__ for d in draft_probs]}"
+                )
+            self._rows = draft_probs
+
+    def row(self, i: int) -> np.ndarray:
+        row = self._rows[i]
+        if isinstance(row, DraftProbs):
+            return row.dense(self._vocab_size).numpy().astype(np.float64)
+        return row
+
+
+def _check_inputs(
+    draft_tokens: Sequence[int], target_logits: torch.Tensor, params: SamplingParams, start_pos: int
+) -> int:
+    params.validate()
+    k = len(draft_tokens)
+    if not isinstance(target_logits, torch.Tensor) or target_logits.dim() != 2:
+        raise ValueError("target_logits must be a 2-D tensor [k+1, V]")
+    if target_logits.shape[0] != k + 1:
+        raise ValueError(
+            f"target_logits has {target_logits.shape[0]} rows for {k} draft tokens; "
+            f"expected k+1 = {k + 1} (one per draft position plus the bonus position)"
+        )
+    vocab = target_logits.shape[1]
+    bad = [int(t) for t in draft_tokens if not 0 <= int(t) < vocab]
+    if bad:
+        raise ValueError(f"draft_tokens {bad} are outside the target vocabulary [0, {vocab})")
+    if start_pos < 0:
+        raise ValueError(f"start_pos={start_pos} must be >= 0")
+    return k

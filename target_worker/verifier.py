@@ -1,0 +1,112 @@
+"""The target's side of a verify round: one ragged batched forward, then the pure verify rule.
+
+For each item the target feeds `context` (committed tokens it has not seen) followed by the draft
+tokens, in one forward with every other sequence of the batch. Rows n_ctx-1 .. n_ctx-1+k of the
+item's logits predict the draft positions and the bonus position. After the verdict the slot keeps
+committed[:-1]: the newest committed token is fed at the start of the next round.
+"""
+
+from __future__ import annotations
+
+import time
+
+from duospec.engine import ModelRunner, SlotChunk, SlotsExhausted
+from duospec.internal.v1 import pearl_pb2 as pb
+from duospec.qcodec import DraftProbs
+from duospec.verify import NextTokenKind, verify
+from draft_worker.drafter import sampling_from_proto
+
+_KIND_TO_PROTO = {
+    NextTokenKind.RECOVERED: pb.NEXT_TOKEN_KIND_RECOVERED,
+    NextTokenKind.BONUS: pb.NEXT_TOKEN_KIND_BONUS,
+    NextTokenKind.NONE: pb.NEXT_TOKEN_KIND_NONE,
+}
+
+
+class Verifier:
+    """Target model state (one KV slot per sequence) and the verify step."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.slots: dict[int, int] = {}  # seq_id -> slot
+        self.forwards = 0
+        self.tokens_verified = 0
+
+    def release(self, seq_id: int) -> None:
+        slot = self.slots.pop(seq_id, None)
+        if slot is not None:
+            self.runner.free_slot(slot)
+
+    def release_all(self) -> None:
+        for seq_id in list(self.slots):
+            self.release(seq_id)
+
+    def run(self, batch: pb.VerifyBatch) -> pb.VerdictBatch:
+        started = time.perf_counter()
+        for seq_id in batch.release_seq_ids:
+            self.release(seq_id)
+        out = pb.VerdictBatch(batch_id=batch.batch_id)
+        items, chunks = [], []
+        for item in batch.items:
+            error = self._check(item)
+            if error is not None:
+                out.errors.append(error)
+                continue
+            items.append(item)
+            chunks.append(SlotChunk(self.slots[item.seq_id], item.start_pos, [*item.context, *item.draft_tokens]))
+        if chunks:
+            logits = self.runner.forward(chunks)
+            self.forwards += 1
+            for item, item_logits, chunk in zip(items, logits, chunks):
+                out.verdicts.append(self._verdict(item, item_logits))
+                self.tokens_verified += len(item.draft_tokens)
+        out.forward_seconds = time.perf_counter() - started
+        return out
+
+    def _check(self, item: pb.VerifyItem) -> pb.VerifyError | None:
+        if not item.context:
+            return _error(item, pb.VERIFY_ERROR_KIND_BAD_REQUEST, "a verify item needs at least one context token")
+        end = item.start_pos + len(item.context) + len(item.draft_tokens)
+        if end > self.runner.max_context:
+            return _error(
+                item,
+                pb.VERIFY_ERROR_KIND_CONTEXT_OVERFLOW,
+                f"sequence reaches position {end}, past the target's context of {self.runner.max_context}",
+            )
+        if item.seq_id not in self.slots:
+            if item.start_pos != 0:
+                # A restarted target lost its cache: the coordinator must re-send from position 0.
+                return _error(item, pb.VERIFY_ERROR_KIND_BAD_REQUEST, "unknown sequence; resend from position 0")
+            try:
+                self.slots[item.seq_id] = self.runner.allocate_slot()
+            except SlotsExhausted as exc:
+                return _error(item, pb.VERIFY_ERROR_KIND_SLOTS_EXHAUSTED, str(exc))
+        elif item.start_pos > self.runner.slot_length(self.slots[item.seq_id]):
+            return _error(item, pb.VERIFY_ERROR_KIND_BAD_REQUEST, "start_pos is past the cached prefix")
+        return None
+
+    def _verdict(self, item: pb.VerifyItem, logits) -> pb.Verdict:
+        n_ctx, k = len(item.context), len(item.draft_tokens)
+        params = sampling_from_proto(item.sampling)
+        probs = [DraftProbs.from_bytes(b) for b in item.draft_probs] if item.draft_probs else None
+        result = verify(
+            list(item.draft_tokens),
+            logits[n_ctx - 1 : n_ctx + k],
+            probs,
+            params,
+            item.start_pos + n_ctx,
+            sample_bonus=item.bonus != pb.BONUS_POLICY_SKIP,
+        )
+        committed_len = item.start_pos + n_ctx + result.n_accepted + (result.next_token is not None)
+        self.runner.truncate(self.slots[item.seq_id], committed_len - 1)
+        return pb.Verdict(
+            seq_id=item.seq_id,
+            epoch=item.epoch,
+            n_accepted=result.n_accepted,
+            kind=_KIND_TO_PROTO[result.kind],
+            next_token=result.next_token if result.next_token is not None else 0,
+        )
+
+
+def _error(item: pb.VerifyItem, kind: int, message: str) -> pb.VerifyError:
+    return pb.VerifyError(seq_id=item.seq_id, kind=kind, message=message)
