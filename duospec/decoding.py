@@ -1,0 +1,155 @@
+"""In-process decoding on the engine, for tests, benchmarks and notebooks.
+
+    target = load_checkpoint("models/target"); draft = load_checkpoint("models/draft")
+    result = vanilla_speculative(target, draft, prompt_ids, max_new_tokens=64, gamma=4)
+    for piece in stream_text(target, draft, prompt_ids, mode="pearl"): print(piece, end="")
+
+These run the same scheduler, policies, drafter and verifier as the served pipeline (one loop, no
+copy per mode), with both models in this process on two threads instead of two Ray actors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import types
+from dataclasses import dataclass
+from typing import Iterator
+
+from coordinator.api import FinishEvent, FinishReason, GenerationRequest, ModelInfo, SpecStats, SpeculationMode
+from coordinator.links import LocalDraftLink, LocalTargetLink
+from coordinator.router import ModelEntry, ModelRouter
+from coordinator.scheduler import Scheduler, SchedulerConfig
+from draft_worker.drafter import Drafter
+from duospec.sampling import SamplingParams
+from target_worker.verifier import Verifier
+
+_request_ids = itertools.count(1)
+
+
+@dataclass
+class DecodeResult:
+    token_ids: list[int]  # generated tokens only
+    text: str
+    finish_reason: FinishReason
+    stats: SpecStats
+
+
+def _router(target, draft, *, gamma: int, max_lookahead: int, max_batch_size: int) -> ModelRouter:
+    """A one-model router over already-loaded checkpoints (duospec.engine.LoadedCheckpoint)."""
+    runner = target.runner
+    context = runner.max_context if draft is None else min(runner.max_context, draft.runner.max_context)
+    info = ModelInfo(
+        name="in-process",
+        target_path=str(target.path),
+        draft_path=str(draft.path) if draft is not None else None,
+        vocab_size=min(len(target.tokenizer), runner.vocab_size),
+        max_context=context,
+        eos_token_id=target.tokenizer.eos_token_id,
+    )
+    config = types.SimpleNamespace(
+        speculation=types.SimpleNamespace(mode=SpeculationMode.PEARL, max_draft_tokens=gamma, max_lookahead=max_lookahead),
+    )
+    sched_config = SchedulerConfig(max_batch_size=max_batch_size, max_sequences=min(runner.max_slots, 64))
+
+    async def open_scheduler() -> Scheduler:
+        draft_link = LocalDraftLink(Drafter(draft.runner)) if draft is not None else None
+        scheduler = Scheduler(info, LocalTargetLink(Verifier(runner)), draft_link, sched_config)
+        await scheduler.start()
+        return scheduler
+
+    router = ModelRouter()
+    router.add_model(ModelEntry(info, config, open_scheduler))
+    return router
+
+
+def _request(prompt_ids, max_new_tokens, mode, sampling, gamma, ignore_eos) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=f"in-process-{next(_request_ids)}",
+        prompt_token_ids=tuple(int(t) for t in prompt_ids),
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        mode=SpeculationMode(mode),
+        max_draft_tokens=gamma,
+        ignore_eos=ignore_eos,
+    )
+
+
+def stream_events(target, draft, requests: list[GenerationRequest], *, gamma=4, max_lookahead=8, max_batch_size=8):
+    """Runs several requests concurrently; returns {request_id: [events]} (both models in-process)."""
+
+    async def run():
+        router = _router(target, draft, gamma=gamma, max_lookahead=max_lookahead, max_batch_size=max_batch_size)
+        try:
+            async def collect(req):
+                return req.request_id, [event async for event in router.generate(req)]
+
+            return dict(await asyncio.gather(*(collect(r) for r in requests)))
+        finally:
+            await router.close()
+
+    return asyncio.run(run())
+
+
+def stream_text(
+    target,
+    draft,
+    prompt_ids,
+    *,
+    max_new_tokens: int = 64,
+    mode: str = "pearl",
+    sampling: SamplingParams = SamplingParams(),
+    gamma: int = 4,
+    ignore_eos: bool = False,
+) -> Iterator[str]:
+    """Yields text pieces as tokens are committed (never a broken UTF-8 character); the pieces
+    concatenate to tokenizer.decode(generated ids)."""
+    from duospec.detokenizer import IncrementalDetokenizer
+
+    request = _request(prompt_ids, max_new_tokens, mode, sampling, gamma, ignore_eos)
+    detok = IncrementalDetokenizer(target.tokenizer, request.prompt_token_ids)
+    loop = asyncio.new_event_loop()
+    router = None
+    try:
+        router = _router(target, draft, gamma=gamma, max_lookahead=max(8, gamma), max_batch_size=1)
+        events = router.generate(request)
+        while True:
+            try:
+                event = loop.run_until_complete(events.__anext__())
+            except StopAsyncIteration:
+                break
+            if isinstance(event, FinishEvent):
+                break
+            piece = detok.push(event.token_ids)
+            if piece:
+                yield piece
+        tail = detok.flush()
+        if tail:
+            yield tail
+    finally:
+        if router is not None:
+            loop.run_until_complete(router.close())
+        loop.close()
+
+
+def decode(target, draft, prompt_ids, *, max_new_tokens=64, mode="pearl", sampling=SamplingParams(), gamma=4,
+           ignore_eos=False) -> DecodeResult:
+    request = _request(prompt_ids, max_new_tokens, mode, sampling, gamma, ignore_eos)
+    events = stream_events(target, draft, [request], gamma=gamma, max_lookahead=max(8, gamma))[request.request_id]
+    finish = events[-1]
+    tokens = [t for event in events[:-1] for t in event.token_ids]
+    text = target.tokenizer.decode(tokens)
+    return DecodeResult(tokens, text, finish.finish_reason, finish.stats)
+
+
+def autoregressive(target, prompt_ids, *, max_new_tokens=64, sampling=SamplingParams(), ignore_eos=False):
+    """Target-only decoding, one token per forward (the `off` mode)."""
+    return decode(target, None, prompt_ids, max_new_tokens=max_new_tokens, mode="off", sampling=sampling,
+                  ignore_eos=ignore_eos)
+
+
+def vanilla_speculative(target, draft, prompt_ids, *, gamma=4, max_new_tokens=64, sampling=SamplingParams(),
+                        ignore_eos=False):
+    """Classic speculative decoding: draft γ tokens, verify them in one target forward, repeat."""
+    return decode(target, draft, prompt_ids, max_new_tokens=max_new_tokens, mode="vanilla", sampling=sampling,
+                  gamma=gamma, ignore_eos=ignore_eos)
