@@ -54,6 +54,8 @@ class SpecStats:
     pre_verify_aborts: int = 0  # rounds aborted at the first draft token of a chunk
     wasted_draft_tokens: int = 0  # drafted but discarded (after a rejection), incl. never verified
     rejections: int = 0
+    # accepted_per_pos[i]: how often the draft token at offset i of a verified chunk was accepted
+    accepted_per_pos: list[int] = field(default_factory=list)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -70,6 +72,9 @@ class SpecStats:
 @dataclass(frozen=True)
 class TokensEvent:
     token_ids: tuple[int, ...]  # newly committed tokens, in order
+    # The sequence's live stats (updated in place), so a consumer that stops early (a stop string,
+    # a client cancel) still has them without waiting for a FinishEvent.
+    stats: SpecStats | None = None
 
 
 @dataclass(frozen=True)
@@ -100,7 +105,7 @@ class Coordinator(Protocol):
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]: ...
 
-    async def stats(self) -> dict: ...  # live sequences, per-actor busy/idle, free slots
+    async def stats(self) -> dict: ...  # {"ready": bool, "models": {name: {live_sequences, target, draft}}}
 
     async def close(self) -> None: ...
 

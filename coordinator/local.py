@@ -34,19 +34,19 @@ class LocalCoordinator(ModelRouter):
         for config in models:
             info = model_info(config)
             preloaded = (runners or {}).get(config.name)
+            if preloaded is None:  # load now: health turns SERVING only once the models are in memory
+                max_slots = scheduler_config(config).max_sequences
+                preloaded = (
+                    load_runner(info.target_path, config, max_slots),
+                    load_runner(info.draft_path, config, max_slots) if info.draft_path else None,
+                )
             self.add_model(ModelEntry(info, config, self._opener(info, config, preloaded)))
 
     @staticmethod
     def _opener(info, config, preloaded):
         async def open_scheduler() -> Scheduler:
             sched_config = scheduler_config(config)
-            if preloaded is not None:
-                target_runner, draft_runner = preloaded
-            else:
-                target_runner = load_runner(info.target_path, config, sched_config.max_sequences)
-                draft_runner = (
-                    load_runner(info.draft_path, config, sched_config.max_sequences) if info.draft_path else None
-                )
+            target_runner, draft_runner = preloaded
             target = LocalTargetLink(Verifier(target_runner))
             draft = LocalDraftLink(Drafter(draft_runner)) if draft_runner is not None else None
             scheduler = Scheduler(info, target, draft, sched_config)

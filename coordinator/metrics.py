@@ -8,8 +8,9 @@ not carry per-position acceptance counts.
 Gauges about the actors come from `await coordinator.stats()`, sampled by the server on a timer
 (collection runs on the HTTP thread, which cannot await); keys are read defensively because the
 stats dict belongs to the coordinator:
-    {"live_sequences": int, "ready": bool,
-     "actors": {"draft": {"slots_in_use": int, "free_slots": int, "busy_s": float, "idle_s": float}, ...}}
+    {model: {"live_sequences": int, "target": {"busy_s": float, "idle_s": float, "slots_in_use": int,
+                                               "free_slots": int}, "draft": {...}}}
+or the same without the model level; an optional top-level "ready": bool drives health.
 """
 
 from __future__ import annotations
@@ -53,13 +54,13 @@ class ServerMetrics:
         self.streams_running = Gauge("duospec:num_requests_running", "Streams generating", registry=r)
         self.streams_waiting = Gauge("duospec:num_requests_waiting", "Streams queued for a slot", registry=r)
         self.live_sequences = Gauge("duospec:coordinator_live_sequences", "Sequences the coordinator holds",
-                                    registry=r)
-        self.slots_in_use = Gauge("duospec:actor_slots_in_use", "KV slots in use", ["actor"], registry=r)
-        self.free_slots = Gauge("duospec:actor_free_slots", "KV slots free", ["actor"], registry=r)
+                                    ["model"], registry=r)
+        self.slots_in_use = Gauge("duospec:actor_slots_in_use", "KV slots in use", ["model", "actor"], registry=r)
+        self.free_slots = Gauge("duospec:actor_free_slots", "KV slots free", ["model", "actor"], registry=r)
         self.busy_seconds = Gauge("duospec:actor_busy_seconds", "Seconds the actor spent computing",
-                                  ["actor"], registry=r)
+                                  ["model", "actor"], registry=r)
         self.idle_seconds = Gauge("duospec:actor_idle_seconds", "Seconds the actor waited for work",
-                                  ["actor"], registry=r)
+                                  ["model", "actor"], registry=r)
 
     def observe_first_token(self, tenant: str, seconds: float) -> None:
         self.ttft.labels(tenant).observe(seconds)
@@ -91,26 +92,41 @@ class ServerMetrics:
 
     def update_from_coordinator(self, stats: Any) -> None:
         """Copies what it recognizes from `coordinator.stats()`; unknown shapes are skipped."""
-        if not isinstance(stats, dict):
-            return
-        live = _number(stats.get("live_sequences"))
-        if live is not None:
-            self.live_sequences.set(live)
-        actors = stats.get("actors")
-        if not isinstance(actors, dict):
-            return
-        for name, actor in actors.items():
-            if not isinstance(actor, dict):
-                continue
-            for key, gauge in (("slots_in_use", self.slots_in_use), ("free_slots", self.free_slots),
-                               ("busy_s", self.busy_seconds), ("idle_s", self.idle_seconds)):
-                value = _number(actor.get(key))
-                if value is not None:
-                    gauge.labels(str(name)).set(value)
+        for model, entry in per_model_stats(stats).items():
+            live = _number(entry.get("live_sequences"))
+            if live is not None:
+                self.live_sequences.labels(model).set(live)
+            for actor, values in _actor_stats(entry).items():
+                for key, gauge in (("slots_in_use", self.slots_in_use), ("free_slots", self.free_slots),
+                                   ("busy_s", self.busy_seconds), ("idle_s", self.idle_seconds)):
+                    value = _number(values.get(key))
+                    if value is not None:
+                        gauge.labels(model, actor).set(value)
 
     def serve(self, port: int, host: str = "0.0.0.0"):
         """Starts the /metrics HTTP endpoint on its own thread; returns (server, thread)."""
         return start_http_server(port, addr=host, registry=self.registry)
+
+
+def per_model_stats(stats: Any) -> dict[str, dict]:
+    """`{model: {...}}` (the router's shape) or one flat dict (a single-model coordinator, as "")."""
+    if not isinstance(stats, dict):
+        return {}
+    if isinstance(stats.get("models"), dict):  # the router's {"ready": ..., "models": {...}}
+        stats = stats["models"]
+    if "live_sequences" in stats or "actors" in stats:
+        return {"": stats}
+    return {str(k): v for k, v in stats.items() if isinstance(v, dict)}
+
+
+def live_sequences(stats: Any) -> int:
+    """Sequences alive across all models (0 when the stats do not say)."""
+    return int(sum(_number(e.get("live_sequences")) or 0 for e in per_model_stats(stats).values()))
+
+
+def _actor_stats(entry: dict) -> dict[str, dict]:
+    actors = entry.get("actors") if isinstance(entry.get("actors"), dict) else entry
+    return {str(k): v for k, v in actors.items() if isinstance(v, dict) and k != "actors"}
 
 
 def _number(value: Any) -> float | None:

@@ -116,10 +116,17 @@ class ModelRouter:
         async for event in scheduler.generate(request, policy):
             yield event
 
+    def ready(self) -> bool:
+        """True once every model's workers are loaded and reachable."""
+        return bool(self.entries) and not self.closed
+
     async def stats(self) -> dict:
         return {
-            name: (entry.scheduler.stats() if entry.scheduler is not None else {"live_sequences": 0})
-            for name, entry in self.entries.items()
+            "ready": self.ready(),
+            "models": {
+                name: (entry.scheduler.stats() if entry.scheduler is not None else {"live_sequences": 0})
+                for name, entry in self.entries.items()
+            },
         }
 
     async def close(self) -> None:

@@ -324,6 +324,11 @@ class Scheduler:
         new_tokens = seq.drafts[:accepted] + ([verdict.next_token] if has_next else [])
         old_len = len(seq.committed)
         seq.stats.accepted_tokens += accepted
+        per_pos = seq.stats.accepted_per_pos
+        if len(per_pos) < accepted:
+            per_pos.extend([0] * (accepted - len(per_pos)))
+        for i in range(accepted):
+            per_pos[i] += 1
         rejected = verdict.kind == pb.NEXT_TOKEN_KIND_RECOVERED and accepted < k
         if rejected:
             seq.stats.rejections += 1
@@ -336,7 +341,7 @@ class Scheduler:
             self._vtime.get(seq.request.tenant, 0.0) + len(kept) / seq.request.priority_weight
         )
         if kept:
-            seq.events.put_nowait(TokensEvent(tuple(kept)))
+            seq.events.put_nowait(TokensEvent(tuple(kept), seq.stats))
         if seq.finish_reason is not None:
             self._finish(seq, seq.finish_reason)
             return

@@ -57,7 +57,7 @@ class DraftProbs:
         object.__setattr__(self, "probs", probs)
 
     @classmethod
-    def from_probs(cls, probs_row: torch.Tensor) -> "DraftProbs":
+    def from_probs(cls, probs_row: torch.Tensor) -> DraftProbs:
         """Encode ``probs_row [V]``: round to float16 and keep the tokens still > 0."""
         if not isinstance(probs_row, torch.Tensor) or probs_row.dim() != 1:
             raise ValueError("probs_row must be a 1-D tensor [vocab]")
@@ -87,7 +87,7 @@ class DraftProbs:
         return self.token_ids.tobytes() + self.probs.tobytes()
 
     @classmethod
-    def from_bytes(cls, b: bytes) -> "DraftProbs":
+    def from_bytes(cls, b: bytes) -> DraftProbs:
         if len(b) == 0 or len(b) % _BYTES_PER_TOKEN:
             raise ValueError(
                 f"draft_probs message of {len(b)} bytes is malformed: expected a positive "
@@ -113,7 +113,7 @@ class DraftProbs:
 def draft_sample(
     logits_row: torch.Tensor, params: SamplingParams, position: int
 ) -> tuple[int, DraftProbs | None]:
-    """The drafter's draw at ``position``: ``(token, q)``; q is None when greedy (nothing to send)."""
+    """The drafter's draw at ``position``: ``(token, q)``; q is None when greedy (nothing sent)."""
     if not isinstance(logits_row, torch.Tensor) or logits_row.dim() != 1:
         raise ValueError("logits_row must be a 1-D tensor [vocab]")
     if params.greedy:
@@ -121,5 +121,6 @@ def draft_sample(
         return int(torch.argmax(logits_row)), None
     q = probs_from_logits(logits_row.unsqueeze(0), params)[0]
     dq = DraftProbs.from_probs(q)
-    token = sample_token(dq.dense(logits_row.shape[0]), uniform(params.seed, position, Purpose.DRAFT))
+    u = uniform(params.seed, position, Purpose.DRAFT)
+    token = sample_token(dq.dense(logits_row.shape[0]), u)
     return token, dq

@@ -1,8 +1,8 @@
 """Sampling parameters, logits → probabilities, and counter-based randomness.
 
-Every random draw in duospec is keyed by ``(request seed, position, purpose)`` (DESIGN.md §4), never
-by a stateful generator: the drafter and the target live in different processes and verify chunks
-of whatever size happens to be ready, so a draw must not depend on how many draws came before it.
+Every random draw in duospec is keyed by ``(request seed, position, purpose)`` (DESIGN.md §4),
+never by a stateful generator: the drafter and the target live in different processes and verify
+chunks of whatever size happens to be ready, so a draw must not depend on how many came before it.
 ``uniform`` is therefore a pure hash of its three arguments.
 
 Both sides turn logits into probabilities with the same ``probs_from_logits`` (temperature, then
@@ -50,8 +50,10 @@ class SamplingParams:
             raise ValueError(
                 f"sampling.top_p={p!r} is invalid: use a number in (0, 1] (1 = no nucleus cut)"
             )
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not (
-            0 <= self.seed <= _U64
+        if (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not (0 <= self.seed <= _U64)
         ):
             raise ValueError(
                 f"sampling.seed={self.seed!r} is invalid: use an integer in [0, 2**64)"
@@ -191,7 +193,7 @@ def sample_tokens(probs_row: torch.Tensor | np.ndarray, us: np.ndarray) -> np.nd
 
 
 def sample_target(logits_row: torch.Tensor, params: SamplingParams, position: int) -> int:
-    """The target's own draw at ``position``: greedy argmax, else p sampled with the TARGET uniform."""
+    """The target's own draw at ``position``: greedy argmax, else p with the TARGET uniform."""
     if not isinstance(logits_row, torch.Tensor) or logits_row.dim() != 1:
         raise ValueError("logits_row must be a 1-D tensor [vocab]")
     if params.greedy:

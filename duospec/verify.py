@@ -93,9 +93,9 @@ def verify(
     for i, x in enumerate(tokens):
         pos = start_pos + i
         p_row, q_row = p_rows[i], draft_q.row(i)
-        # p(x) >= q(x) accepts without consulting u (u < 1 always), so the draw is skipped.
+        # Accept iff u < a. With a = 1 that holds for every u in [0, 1), so u is not drawn.
         a = float(acceptance_probability(p_row[x], q_row[x]))
-        if a < 1.0 and not uniform(params.seed, pos, Purpose.ACCEPT) < a:
+        if a < 1.0 and uniform(params.seed, pos, Purpose.ACCEPT) >= a:
             u = uniform(params.seed, pos, Purpose.RESIDUAL)
             recovered = sample_token(torch.from_numpy(residual_distribution(p_row, q_row)), u)
             return Verdict(i, recovered, NextTokenKind.RECOVERED)
@@ -154,7 +154,7 @@ class _DraftQ:
                     f"draft_probs tensor has shape {tuple(draft_probs.shape)}, expected "
                     f"[k, V] = [{k}, {vocab_size}]"
                 )
-            self._rows = draft_probs.detach().to(torch.float64).numpy()
+            self._rows = draft_probs.detach().cpu().to(torch.float64).numpy()
         else:
             if len(draft_probs) != k or not all(isinstance(d, DraftProbs) for d in draft_probs):
                 raise ValueError(

@@ -21,12 +21,18 @@ import random
 import shutil
 from typing import Any
 
-__all__ = ["FAMILIES", "BOS_TOKEN", "EOS_TOKEN", "PAD_TOKEN", "make_tiny_checkpoint", "tiny_tokenizer"]
+__all__ = ["FAMILIES", "BOS_TOKEN", "EOS_TOKEN", "PAD_TOKEN", "UNK_TOKEN", "make_tiny_checkpoint", "tiny_tokenizer"]
 
 FAMILIES = ("llama", "llama3", "qwen2", "mistral")
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
 PAD_TOKEN = "<pad>"
+# Never produced by the byte-level BPE, but declared: some tokenizer classes (Qwen2Tokenizer) add an
+# "<|endoftext|>" unk token of their own when none is set, which would grow the vocabulary by one.
+UNK_TOKEN = "<unk>"
+_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 TOKENIZER_VOCAB_SIZE = 384
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 _STAMP = "tiny_model_args.json"
@@ -58,14 +64,20 @@ def _training_text(n_lines: int = 400) -> str:
 @functools.lru_cache(maxsize=1)
 def _trained_tokenizer_json() -> str:
     """Train the byte-level BPE once per process; the JSON is what gets written to each dir."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # The same normalizer and pre-tokenizer transformers' Qwen2Tokenizer rebuilds for itself, so the
+    # tokenizer encodes identically whichever class AutoTokenizer picks for the model type.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=TOKENIZER_VOCAB_SIZE,
-        special_tokens=[BOS_TOKEN, EOS_TOKEN, PAD_TOKEN],
+        special_tokens=[BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, UNK_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -74,7 +86,7 @@ def _trained_tokenizer_json() -> str:
 
 
 def tiny_tokenizer(out_dir: str | pathlib.Path) -> pathlib.Path:
-    """Write a small byte-level BPE tokenizer (~384 tokens, ids 0/1/2 = bos/eos/pad) to ``out_dir``.
+    """Write a small byte-level BPE tokenizer (~384 tokens, ids 0/1/2/3 = bos/eos/pad/unk) to ``out_dir``.
 
     Saved as a ``PreTrainedTokenizerFast`` directory; returns ``out_dir``. Any text round-trips
     (byte-level), and no BOS is added automatically, so token ids are exactly what the text encodes.
@@ -92,6 +104,7 @@ def tiny_tokenizer(out_dir: str | pathlib.Path) -> pathlib.Path:
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
         clean_up_tokenization_spaces=False,
     )
     fast.save_pretrained(str(out))
@@ -120,7 +133,8 @@ def _family_config(family: str, common: dict[str, Any], rope_scaling, attention_
     if family == "mistral":
         if attention_bias:
             raise ValueError("family='mistral': Mistral has no attention bias; leave attention_bias=None")
-        return MistralConfig(**common, sliding_window=None)
+        # No window by default (contexts in tests stay short); config_overrides can set one.
+        return MistralConfig(**{"sliding_window": None, **common})
     raise ValueError(f"family={family!r} is not one of {FAMILIES}")
 
 

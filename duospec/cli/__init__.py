@@ -16,7 +16,6 @@ COMMAND_MODULES = [
     "duospec.cli.serve",      # serve
     "duospec.cli.client",     # generate, models
     "duospec.cli.admin",      # tenants, usage
-    "duospec.cli.bench",      # bench
     "duospec.cli.train",      # train-tiny, distill
 ]
 

@@ -55,17 +55,20 @@ def _register_distill(subparsers) -> None:
     )
     parser.add_argument("--target", type=Path, required=True, help="target checkpoint directory")
     parser.add_argument("--data", nargs="+", required=True, metavar="PATH",
-                        help="text files or directories (walked recursively)")
+                        help="text files, or directories walked recursively for text files (binary files are skipped)")
     parser.add_argument("--out", type=Path, required=True, help="draft checkpoint directory to write")
-    parser.add_argument("--draft-layers", type=int, default=2)
-    parser.add_argument("--draft-hidden", type=int, default=256)
-    parser.add_argument("--draft-heads", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=2000)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--draft-layers", type=int, default=2, help="decoder layers (default 2)")
+    parser.add_argument("--draft-hidden", type=int, default=256, help="hidden size (default 256)")
+    parser.add_argument("--draft-heads", type=int, default=4,
+                        help="attention heads; hidden/heads must be even (default 4)")
+    parser.add_argument("--steps", type=int, default=2000,
+                        help="optimizer steps; raising it on a finished run extends it (default 2000)")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="auto = cuda when available (bf16 autocast there), else cpu")
+    parser.add_argument("--seed", type=int, default=0, help="draft init and batch order (default 0)")
     parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                         help="continue from OUT's checkpoint if it belongs to the same run (default)")
     parser.set_defaults(func=_distill)

@@ -7,6 +7,7 @@ already past its size), the slot is rebuilt by re-running its kept prefix — sl
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -26,6 +27,8 @@ class HFRunner(ModelRunner):
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = model.config.vocab_size
+        # transformers 5 renamed the forward's `past_key_values` argument and output to `cache`.
+        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self._caches: list = [None] * max_slots
         # [slot] token ids whose keys/values the slot's cache holds
         self._tokens: list[list[int]] = [[] for _ in range(max_slots)]
@@ -40,7 +43,8 @@ class HFRunner(ModelRunner):
 
     def _forward(self, chunks: Sequence[SlotChunk], *, last_only: bool, to_cpu: bool):
         outputs = []
-        with torch.inference_mode():
+        # no_grad, not inference_mode: the returned logits stay ordinary tensors callers may edit in place.
+        with torch.no_grad():
             for chunk in chunks:
                 logits = self._run_chunk(chunk, last_only)
                 outputs.append(logits.float().cpu() if to_cpu else logits.float())
@@ -54,8 +58,8 @@ class HFRunner(ModelRunner):
         cache = self._cropped_cache(slot, keep)
         ids = torch.tensor([list(chunk.token_ids)], dtype=torch.long, device=self.device)
         extra = {"logits_to_keep": 1} if last_only else {}
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, **extra)
-        self._caches[slot] = out.past_key_values
+        out = self.model(input_ids=ids, use_cache=True, **{self._cache_arg: cache}, **extra)
+        self._caches[slot] = _returned_cache(out)
         self._tokens[slot].extend(chunk.token_ids)
         return out.logits[0, -1] if last_only else out.logits[0]
 
@@ -74,4 +78,9 @@ class HFRunner(ModelRunner):
             pass
         # Cannot crop this cache type: rebuild from the kept prefix.
         prefix = torch.tensor([self._tokens[slot][:keep]], dtype=torch.long, device=self.device)
-        return self.model(input_ids=prefix, use_cache=True, logits_to_keep=1).past_key_values
+        return _returned_cache(self.model(input_ids=prefix, use_cache=True, logits_to_keep=1))
+
+
+def _returned_cache(output):
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values

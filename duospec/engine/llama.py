@@ -204,7 +204,11 @@ class LeanLlamaRunner(ModelRunner):
                 h = self._mlp(layer, h)
             if last_only:
                 h = h[batch.last_rows]
-            logits = F.linear(self._norm(h, self.final_norm), self.lm_head).float()
+            h = self._norm(h, self.final_norm)
+        # The LM head runs outside inference mode so the logits are ordinary tensors: callers
+        # (temperature, top-k) may modify them in place without a copy.
+        with torch.no_grad():
+            logits = F.linear(h, self.lm_head).float()
             if to_cpu:
                 logits = logits.cpu()
         self._commit_lengths(chunks)

@@ -31,7 +31,7 @@ class SlotChunk:
     slot: int
     # position of token_ids[0]; the slot is truncated to start_pos before the chunk is written
     start_pos: int
-    # [n_tokens], n_tokens >= 1
+    # [n_tokens], n_tokens >= 1; a list/tuple of ints (not a tensor: ids are indexed on the host)
     token_ids: Sequence[int]
 
 
@@ -139,6 +139,11 @@ class ModelRunner(abc.ABC):
             if chunk.slot in seen:
                 raise ValueError(f"chunks[{i}]: slot {chunk.slot} appears twice in one forward; merge the chunks")
             seen.add(chunk.slot)
+            if not isinstance(chunk.token_ids, (list, tuple, range)):
+                raise TypeError(
+                    f"chunks[{i}] (slot {chunk.slot}): token_ids is a {type(chunk.token_ids).__name__}; "
+                    f"pass a list of ints (e.g. tensor.tolist())"
+                )
             n = len(chunk.token_ids)
             if n < 1:
                 raise ValueError(f"chunks[{i}] (slot {chunk.slot}): token_ids is empty")

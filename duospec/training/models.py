@@ -19,13 +19,13 @@ class ModelShape:
 
 
 # The bundled pair. The target is deep enough that one decode step costs several draft steps even
-# when per-layer overhead dominates (the draft has a single layer); widths keep head_dim = 64.
+# when per-layer overhead dominates (the draft has two layers: the fewest that can form induction heads, which copy identifiers); widths keep head_dim = 64.
 TINY_TARGET = ModelShape(hidden=256, layers=6, heads=4, kv_heads=4, intermediate=704)
-TINY_DRAFT = ModelShape(hidden=128, layers=1, heads=2, kv_heads=2, intermediate=384)
+TINY_DRAFT = ModelShape(hidden=128, layers=2, heads=2, kv_heads=2, intermediate=384)
 
 
-def llama_config(shape: ModelShape, vocab_size: int, bos_id: int, eos_id: int, max_positions: int,
-                 rope_theta: float = 10000.0):
+def llama_config(shape: ModelShape, vocab_size: int, bos_id, eos_id, max_positions: int,
+                 rope_parameters: dict | None = None, rms_norm_eps: float = 1e-5):
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -36,8 +36,8 @@ def llama_config(shape: ModelShape, vocab_size: int, bos_id: int, eos_id: int, m
         num_attention_heads=shape.heads,
         num_key_value_heads=shape.kv_heads,
         max_position_embeddings=max_positions,
-        rms_norm_eps=1e-5,
-        rope_theta=rope_theta,
+        rms_norm_eps=rms_norm_eps,
+        rope_parameters=dict(rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}),
         tie_word_embeddings=True,
         bos_token_id=bos_id,
         eos_token_id=eos_id,

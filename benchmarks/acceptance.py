@@ -1,0 +1,92 @@
+"""Measure the bundled (or any) target/draft pair: single-step decode cost ratio and greedy
+acceptance at draft length 4 on held-out stdlib files.
+
+    .venv/bin/python benchmarks/acceptance.py                       # models/target + models/draft
+    .venv/bin/python benchmarks/acceptance.py --record models/metrics.json
+
+Cost: median seconds of one single-token decode step (position 64, one thread, fp32) on duospec's
+engine (`duospec.engine.load_model`, `forward_last`). Acceptance: exact greedy simulation from
+teacher-forced passes (see duospec/training/acceptance.py), on prompts from the held-out split.
+`--record` also stores the figure for the small fixed prompt set that tests/test_bundled_models.py
+re-measures, so that test's floor is derived from a measurement, not typed in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+# The regression test re-measures exactly this configuration (it must stay under ~20 s).
+REGRESSION_SET = {"prompts": 6, "prompt_tokens": 48, "new_tokens": 48, "draft_len": 4}
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", type=Path, default=Path("models/target"))
+    parser.add_argument("--draft", type=Path, default=Path("models/draft"))
+    parser.add_argument("--prompts", type=int, default=48, help="held-out prompts")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per prompt")
+    parser.add_argument("--draft-len", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=300, help="timed decode steps per model")
+    parser.add_argument("--record", type=Path, help="write the figures as JSON here")
+    return parser.parse_args(argv)
+
+
+def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: int, prompt_tokens: int,
+                       new_tokens: int, draft_len: int):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from duospec.training.acceptance import heldout_prompts, measure_pair
+
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    chosen = heldout_prompts(tokenizer, prompts, prompt_tokens)
+    return measure_pair(target, draft, chosen, new_tokens, draft_len), len(chosen)
+
+
+def main(argv=None) -> int:
+    import torch
+
+    from duospec.training.acceptance import decode_step_seconds
+
+    args = _parse(argv)
+    torch.set_num_threads(1)
+    step_s = {name: decode_step_seconds(path, repeats=args.repeats)
+              for name, path in (("target", args.target), ("draft", args.draft))}
+    ratio = step_s["target"] / step_s["draft"]
+    print(f"decode step (1 thread, fp32, duospec engine): target {step_s['target'] * 1e3:.3f} ms, "
+          f"draft {step_s['draft'] * 1e3:.3f} ms, ratio {ratio:.2f}x")
+
+    started = time.perf_counter()
+    stats, n_prompts = measure_acceptance(args.target, args.draft, args.prompts, args.prompt_tokens,
+                                          args.new_tokens, args.draft_len)
+    print(f"greedy, draft length {args.draft_len}, {n_prompts} held-out prompts x {args.new_tokens} tokens: "
+          f"mean accepted length {stats.mean_accepted_length:.3f} (accepted + 1 per target forward), "
+          f"per-token agreement {stats.agreement:.3f}  [{time.perf_counter() - started:.0f}s]")
+    regression, _ = measure_acceptance(args.target, args.draft, REGRESSION_SET["prompts"],
+                                       REGRESSION_SET["prompt_tokens"], REGRESSION_SET["new_tokens"],
+                                       REGRESSION_SET["draft_len"])
+    print(f"regression set {REGRESSION_SET}: mean accepted length {regression.mean_accepted_length:.3f}")
+    if args.record:
+        record = {
+            "decode_step_ms": {k: round(v * 1e3, 4) for k, v in step_s.items()},
+            "cost_ratio": round(ratio, 3),
+            "heldout": {"prompts": n_prompts, "prompt_tokens": args.prompt_tokens,
+                        "new_tokens": args.new_tokens, "draft_len": args.draft_len,
+                        "mean_accepted_length": round(stats.mean_accepted_length, 4),
+                        "agreement": round(stats.agreement, 4)},
+            "regression_set": {**REGRESSION_SET, "mean_accepted_length": round(regression.mean_accepted_length, 4)},
+        }
+        args.record.write_text(json.dumps(record, indent=2) + "\n")
+        print(f"recorded to {args.record}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""asyncio client: the same API as `Client`, with awaitable methods.
+
+    async with duospec.AsyncClient("127.0.0.1:50051") as client:
+        result = await client.generate("def fib(n):", max_new_tokens=64)
+        async for chunk in await client.generate("def fib(n):", stream=True):
+            print(chunk.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, Callable, Iterable, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from duospec.sdk.client import TRUNCATED_STREAM
+from duospec.sdk.errors import DuospecError, error_from_rpc, is_unavailable
+from duospec.sdk.transport import (
+    Deadline, PemSource, RetryPolicy, TlsSetting, call_metadata, channel_credentials, channel_options,
+    check_timeout,
+)
+from duospec.sdk.types import (
+    GenerationChunk, GenerationResult, ModelCard, ResultBuilder, build_request, chunk_from_proto,
+    model_card_from_proto,
+)
+from duospec.v1 import generation_pb2 as pb
+from duospec.v1.generation_pb2_grpc import GenerationServiceStub
+
+
+class AsyncGenerationStream:
+    """Async iterator of GenerationChunk for one call; `cancel()` / leaving `async with` cancels it."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall, first: pb.GenerateResponse):
+        self._call = call
+        self._pending: pb.GenerateResponse | None = first
+        self._finished = False
+
+    def __aiter__(self) -> AsyncGenerationStream:
+        return self
+
+    async def __anext__(self) -> GenerationChunk:
+        if self._finished:
+            raise StopAsyncIteration
+        response, self._pending = self._pending, None
+        if response is None:
+            try:
+                response = await self._call.read()
+            except grpc.RpcError as err:
+                raise error_from_rpc(err) from None
+            if response is grpc.aio.EOF:
+                raise DuospecError("INTERNAL", TRUNCATED_STREAM)
+        chunk = chunk_from_proto(response)
+        self._finished = chunk.finish_reason is not None
+        return chunk
+
+    def cancel(self) -> None:
+        self._finished = True
+        self._call.cancel()
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+    async def __aenter__(self) -> AsyncGenerationStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.cancel()
+
+
+class AsyncClient:
+    """asyncio duospec client; arguments as for `duospec.Client`. Create it inside a running loop."""
+
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50051",
+        *,
+        api_key: str | None = None,
+        tls: TlsSetting = False,
+        timeout: float | None = None,
+        max_retries: int = 3,
+        client_cert_chain: PemSource | None = None,
+        client_private_key: PemSource | None = None,
+        grpc_options: Sequence[tuple[str, object]] = (),
+    ):
+        self._retry = RetryPolicy(max_retries=max_retries)
+        self._timeout = check_timeout(timeout)
+        self._metadata = call_metadata(api_key)
+        creds = channel_credentials(tls, client_cert_chain, client_private_key)
+        options = channel_options(tuple(grpc_options))
+        if creds is None:
+            self._channel = grpc.aio.insecure_channel(address, options=options)
+        else:
+            self._channel = grpc.aio.secure_channel(address, creds, options=options)
+        self._stub = GenerationServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        messages: Iterable[Any] | None = None,
+        model: str = "",
+        max_new_tokens: int | None = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+        mode: str | None = None,
+        max_draft_tokens: int = 0,
+        request_id: str = "",
+        stream: bool = False,
+        timeout: float | None = None,
+    ) -> GenerationResult | AsyncGenerationStream:
+        """As `Client.generate`; with stream=True returns an AsyncGenerationStream once the first
+        chunk has arrived."""
+        request = build_request(
+            prompt, prompt_token_ids=prompt_token_ids, messages=messages, model=model,
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, mode=mode,
+            max_draft_tokens=max_draft_tokens, request_id=request_id,
+        )
+        chunks = await self._open_stream(request, self._deadline(timeout))
+        if stream:
+            return chunks
+        builder = ResultBuilder()
+        async with chunks:
+            async for chunk in chunks:
+                builder.add(chunk)
+        return builder.result()
+
+    async def models(self, *, timeout: float | None = None) -> list[ModelCard]:
+        reply = await self._unary(self._stub.ListModels, pb.ListModelsRequest(), self._deadline(timeout))
+        return [model_card_from_proto(card) for card in reply.models]
+
+    async def health(self, service: str = "", *, timeout: float | None = None) -> str:
+        request = health_pb2.HealthCheckRequest(service=service)
+        reply = await self._unary(self._health.Check, request, self._deadline(timeout))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def _deadline(self, timeout: float | None) -> Deadline:
+        return Deadline(timeout if timeout is not None else self._timeout)
+
+    async def _open_stream(self, request: pb.GenerateRequest, deadline: Deadline) -> AsyncGenerationStream:
+        """Starts the call and waits for its first message; only up to here is UNAVAILABLE retried."""
+
+        async def attempt(timeout: float | None) -> AsyncGenerationStream:
+            call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+            first = await call.read()
+            if first is grpc.aio.EOF:
+                raise DuospecError("INTERNAL", TRUNCATED_STREAM)
+            return AsyncGenerationStream(call, first)
+
+        return await self._with_retries(attempt, deadline)
+
+    async def _unary(self, method: Callable, request: Any, deadline: Deadline) -> Any:
+        async def attempt(timeout: float | None) -> Any:
+            return await method(request, timeout=timeout, metadata=self._metadata)
+
+        return await self._with_retries(attempt, deadline)
+
+    async def _with_retries(self, attempt: Callable[[float | None], Awaitable[Any]], deadline: Deadline) -> Any:
+        retries = 0
+        while True:
+            try:
+                return await attempt(deadline.remaining())
+            except grpc.RpcError as err:
+                delay = self._retry.delay_before_retry(retries, deadline) if is_unavailable(err) else None
+                if delay is None:
+                    raise error_from_rpc(err) from None
+            await asyncio.sleep(delay)
+            retries += 1

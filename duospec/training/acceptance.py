@@ -1,0 +1,120 @@
+"""How often the draft's greedy guesses survive the target's check, and what a step of each costs.
+
+Greedy speculation is simulated exactly from two teacher-forced passes. With greedy decoding the
+committed text is the target's own greedy continuation T whatever the draft does, and every draft
+token that is accepted equals the corresponding token of T. So the draft's k-th guess in a round
+that starts at position i is the draft's argmax given prompt + T[:i+k-1] — the teacher-forced draft
+argmax on prompt + T. A round at i accepts the longest run of positions i, i+1, ... (at most
+`draft_len`) where that argmax equals T, then commits one more token (the correction or the bonus).
+Mean accepted length = committed tokens / rounds = accepted + 1 per target forward.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AcceptanceStats:
+    rounds: int          # target forwards (one verify per round)
+    committed: int       # tokens committed: accepted + one correction/bonus per round
+    matches: int         # positions where the teacher-forced draft argmax equals the target's
+    positions: int       # positions compared
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.committed / max(self.rounds, 1)
+
+    @property
+    def agreement(self) -> float:
+        return self.matches / max(self.positions, 1)
+
+    def __add__(self, other: AcceptanceStats) -> AcceptanceStats:
+        return AcceptanceStats(self.rounds + other.rounds, self.committed + other.committed,
+                               self.matches + other.matches, self.positions + other.positions)
+
+
+def simulate_rounds(draft_hits: list[bool], draft_len: int) -> tuple[int, int]:
+    """(rounds, committed) for greedy speculation, given per-position draft hits (see module doc)."""
+    rounds = committed = i = 0
+    n = len(draft_hits)
+    while i < n:
+        accepted = 0
+        while accepted < draft_len and i + accepted < n and draft_hits[i + accepted]:
+            accepted += 1
+        step = min(accepted + 1, n - i)
+        rounds += 1
+        committed += step
+        i += step
+    return rounds, committed
+
+
+@torch.no_grad()
+def greedy_continuation(target, prompt_ids: list[int], new_tokens: int) -> list[int]:
+    """The target's greedy continuation (stops early only at an end-of-sequence token)."""
+    inputs = torch.tensor([prompt_ids])
+    out = target.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False,
+                          max_new_tokens=new_tokens, min_new_tokens=1, pad_token_id=target.config.eos_token_id)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@torch.no_grad()
+def measure_prompt(target, draft, prompt_ids: list[int], new_tokens: int, draft_len: int = 4) -> AcceptanceStats:
+    continuation = greedy_continuation(target, prompt_ids, new_tokens)
+    sequence = torch.tensor([prompt_ids + continuation])
+    # Row j of the logits predicts token j+1; continuation token t sits at index len(prompt)+t.
+    rows = slice(len(prompt_ids) - 1, len(prompt_ids) - 1 + len(continuation))
+    draft_guess = draft(input_ids=sequence).logits[0, rows].argmax(-1).tolist()
+    hits = [guess == token for guess, token in zip(draft_guess, continuation)]
+    rounds, committed = simulate_rounds(hits, draft_len)
+    return AcceptanceStats(rounds, committed, sum(hits), len(hits))
+
+
+def measure_pair(target, draft, prompts: list[list[int]], new_tokens: int, draft_len: int = 4) -> AcceptanceStats:
+    total = AcceptanceStats(0, 0, 0, 0)
+    for prompt in prompts:
+        total = total + measure_prompt(target, draft, prompt, new_tokens, draft_len)
+    return total
+
+
+def heldout_prompts(tokenizer, count: int, prompt_tokens: int) -> list[list[int]]:
+    """Up to `count` prompts of `prompt_tokens` tokens from the held-out stdlib files, deterministic.
+
+    Candidates are the line starts nearest the middle, first quarter and third quarter of every
+    held-out file (sorted path order, middles first); `count` of them are picked evenly spread.
+    """
+    from duospec.training import corpus
+
+    _, heldout = corpus.split_files(corpus.stdlib_files())
+    texts = [t for t in (corpus.read_text(f.path) for f in heldout) if t]
+    candidates = []
+    for fraction in (0.5, 0.25, 0.75):
+        for text in texts:
+            cut = text.find("\n", int(len(text) * fraction)) + 1
+            ids = tokenizer(text[cut:], add_special_tokens=False)["input_ids"][:prompt_tokens]
+            if len(ids) == prompt_tokens:
+                candidates.append(ids)
+    if not candidates:
+        raise ValueError(f"no held-out stdlib file has {prompt_tokens} tokens to spare; lower prompt_tokens")
+    count = min(count, len(candidates))
+    return [candidates[k * len(candidates) // count] for k in range(count)]
+
+
+def decode_step_seconds(path, prompt_len: int = 64, repeats: int = 200) -> float:
+    """Median seconds of one single-token decode step of the checkpoint at `path` on duospec's
+    engine (fp32, the current thread count), at position `prompt_len`."""
+    from duospec.engine import SlotChunk, load_model
+
+    runner = load_model(path, device="cpu", dtype=torch.float32, max_slots=1)
+    slot = runner.allocate_slot()
+    runner.forward([SlotChunk(slot, 0, list(range(3, 3 + prompt_len)))])
+    timings = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.forward_last([SlotChunk(slot, prompt_len, [7])])  # same position: the slot rolls back
+        timings.append(time.perf_counter() - start)
+    return statistics.median(timings)

@@ -1,0 +1,251 @@
+"""`duospec distill`: a small Llama draft for any Llama-family target, trained on text files.
+
+Everything that can be wrong with the input is checked before the target's weights are loaded:
+the target's architecture, the draft's shape, the data paths, and what `--out` already holds.
+
+Layout of `--out`: the draft checkpoint itself (config.json, model.safetensors, tokenizer files,
+generation_config.json) plus `.distill/` with `run.json` (what run this is), `checkpoint.pt`,
+the token cache and `log.txt`. Rerunning the same command resumes from `checkpoint.pt`; a larger
+`--steps` extends a finished run (the learning-rate schedule stretches to the new length).
+
+Held-out evaluation uses the last 1/20 of the token stream (files are tokenized in sorted path
+order), when it holds at least one window; training windows come from the rest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from duospec.training.data import DataError, WindowSource, build_token_cache, collect_text_files, files_fingerprint
+from duospec.training.models import SUPPORTED_TARGET_TYPES, ModelShape, llama_config
+
+STATE_DIR = ".distill"
+HELDOUT_FRACTION = 20  # the last 1/20 of the tokens
+
+
+class DistillError(ValueError):
+    """Bad input to `duospec distill`; the message names the option or path and the fix."""
+
+
+@dataclass(frozen=True)
+class DistillOptions:
+    target: Path
+    data: tuple[Path, ...]
+    out: Path
+    draft_layers: int = 2
+    draft_hidden: int = 256
+    draft_heads: int = 4
+    steps: int = 2000
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 1e-3
+    device: str = "auto"
+    seed: int = 0
+    resume: bool = True
+
+    @classmethod
+    def from_args(cls, args) -> DistillOptions:
+        return cls(target=Path(args.target), data=tuple(Path(p) for p in args.data), out=Path(args.out),
+                   draft_layers=args.draft_layers, draft_hidden=args.draft_hidden,
+                   draft_heads=args.draft_heads, steps=args.steps, batch_size=args.batch_size,
+                   seq_len=args.seq_len, lr=args.lr, device=args.device, seed=args.seed,
+                   resume=args.resume)
+
+    def validate(self) -> None:
+        for name in ("draft_layers", "draft_hidden", "draft_heads", "steps", "batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise DistillError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise DistillError(f"--lr must be positive, got {self.lr}")
+        head_dim, rest = divmod(self.draft_hidden, self.draft_heads)
+        if rest or head_dim % 2:
+            raise DistillError(
+                f"--draft-hidden {self.draft_hidden} / --draft-heads {self.draft_heads} must give an even "
+                "whole head size (RoPE rotates pairs); e.g. --draft-hidden 256 --draft-heads 4"
+            )
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise DistillError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+
+
+def load_target_config(target: Path):
+    """The target's transformers config, or DistillError if it is missing or not Llama-family."""
+    from transformers import AutoConfig
+
+    if not (target / "config.json").is_file():
+        raise DistillError(f"--target {target}: no config.json; pass a Hugging Face checkpoint directory")
+    try:
+        config = AutoConfig.from_pretrained(str(target))
+    except Exception as err:  # unknown model_type and malformed JSON raise different types
+        raise DistillError(f"--target {target}: transformers cannot read config.json ({err})") from err
+    if config.model_type not in SUPPORTED_TARGET_TYPES:
+        raise DistillError(
+            f"--target {target}: model_type {config.model_type!r} is not supported; the draft is a "
+            f"Llama model and needs a Llama-family target ({', '.join(sorted(SUPPORTED_TARGET_TYPES))})"
+        )
+    return config
+
+
+def draft_config_for(target_config, options: DistillOptions):
+    """A LlamaConfig sharing the target's vocabulary, special ids, positions and RoPE."""
+    shape = ModelShape(hidden=options.draft_hidden, layers=options.draft_layers, heads=options.draft_heads,
+                       kv_heads=options.draft_heads, intermediate=_intermediate_for(options.draft_hidden))
+    return llama_config(
+        shape, vocab_size=target_config.vocab_size, bos_id=target_config.bos_token_id,
+        eos_id=target_config.eos_token_id, max_positions=target_config.max_position_embeddings,
+        rope_parameters=getattr(target_config, "rope_parameters", None),
+        rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-5),
+    )
+
+
+def _intermediate_for(hidden: int) -> int:
+    # The usual SwiGLU width (8/3 x hidden), rounded up to a multiple of 64.
+    return -(-(8 * hidden // 3) // 64) * 64
+
+
+def _comparable(config_dict: dict) -> dict:
+    volatile = {"transformers_version", "_name_or_path", "dtype", "torch_dtype", "architectures"}
+    return {k: v for k, v in sorted(config_dict.items()) if k not in volatile}
+
+
+def run_identity(options: DistillOptions, target_config, draft_config) -> dict:
+    """What makes two invocations the same run (a checkpoint may only be resumed by the same run)."""
+    target_sha = hashlib.sha1(json.dumps(_comparable(target_config.to_dict()), sort_keys=True,
+                                         default=str).encode()).hexdigest()
+    return {
+        "target_config_sha1": target_sha,
+        "draft_config": json.loads(json.dumps(_comparable(draft_config.to_dict()), default=str)),
+        "seq_len": options.seq_len,
+        "batch_size": options.batch_size,
+        "lr": options.lr,
+        "seed": options.seed,
+    }
+
+
+def check_out_dir(out: Path, identity: dict, resume: bool) -> None:
+    """Refuse an --out that holds another model or another run; allow resuming this run."""
+    run_json = out / STATE_DIR / "run.json"
+    if run_json.is_file():
+        saved = json.loads(run_json.read_text())
+        if saved.get("target_config_sha1") != identity["target_config_sha1"]:
+            raise DistillError(f"--out {out}: holds a draft distilled from a different target; "
+                               "pass a new --out (or delete it to start over)")
+        if saved.get("draft_config") != identity["draft_config"]:
+            raise DistillError(f"--out {out}: holds a draft with a different configuration "
+                               "(--draft-layers/--draft-hidden/--draft-heads); pass a new --out or the same options")
+        changed = sorted(k for k in identity if saved.get(k) != identity[k])
+        if changed:
+            raise DistillError(f"--out {out}: this run was started with different "
+                               f"{', '.join('--' + k.replace('_', '-') for k in changed)}; rerun with the "
+                               "same values to resume, or pass a new --out")
+        if not resume:
+            raise DistillError(f"--out {out}: already holds this run; drop --no-resume to continue it, "
+                               "or pass a new --out")
+        return
+    if (out / "config.json").exists() or any(out.glob("*.safetensors")):
+        raise DistillError(f"--out {out}: already holds a model that `duospec distill` did not write; "
+                           "pass an empty or new directory")
+
+
+def _resolve_device(name: str):
+    import torch
+
+    if name == "cuda" and not torch.cuda.is_available():
+        raise DistillError("--device cuda: no CUDA device is available; use --device cpu or auto")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def _load_tokenizer(target: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(target))
+    except Exception as err:  # missing files and corrupt JSON raise different types
+        raise DistillError(f"--target {target}: no usable tokenizer ({err}); the draft copies the "
+                           "target's tokenizer, so the target directory must include it") from err
+
+
+def _token_sources(options: DistillOptions, files: list[Path], tokenizer, vocab_size: int, state_dir: Path):
+    """(training windows, held-out batches) from the data files, via the token cache."""
+    from duospec.training.corpus import read_text
+
+    def texts():
+        for path in files:
+            text = read_text(path)
+            if text:
+                yield text
+
+    def encode(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    fingerprint = files_fingerprint(files, tokenizer.name_or_path + str(len(tokenizer)))
+    try:
+        tokens = build_token_cache(texts(), encode, vocab_size, tokenizer.bos_token_id,
+                                   tokenizer.eos_token_id, state_dir / "tokens.bin", fingerprint)
+    except DataError as err:
+        raise DistillError(f"--data: {err}") from err
+    cut = len(tokens) - len(tokens) // HELDOUT_FRACTION
+    heldout_part = tokens[cut:]
+    if len(heldout_part) >= options.seq_len + 2:
+        train_part = tokens[:cut]
+        heldout = WindowSource(heldout_part, options.seq_len, options.seed).fixed_batches(4, options.batch_size)
+    else:
+        train_part, heldout = tokens, []  # too little text to spare a held-out window
+    try:
+        return WindowSource(train_part, options.seq_len, options.seed), heldout
+    except DataError as err:
+        raise DistillError(f"--data: {err}") from err
+
+
+def distill(options: DistillOptions) -> Path:
+    """Validate everything, then train (or resume) the draft and write it to `options.out`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from duospec.training.export import export_checkpoint
+    from duospec.training.loop import Logger, LoopConfig, run_loop
+    from duospec.training.models import build_model, count_parameters
+    from duospec.training.objectives import DistillObjective, DraftLossWeights
+
+    # 1. Input checks, cheapest first; nothing is written before they all pass.
+    options.validate()
+    target_config = load_target_config(options.target)
+    tokenizer = _load_tokenizer(options.target)
+    try:
+        files = collect_text_files(options.data)
+    except DataError as err:
+        raise DistillError(str(err)) from err
+    draft_config = draft_config_for(target_config, options)
+    identity = run_identity(options, target_config, draft_config)
+    check_out_dir(options.out, identity, options.resume)
+    device = _resolve_device(options.device)
+
+    # 2. Run state and data.
+    state_dir = options.out / STATE_DIR
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / "run.json").write_text(json.dumps(identity, indent=2))
+    log = Logger(state_dir / "log.txt")
+    source, heldout = _token_sources(options, files, tokenizer, target_config.vocab_size, state_dir)
+    log(f"data: {len(files)} files, {len(source.tokens)} training tokens, "
+        f"{sum(b.numel() for b in heldout)} held-out window tokens")
+
+    # 3. Models: the frozen target (bf16 on GPU), a fresh draft.
+    target_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = AutoModelForCausalLM.from_pretrained(str(options.target), dtype=target_dtype).to(device)
+    draft = build_model(draft_config, seed=options.seed).to(device)
+    log(f"target {count_parameters(target):,} params ({target_config.model_type}), "
+        f"draft {count_parameters(draft):,} params, device {device}")
+
+    # 4. The shared loop, then export.
+    cfg = LoopConfig(batch_size=options.batch_size, lr=options.lr, max_steps=options.steps,
+                     warmup_steps=min(100, max(options.steps // 10, 1)), seed=options.seed,
+                     bf16_autocast=device.type == "cuda")
+    state = run_loop(DistillObjective(target, draft, DraftLossWeights(), device), source, heldout, cfg,
+                     state_dir / "checkpoint.pt", log, phase="distill")
+    export_checkpoint(draft.float().cpu(), tokenizer, options.out)
+    log(f"draft written to {options.out} after {state.step} steps")
+    return options.out

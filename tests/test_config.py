@@ -1,0 +1,85 @@
+"""Serve config: YAML and TOML load to the same typed config; bad values name the field and the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.api import SpeculationMode
+from coordinator.config import ConfigError, ModelConfig, ServerSettings, load_serve_config, parse_serve_config
+
+YAML = """
+server: {host: 0.0.0.0, port: 50052, metrics_port: 0, max_concurrent_requests: 8, grace_period_s: 2.5}
+ledger: usage.db
+models:
+  - name: python-tiny
+    target: /opt/m/target
+    draft: /opt/m/draft
+    device: cpu
+    speculation: {mode: vanilla, max_draft_tokens: 3}
+  - name: target-only
+    target: /opt/m/target
+"""
+
+TOML = """
+ledger = "usage.db"
+[server]
+host = "0.0.0.0"
+port = 50052
+metrics_port = 0
+max_concurrent_requests = 8
+grace_period_s = 2.5
+[[models]]
+name = "python-tiny"
+target = "/opt/m/target"
+draft = "/opt/m/draft"
+device = "cpu"
+speculation = { mode = "vanilla", max_draft_tokens = 3 }
+[[models]]
+name = "target-only"
+target = "/opt/m/target"
+"""
+
+
+def test_yaml_and_toml_load_the_same_config(tmp_path):
+    (tmp_path / "c.yaml").write_text(YAML)
+    (tmp_path / "c.toml").write_text(TOML)
+    a, b = load_serve_config(tmp_path / "c.yaml"), load_serve_config(tmp_path / "c.toml")
+    assert a == b
+    assert a.server == ServerSettings(host="0.0.0.0", port=50052, metrics_port=0, max_concurrent_requests=8,
+                                      grace_period_s=2.5)
+    assert a.ledger == str(tmp_path / "usage.db")
+    first, second = a.models
+    assert isinstance(first, ModelConfig) and first.speculation.mode is SpeculationMode.VANILLA
+    assert first.speculation.max_draft_tokens == 3 and first.device == "cpu"
+    assert second.draft is None and second.speculation.mode is SpeculationMode.OFF
+
+
+@pytest.mark.parametrize("raw, where", [
+    ({"models": []}, "models"),
+    ({}, "models"),
+    ({"models": [{"name": "m"}]}, "models[0].target"),
+    ({"models": [{"name": "m", "target": "t", "device": "tpu"}]}, "models[0].device"),
+    ({"models": [{"name": "m", "target": "t", "dtype": "int4"}]}, "models[0].dtype"),
+    ({"models": [{"name": "m", "target": "t", "max_batch_size": 0}]}, "models[0].max_batch_size"),
+    ({"models": [{"name": "m", "target": "t", "speculation": {"mode": "turbo"}}]}, "models[0].speculation.mode"),
+    ({"models": [{"name": "m", "target": "t", "speculation": {"mode": "pearl"}}]}, "models[0].speculation.mode"),
+    ({"models": [{"name": "m", "target": "t"}, {"name": "m", "target": "t"}]}, "models[1].name"),
+    ({"models": [{"name": "m", "target": "t", "tagret": "x"}]}, "models[0].tagret"),
+    ({"server": {"port": "fast"}, "models": [{"name": "m", "target": "t"}]}, "server.port"),
+    ({"server": {"port": 70000}, "models": [{"name": "m", "target": "t"}]}, "server.port"),
+    ({"server": {"grace_period_s": -1}, "models": [{"name": "m", "target": "t"}]}, "server.grace_period_s"),
+    ({"server": {"tls": {"cert_file": "nope.pem", "key_file": "k"}}, "models": [{"name": "m", "target": "t"}]},
+     "server.tls.cert_file"),
+])
+def test_bad_config_names_the_field(raw, where):
+    with pytest.raises(ConfigError) as info:
+        parse_serve_config(raw, source="c.yaml")
+    assert f"c.yaml: {where}" in str(info.value)
+
+
+def test_unknown_suffix_and_missing_file(tmp_path):
+    (tmp_path / "c.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"\.yaml, \.yml or \.toml"):
+        load_serve_config(tmp_path / "c.json")
+    with pytest.raises(ConfigError, match="no such file"):
+        load_serve_config(tmp_path / "missing.yaml")

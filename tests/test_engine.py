@@ -1,0 +1,242 @@
+"""Engine parity with transformers on tiny random-weight checkpoints, and slot bookkeeping.
+
+The reference is the transformers model run on the whole sequence at once (no cache); the engine is
+driven through prefills, ragged batched steps, rollbacks and re-extensions. fp32 logits must agree
+within 1e-4 (DESIGN.md §5).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from duospec.engine import SlotChunk, SlotsExhausted, load_checkpoint, load_model
+from tiny_models import make_tiny_checkpoint, tiny_tokenizer
+
+TOL = 1e-4
+SEQ_LEN = 48
+
+# name -> (family, make_tiny_checkpoint kwargs)
+CONFIGS = {
+    "llama": ("llama", {}),
+    "llama-tied-mha-bias": ("llama", {"tie_embeddings": True, "num_kv_heads": 4, "attention_bias": True}),
+    "llama3-scaling": ("llama3", {}),
+    "qwen2-bias": ("qwen2", {}),
+    "qwen2-tied": ("qwen2", {"tie_embeddings": True, "num_kv_heads": 1}),
+    "mistral-window": ("mistral", {"config_overrides": {"sliding_window": 8}}),
+}
+
+
+@pytest.fixture(scope="module")
+def ckpt_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine_ckpts")
+    return {name: make_tiny_checkpoint(root / name, fam, seed=3, **kw) for name, (fam, kw) in CONFIGS.items()}
+
+
+@pytest.fixture(scope="module")
+def sequences():
+    gen = torch.Generator().manual_seed(11)
+    return torch.randint(3, 384, (3, SEQ_LEN), generator=gen)
+
+
+_REFERENCE: dict[str, torch.Tensor] = {}
+
+
+def reference_logits(path, sequences) -> torch.Tensor:
+    """[n_seq, SEQ_LEN, vocab]: transformers, whole sequences, no cache (memoised per path)."""
+    from transformers import AutoModelForCausalLM
+
+    if str(path) not in _REFERENCE:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            _REFERENCE[str(path)] = model(sequences).logits
+    return _REFERENCE[str(path)]
+
+
+def chunk(slot, seq, start, end):
+    return SlotChunk(slot, start, seq[start:end].tolist())
+
+
+def assert_close(got, want, what):
+    diff = (got - want).abs().max().item()
+    assert diff <= TOL, f"{what}: max abs diff {diff:.3g} > {TOL}"
+
+
+def drive_scenario(runner, seqs, ref):
+    """Prefill, ragged steps, rollback + re-extension; every logit checked against ``ref``."""
+    a, b, c = (runner.allocate_slot() for _ in range(3))
+    s2 = seqs[2].tolist()
+
+    # 1. Ragged prefill: three prompt lengths in one forward.
+    out = runner.forward([chunk(a, seqs[0], 0, 10), chunk(b, seqs[1], 0, 3), chunk(c, seqs[2], 0, 17)])
+    assert [o.shape for o in out] == [(10, runner.vocab_size), (3, runner.vocab_size), (17, runner.vocab_size)]
+    assert all(o.dtype == torch.float32 and o.device.type == "cpu" for o in out)
+    assert not any(o.is_inference() for o in out)  # callers may scale logits in place
+    for o, i, n in zip(out, range(3), (10, 3, 17)):
+        assert_close(o, ref[i, :n], f"prefill seq {i}")
+
+    # 2. Ragged step, slots out of order, different start positions and chunk lengths.
+    out = runner.forward([chunk(c, seqs[2], 17, 18), chunk(a, seqs[0], 10, 14), chunk(b, seqs[1], 3, 20)])
+    assert_close(out[0], ref[2, 17:18], "step seq 2")
+    assert_close(out[1], ref[0, 10:14], "step seq 0")
+    assert_close(out[2], ref[1, 3:20], "step seq 1")
+    assert [runner.slot_length(s) for s in (a, b, c)] == [14, 20, 18]
+
+    # 3. Speculate garbage on a and c, roll back (truncate / start_pos before the end), re-extend.
+    runner.forward([SlotChunk(a, 14, [5, 6, 7, 8, 9]), SlotChunk(c, 18, [s2[30]] * 6)])
+    runner.truncate(a, 12)
+    last = runner.forward_last([chunk(a, seqs[0], 12, 30), chunk(c, seqs[2], 18, 20), chunk(b, seqs[1], 20, 21)])
+    assert last.shape == (3, runner.vocab_size)
+    assert_close(last[0], ref[0, 29], "re-extended seq 0")
+    assert_close(last[1], ref[2, 19], "rolled back via start_pos, seq 2")
+    assert_close(last[2], ref[1, 20], "step seq 1")
+
+    # 4. Run every sequence to the end; a rolled-back run equals one that never went astray.
+    out = runner.forward([chunk(a, seqs[0], 30, SEQ_LEN), chunk(b, seqs[1], 21, SEQ_LEN), chunk(c, seqs[2], 20, SEQ_LEN)])
+    for o, i, start in zip(out, range(3), (30, 21, 20)):
+        assert_close(o, ref[i, start:], f"tail seq {i}")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_lean_matches_transformers(name, ckpt_dirs, sequences):
+    runner = load_model(ckpt_dirs[name], max_slots=4, max_context=64)
+    assert runner.backend == "lean"
+    drive_scenario(runner, sequences, reference_logits(ckpt_dirs[name], sequences))
+
+
+@pytest.mark.parametrize("name", ["llama3-scaling", "qwen2-bias", "mistral-window"])
+def test_hf_fallback_matches_transformers(name, ckpt_dirs, sequences):
+    runner = load_model(ckpt_dirs[name], max_slots=4, max_context=64, backend="hf")
+    assert runner.backend == "hf"
+    drive_scenario(runner, sequences, reference_logits(ckpt_dirs[name], sequences))
+
+
+def test_other_architecture_falls_back_to_hf(tmp_path, sequences):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=384, n_positions=64, n_embd=32, n_layer=2, n_head=2)).save_pretrained(tmp_path)
+    runner = load_model(tmp_path, max_slots=4)
+    assert runner.backend == "hf"
+    drive_scenario(runner, sequences, reference_logits(tmp_path, sequences))
+
+
+def test_sliding_window_changes_logits_beyond_the_window(ckpt_dirs, sequences, tmp_path):
+    # Same seed and shapes as "mistral-window", no window: identical weights, so any logit
+    # difference comes from the window (guards against a mask that silently ignores it).
+    plain = make_tiny_checkpoint(tmp_path / "plain", "mistral", seed=3)
+    windowed = load_model(ckpt_dirs["mistral-window"], max_context=64)
+    full = load_model(plain, max_context=64)
+    chunks = [SlotChunk(r.allocate_slot(), 0, sequences[0].tolist()) for r in (windowed, full)]
+    got_w, got_f = windowed.forward(chunks[:1])[0], full.forward(chunks[1:])[0]
+    assert_close(got_w[:8], got_f[:8], "inside the window")
+    assert (got_w[8:] - got_f[8:]).abs().max() > 1e-3
+
+
+def test_decode_one_token_at_a_time_matches(ckpt_dirs, sequences):
+    runner = load_model(ckpt_dirs["llama"], max_slots=2, max_context=64)
+    ref = reference_logits(ckpt_dirs["llama"], sequences)
+    slots = [runner.allocate_slot(), runner.allocate_slot()]
+    runner.forward([chunk(slots[0], sequences[0], 0, 5), chunk(slots[1], sequences[1], 0, 9)])
+    for step in range(12):
+        last = runner.forward_last([chunk(slots[0], sequences[0], 5 + step, 6 + step),
+                                    chunk(slots[1], sequences[1], 9 + step, 10 + step)])
+        assert_close(last[0], ref[0, 5 + step], f"decode step {step} seq 0")
+        assert_close(last[1], ref[1, 9 + step], f"decode step {step} seq 1")
+
+
+def test_logits_can_stay_on_device(ckpt_dirs):
+    runner = load_model(ckpt_dirs["llama"], max_slots=1, max_context=16)
+    slot = runner.allocate_slot()
+    out = runner.forward([SlotChunk(slot, 0, [4, 5, 6])], to_cpu=False)[0]
+    assert out.dtype == torch.float32 and out.device == runner.device and out.shape == (3, runner.vocab_size)
+
+
+def test_bfloat16_runs_close_to_float32(ckpt_dirs, sequences):
+    fp32 = load_model(ckpt_dirs["qwen2-bias"], max_slots=1, max_context=64)
+    bf16 = load_model(ckpt_dirs["qwen2-bias"], max_slots=1, max_context=64, dtype="bfloat16")
+    assert bf16.dtype == torch.bfloat16 and fp32.dtype == torch.float32
+    chunks = [SlotChunk(r.allocate_slot(), 0, sequences[0, :20].tolist()) for r in (fp32, bf16)]
+    a, b = fp32.forward(chunks[:1])[0], bf16.forward(chunks[1:])[0]
+    assert b.dtype == torch.float32
+    assert (a - b).abs().max() < 0.05 * a.abs().max()
+
+
+def test_slots_allocate_free_exhaust(ckpt_dirs):
+    runner = load_model(ckpt_dirs["llama"], max_slots=3, max_context=32)
+    slots = [runner.allocate_slot() for _ in range(3)]
+    assert slots == [0, 1, 2] and runner.free_slots == 0
+    with pytest.raises(SlotsExhausted, match="all 3 KV-cache slots are in use"):
+        runner.allocate_slot()
+    runner.forward([SlotChunk(1, 0, [7, 8, 9])])
+    assert runner.slot_length(1) == 3
+    runner.free_slot(1)
+    with pytest.raises(ValueError, match="slot=1: not allocated"):
+        runner.slot_length(1)
+    with pytest.raises(ValueError, match="not allocated"):
+        runner.free_slot(1)
+    assert runner.allocate_slot() == 1 and runner.slot_length(1) == 0
+    with pytest.raises(ValueError, match="not a slot index"):
+        runner.free_slot(7)
+
+
+def test_truncate_bounds(ckpt_dirs):
+    runner = load_model(ckpt_dirs["llama"], max_slots=1, max_context=32)
+    slot = runner.allocate_slot()
+    runner.forward([SlotChunk(slot, 0, [3, 4, 5, 6])])
+    runner.truncate(slot, 2)
+    assert runner.slot_length(slot) == 2
+    with pytest.raises(ValueError, match=r"length must be in \[0, 2\]"):
+        runner.truncate(slot, 3)
+
+
+@pytest.mark.parametrize(
+    "chunks, message",
+    [
+        ([], "chunks is empty"),
+        ([SlotChunk(0, 0, [])], "token_ids is empty"),
+        ([SlotChunk(0, 3, [5])], r"start_pos=3 but the slot holds 2 positions"),
+        ([SlotChunk(0, 2, [5]), SlotChunk(0, 3, [6])], "appears twice"),
+        ([SlotChunk(0, 0, [5] * 33)], "exceed max_context=32"),
+        ([SlotChunk(0, 2, [384])], r"token id 384 outside \[0, 384\)"),
+        ([SlotChunk(0, 2, [-1])], "token id -1"),
+        ([SlotChunk(1, 0, [5])], "slot=1: not allocated"),
+    ],
+)
+def test_bad_chunks_are_rejected_without_side_effects(ckpt_dirs, chunks, message):
+    runner = load_model(ckpt_dirs["llama"], max_slots=2, max_context=32)
+    slot = runner.allocate_slot()
+    runner.forward([SlotChunk(slot, 0, [3, 4])])
+    with pytest.raises(ValueError, match=message):
+        runner.forward(chunks)
+    assert runner.slot_length(slot) == 2
+
+
+def test_tensor_token_ids_get_a_clear_error(ckpt_dirs):
+    runner = load_model(ckpt_dirs["llama"], max_slots=1, max_context=16)
+    slot = runner.allocate_slot()
+    with pytest.raises(TypeError, match=r"token_ids is a Tensor; pass a list of ints"):
+        runner.forward([SlotChunk(slot, 0, torch.tensor([3, 4]))])
+
+
+def test_load_checkpoint_bundles_runner_and_tokenizer(ckpt_dirs):
+    ckpt = load_checkpoint(ckpt_dirs["qwen2-bias"], max_slots=2, max_context=32)
+    assert ckpt.runner.backend == "lean" and ckpt.config.model_type == "qwen2"
+    assert len(ckpt.tokenizer) <= ckpt.runner.vocab_size
+    assert ckpt.eos_token_ids == (ckpt.tokenizer.eos_token_id,)
+    ids = ckpt.tokenizer("def f(x): return x")["input_ids"]
+    slot = ckpt.runner.allocate_slot()
+    assert ckpt.runner.forward_last([SlotChunk(slot, 0, ids)]).shape == (1, ckpt.runner.vocab_size)
+
+
+def test_tiny_checkpoints_are_deterministic_and_cached(tmp_path):
+    tok = tiny_tokenizer(tmp_path / "tok")
+    one = make_tiny_checkpoint(tmp_path / "one", "qwen2", seed=4, tokenizer_dir=tok)
+    two = make_tiny_checkpoint(tmp_path / "two", "qwen2", seed=4)
+    other = make_tiny_checkpoint(tmp_path / "other", "qwen2", seed=5)
+    weights = [(p / "model.safetensors").read_bytes() for p in (one, two, other)]
+    assert weights[0] == weights[1] != weights[2]
+    assert (one / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()
+    mtime = (one / "model.safetensors").stat().st_mtime_ns
+    assert make_tiny_checkpoint(tmp_path / "one", "qwen2", seed=4, tokenizer_dir=tok) == one
+    assert (one / "model.safetensors").stat().st_mtime_ns == mtime

@@ -1,0 +1,64 @@
+"""Prometheus metrics: names (DESIGN.md §9), tenant labels, coordinator gauges, the HTTP endpoint."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+
+from coordinator.api import FinishReason, SpecStats
+from coordinator.config import ServerSettings
+from coordinator.metrics import ServerMetrics
+from test_server_support import collect, request, running_server, server_coordinator
+from test_server_support import tiny_pair  # noqa: F401  (fixture)
+
+
+def test_finish_updates_spec_decode_counters_per_tenant():
+    m = ServerMetrics()
+    stats = SpecStats(drafted_tokens=8, accepted_tokens=6, target_forwards=3, pre_verify_aborts=1,
+                      wasted_draft_tokens=2)
+    m.observe_finish("team-a", FinishReason.LENGTH, 5, 9, stats, 0.5)
+    get = m.registry.get_sample_value
+    assert get("duospec:spec_decode_num_drafts_total", {"tenant": "team-a"}) == 3
+    assert get("duospec:spec_decode_num_draft_tokens_total", {"tenant": "team-a"}) == 8
+    assert get("duospec:spec_decode_num_accepted_tokens_total", {"tenant": "team-a"}) == 6
+    assert get("duospec:spec_decode_pre_verify_aborts_total", {"tenant": "team-a"}) == 1
+    assert get("duospec:spec_decode_num_wasted_draft_tokens_total", {"tenant": "team-a"}) == 2
+    assert get("duospec:request_success_total", {"tenant": "team-a", "finish_reason": "length"}) == 1
+    assert get("duospec:generation_tokens_total", {"tenant": "team-a"}) == 9
+
+
+def test_coordinator_stats_become_gauges_and_odd_shapes_are_ignored():
+    m = ServerMetrics()
+    m.update_from_coordinator({"live_sequences": 3, "actors": {
+        "draft": {"slots_in_use": 3, "busy_s": 1.5, "idle_s": 0.5}, "target": {"free_slots": 5}, "odd": 7}})
+    m.update_from_coordinator({"live_sequences": "many", "actors": None})
+    m.update_from_coordinator(None)
+    m.update_from_coordinator({"tiny": {"live_sequences": 2, "verify_in_flight": False,
+                                        "target": {"busy_s": 4.0, "idle_s": 1.0}, "draft": {"connected": True}}})
+    get = m.registry.get_sample_value
+    assert get("duospec:coordinator_live_sequences", {"model": ""}) == 3
+    assert get("duospec:actor_slots_in_use", {"model": "", "actor": "draft"}) == 3
+    assert get("duospec:actor_busy_seconds", {"model": "", "actor": "draft"}) == 1.5
+    assert get("duospec:actor_free_slots", {"model": "", "actor": "target"}) == 5
+    assert get("duospec:coordinator_live_sequences", {"model": "tiny"}) == 2
+    assert get("duospec:actor_busy_seconds", {"model": "tiny", "actor": "target"}) == 4.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_metrics_endpoint_serves_request_metrics(tiny_pair):  # noqa: F811
+    port = _free_port()
+    settings = ServerSettings(host="127.0.0.1", port=0, metrics_port=port)
+    async with running_server(server_coordinator(tiny_pair), settings) as h:
+        await collect(h.stub, request(max_new_tokens=5))
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for name in ("duospec:time_to_first_token_seconds_count{tenant=\"default\"} 1.0",
+                 "duospec:inter_token_latency_seconds_count{tenant=\"default\"}",
+                 "duospec:request_success_total{finish_reason=",
+                 "duospec:spec_decode_num_draft_tokens_total{tenant=\"default\"}",
+                 "duospec:coordinator_live_sequences"):
+        assert name in body, name

@@ -1,0 +1,67 @@
+"""Placement of the draft and target actors on different GPUs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cluster.placement import PlacementError, plan_placement
+from tiny_models import make_tiny_checkpoint
+
+
+def _node(gpus: int, alive: bool = True) -> dict:
+    return {"Alive": alive, "Resources": {"CPU": 4.0, **({"GPU": float(gpus)} if gpus else {})}}
+
+
+def test_plan_one_node_two_gpus_packs_two_gpu_bundles():
+    plan = plan_placement([_node(2)])
+    assert plan.strategy == "PACK" and plan.uses_gpu
+    assert all(b["GPU"] == 1 for b in plan.bundles)
+
+
+def test_plan_one_gpu_per_node_spreads():
+    plan = plan_placement([_node(0), _node(1), _node(1)])
+    assert plan.strategy == "STRICT_SPREAD"
+
+
+def test_plan_cpu_only_cluster_uses_cpu_bundles():
+    plan = plan_placement([_node(0)])
+    assert not plan.uses_gpu and all("GPU" not in b for b in plan.bundles)
+
+
+def test_plan_single_gpu_is_a_clear_error():
+    with pytest.raises(PlacementError, match="need a GPU each.*1 GPU"):
+        plan_placement([_node(1), _node(0), _node(1, alive=False)])
+
+
+def test_plan_device_cpu_ignores_gpus():
+    assert not plan_placement([_node(2)], use_gpu=False).uses_gpu
+
+
+@pytest.mark.ray
+def test_actors_land_on_different_nodes_and_gpus(tmp_path):
+    target = make_tiny_checkpoint(tmp_path / "target", "llama", seed=1)
+    draft = make_tiny_checkpoint(tmp_path / "draft", "llama", seed=2, hidden_size=32, num_layers=1)
+    env = {**os.environ, "RAY_DEDUP_LOGS": "0"}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(os.path.dirname(__file__), "placement_scenarios.py"), str(target), str(draft)],
+        capture_output=True,
+        text=True,
+        timeout=420,
+        env=env,
+    )
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    results = {r["scenario"]: r for r in lines}
+    assert set(results) == {"two_nodes", "one_node", "one_gpu"}, proc.stderr[-3000:]
+    two = results["two_nodes"]
+    assert two["draft"]["node_id"] != two["target"]["node_id"]
+    one = results["one_node"]
+    assert one["draft"]["node_id"] == one["target"]["node_id"]
+    assert one["draft"]["gpu_ids"] and one["target"]["gpu_ids"]
+    assert one["draft"]["gpu_ids"] != one["target"]["gpu_ids"]
+    short = results["one_gpu"]
+    assert short["error"] and "GPU" in short["error"] and short["seconds"] < 10

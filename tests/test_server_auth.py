@@ -1,0 +1,145 @@
+"""Auth, tenant isolation, quotas and fair share through a real server with a tenants registry."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import pytest
+
+from coordinator.config import ConfigError, ServerSettings
+from coordinator.server import DuospecServer
+from coordinator.tenancy import Tenant, TenantLimits, hash_api_key, new_api_key
+from duospec.v1 import generation_pb2 as pb
+from test_server_support import MODEL, collect, request, rpc_error, running_server, server_coordinator
+from test_server_support import tiny_pair  # noqa: F401  (fixture)
+
+KEYS = {name: new_api_key() for name in ("alpha", "beta", "nomodels", "tight", "heavy", "light")}
+
+
+def tenant(name: str, **kwargs) -> Tenant:
+    return Tenant(name, key_hashes=(hash_api_key(KEYS[name]),), **kwargs)
+
+
+TENANTS = [
+    tenant("alpha"),
+    tenant("beta"),
+    tenant("nomodels", allowed_models=("other-model",)),
+    tenant("tight", limits=TenantLimits(tokens_per_minute=60, max_concurrent_streams=1)),
+]
+
+
+@pytest.fixture
+async def harness(tiny_pair):  # noqa: F811
+    async with running_server(server_coordinator(tiny_pair, step_delay_s=0.01), tenants=TENANTS) as h:
+        yield h
+
+
+async def test_bad_or_missing_key_is_unauthenticated_and_keys_never_logged(harness, caplog):
+    caplog.set_level(logging.DEBUG)
+    assert (await rpc_error(harness.stub, request())).code() == grpc.StatusCode.UNAUTHENTICATED
+    assert (await rpc_error(harness.stub, request(), api_key="ds_wrong")).code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await harness.stub.ListModels(pb.ListModelsRequest())
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    messages = await collect(harness.stub, request(max_new_tokens=4), api_key=KEYS["alpha"])
+    assert messages[-1].usage.completion_tokens > 0
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "request " in logged and "tenant=alpha" in logged  # the finish line is logged...
+    for key in KEYS.values():
+        assert key not in logged  # ...but never a key
+    assert "ds_wrong" not in logged
+
+
+async def test_model_not_allowed_is_permission_denied_and_hidden_from_listing(harness):
+    err = await rpc_error(harness.stub, request(), api_key=KEYS["nomodels"])
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    reply = await harness.stub.ListModels(pb.ListModelsRequest(),
+                                          metadata=(("authorization", f"Bearer {KEYS['nomodels']}"),))
+    assert list(reply.models) == []
+
+
+async def test_tenants_cannot_touch_each_others_requests(harness):
+    """Same client request_id from two tenants: two independent sequences, each sees only its own."""
+    req = request("def f():", 30)
+    req.stopping.ignore_eos = True
+    req.request_id = "shared-id"
+    a_call = harness.stub.Generate(req, metadata=(("authorization", f"Bearer {KEYS['alpha']}"),))
+    first = await a_call.read()
+    b_req = request("class A:", 5)
+    b_req.request_id = "shared-id"
+    b_req.stopping.ignore_eos = True
+    b_messages = await collect(harness.stub, b_req, api_key=KEYS["beta"])
+    a_rest = await read_rest(a_call)
+    assert b_messages[-1].finish_reason == pb.FINISH_REASON_LENGTH and b_messages[-1].usage.completion_tokens == 5
+    assert a_rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert len(first.token_ids) + sum(len(m.token_ids) for m in a_rest) == 30
+    internal_ids = [r.request_id for r in harness.coordinator.started] if hasattr(harness.coordinator, "started") \
+        else None
+    if internal_ids is not None:
+        assert len(set(internal_ids)) == len(internal_ids) and "shared-id" not in internal_ids
+        assert {r.tenant for r in harness.coordinator.started} == {"alpha", "beta"}
+
+
+async def read_rest(call) -> list[pb.GenerateResponse]:
+    rest = []
+    while (m := await call.read()) is not grpc.aio.EOF:
+        rest.append(m)
+    return rest
+
+
+async def test_tokens_per_minute_trips_with_retry_hint(harness):
+    await collect(harness.stub, request("x", 40), api_key=KEYS["tight"])
+    err = await rpc_error(harness.stub, request("x", 40), api_key=KEYS["tight"])
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "tokens_per_minute" in err.details() and "retry in" in err.details()
+    retry = dict(err.trailing_metadata() or ())["retry-after-s"]
+    assert float(retry) > 0
+
+
+async def test_concurrency_limit_trips(harness):
+    req = request("x", 20)
+    req.stopping.ignore_eos = True
+    call = harness.stub.Generate(req, metadata=(("authorization", f"Bearer {KEYS['tight']}"),))
+    await call.read()
+    err = await rpc_error(harness.stub, request("x", 2), api_key=KEYS["tight"])
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "open streams" in err.details()
+    assert "retry-after-s" in dict(err.trailing_metadata() or ())
+    call.cancel()
+
+
+def test_non_loopback_without_tenants_refuses_to_start(tiny_pair):  # noqa: F811
+    settings = ServerSettings(host="0.0.0.0", port=0, metrics_port=0)
+    with pytest.raises(ConfigError, match="--insecure-no-auth"):
+        DuospecServer(object(), settings, tokenizers={})
+
+
+async def test_fair_share_follows_weights(tiny_pair):  # noqa: F811
+    """Two tenants weighted 3:1 flood the server; committed tokens over a window split ~3:1 (±15 %)."""
+    tenants = [tenant("heavy", priority_weight=3.0), tenant("light", priority_weight=1.0)]
+    settings = ServerSettings(host="127.0.0.1", port=0, metrics_port=0, max_concurrent_requests=4,
+                              max_queued_requests=64)
+    committed = {"heavy": 0, "light": 0}
+    window_open = asyncio.Event()
+
+    async def flood(h, name: str):
+        while True:
+            req = request("def f():", 6)
+            req.stopping.ignore_eos = True
+            async for m in h.stub.Generate(req, metadata=(("authorization", f"Bearer {KEYS[name]}"),)):
+                if window_open.is_set():
+                    committed[name] += len(m.token_ids)
+
+    async with running_server(server_coordinator(tiny_pair, step_delay_s=0.005), settings, tenants=tenants) as h:
+        tasks = [asyncio.ensure_future(flood(h, n)) for n in ["heavy"] * 6 + ["light"] * 6]
+        await asyncio.sleep(1.0)  # let the queue fill before measuring
+        window_open.set()
+        await asyncio.sleep(4.0)
+        window_open.clear()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    ratio = committed["heavy"] / max(1, committed["light"])
+    assert committed["light"] > 0
+    assert 3.0 * 0.85 <= ratio <= 3.0 * 1.15, committed

@@ -1,0 +1,199 @@
+"""Generate through a real in-process grpc.aio server: streaming, exactness, validation, reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from coordinator.metrics import live_sequences
+from duospec.v1 import generation_pb2 as pb
+from test_server_support import MAX_CONTEXT, MODEL, collect, request, rpc_error, running_server, server_coordinator
+from test_server_support import tiny_pair  # noqa: F401  (fixture)
+
+
+@pytest.fixture
+async def harness(tiny_pair):  # noqa: F811
+    async with running_server(server_coordinator(tiny_pair)) as h:
+        yield h
+
+
+def hf_greedy(target_dir, prompt_ids: list[int], n: int) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir)).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+async def test_stream_deltas_concatenate_to_the_full_text_and_match_target_greedy(harness, tiny_pair):  # noqa: F811
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
+    prompt = "def fib(n):\n    return"
+    req = request(prompt, 24)
+    req.stopping.ignore_eos = True
+    messages = await collect(harness.stub, req)
+    assert len(messages) >= 2
+    ids = [t for m in messages for t in m.token_ids]
+    text = "".join(m.text for m in messages)
+    final = messages[-1]
+    assert final.finish_reason == pb.FINISH_REASON_LENGTH
+    assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in messages[:-1])
+    prompt_ids = tok.encode(prompt)
+    assert final.usage.prompt_tokens == len(prompt_ids)
+    assert final.usage.completion_tokens == len(ids) == 24
+    assert text == tok.decode(ids)
+    assert ids == hf_greedy(tiny_pair[0], prompt_ids, 24)
+    assert len({m.request_id for m in messages}) == 1 and messages[0].request_id
+
+
+async def test_prompt_token_ids_and_client_request_id_are_echoed(harness):
+    req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[5, 6, 7]), request_id="mine-1",
+                             stopping=pb.StoppingCriteria(max_new_tokens=4, ignore_eos=True))
+    messages = await collect(harness.stub, req)
+    assert {m.request_id for m in messages} == {"mine-1"}
+    assert messages[-1].usage.prompt_tokens == 3
+
+
+async def test_stop_string_truncates_text_and_finishes_stop(harness):
+    base = request("import os\n", 30)
+    base.stopping.ignore_eos = True
+    full = "".join(m.text for m in await collect(harness.stub, base))
+    assert len(full) > 6
+    stop = full[3:6]
+    req = request("import os\n", 30)
+    req.stopping.ignore_eos = True
+    req.stopping.stop.append(stop)
+    messages = await collect(harness.stub, req)
+    assert "".join(m.text for m in messages) == full[: full.index(stop)]
+    assert messages[-1].finish_reason == pb.FINISH_REASON_STOP
+
+
+async def test_stop_token_id_finishes_stop(harness):
+    base = request("x = ", 8)
+    base.stopping.ignore_eos = True
+    ids = [t for m in await collect(harness.stub, base) for t in m.token_ids]
+    req = request("x = ", 8)
+    req.stopping.ignore_eos = True
+    req.stopping.stop_token_ids.append(ids[2])
+    messages = await collect(harness.stub, req)
+    got = [t for m in messages for t in m.token_ids]
+    assert got == ids[: ids.index(ids[2]) + 1]
+    assert messages[-1].finish_reason == pb.FINISH_REASON_STOP
+
+
+def _bad_requests():
+    long_prompt = "def f(x): return x\n" * 200
+    yield "prompt", pb.GenerateRequest(prompt="")
+    yield "prompt", pb.GenerateRequest()
+    yield "prompt_token_ids.ids", pb.GenerateRequest(prompt_token_ids=pb.TokenIds())
+    yield "prompt_token_ids.ids[1]", pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1, 10**6]))
+    yield "prompt", pb.GenerateRequest(prompt=long_prompt)
+    yield "stopping.max_new_tokens", request("x", MAX_CONTEXT)  # prompt + new > context
+    yield "stopping.max_new_tokens", request("x", 100_000)  # above the server limit
+    yield "sampling.temperature", request(sampling=pb.SamplingParams(temperature=-1))
+    yield "sampling.temperature", request(sampling=pb.SamplingParams(temperature=math.nan))
+    yield "sampling.temperature", request(sampling=pb.SamplingParams(temperature=math.inf))
+    yield "sampling.top_p", request(sampling=pb.SamplingParams(top_p=1.5))
+    yield "sampling.top_p", request(sampling=pb.SamplingParams(top_p=-0.1))
+    yield "stopping.stop", _with_stops(["a"] * 17)
+    yield "stopping.stop[0]", _with_stops(["a" * 300])
+    yield "stopping.stop[0]", _with_stops([""])
+    yield "stopping.stop_token_ids[0]", _with_stop_ids([10**6])
+    yield "request_id", pb.GenerateRequest(prompt="x", request_id="r" * 200)
+    yield "speculation.mode", pb.GenerateRequest(prompt="x", speculation=pb.SpeculationParams(mode=99))
+    yield "messages", pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")]))
+    yield "messages.messages[0].role", pb.GenerateRequest(
+        messages=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="hi")]))
+
+
+def _with_stops(stops):
+    req = request("x", 4)
+    req.stopping.stop.extend(stops)
+    return req
+
+
+def _with_stop_ids(ids):
+    req = request("x", 4)
+    req.stopping.stop_token_ids.extend(ids)
+    return req
+
+
+async def test_invalid_requests_name_the_field(harness):
+    for field, req in _bad_requests():
+        err = await rpc_error(harness.stub, req)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, err.code(), err.details())
+        assert err.details().startswith(field + ":"), (field, err.details())
+        assert "Traceback" not in err.details()
+
+
+async def test_unknown_model_is_not_found(harness):
+    err = await rpc_error(harness.stub, pb.GenerateRequest(model="nope", prompt="x"))
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+    assert "nope" in err.details() and MODEL in err.details()
+
+
+async def test_list_models_describes_the_served_model(harness):
+    reply = await harness.stub.ListModels(pb.ListModelsRequest())
+    assert [m.name for m in reply.models] == [MODEL]
+    card = reply.models[0]
+    assert card.max_context == MAX_CONTEXT and card.vocab_size > 0 and card.draft
+
+
+async def test_health_serving_and_reflection_lists_services(harness):
+    health = health_pb2_grpc.HealthStub(harness.channel)
+    for service in ("", "duospec.v1.GenerationService"):
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    stub = reflection_pb2_grpc.ServerReflectionStub(harness.channel)
+
+    async def one_request():
+        yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+    replies = [r async for r in stub.ServerReflectionInfo(one_request())]
+    names = {s.name for s in replies[0].list_services_response.service}
+    assert {"duospec.v1.GenerationService", "grpc.health.v1.Health"} <= names
+
+
+async def test_client_cancel_frees_the_sequence(tiny_pair):  # noqa: F811
+    async with running_server(server_coordinator(tiny_pair, step_delay_s=0.02)) as h:
+        req = request("def f():", 200)
+        req.stopping.ignore_eos = True
+        call = h.stub.Generate(req)
+        first = await call.read()
+        assert first.token_ids
+        call.cancel()
+        await _wait_for_no_live_sequences(h)
+        metric = h.server.metrics.registry.get_sample_value(
+            "duospec:request_success_total", {"tenant": "default", "finish_reason": "cancelled"})
+        assert metric == 1.0
+
+
+async def test_deadline_frees_the_sequence(tiny_pair):  # noqa: F811
+    async with running_server(server_coordinator(tiny_pair, step_delay_s=0.02)) as h:
+        req = request("def f():", 200)
+        req.stopping.ignore_eos = True
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(h.stub, req, timeout=0.5)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await _wait_for_no_live_sequences(h)
+
+
+async def _wait_for_no_live_sequences(h, timeout: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        stats = await h.coordinator.stats()
+        running = h.server.admission.running
+        if live_sequences(stats) == 0 and running == 0:
+            return
+        assert loop.time() < deadline, f"sequence still live: {stats}, {running} streams admitted"
+        await asyncio.sleep(0.05)

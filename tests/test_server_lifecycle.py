@@ -1,0 +1,56 @@
+"""Shutdown: drain within the grace period, then CANCELLED; new requests UNAVAILABLE; health NOT_SERVING."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator.config import ServerSettings
+from coordinator.server import DuospecServer
+from coordinator.metrics import live_sequences
+from duospec.v1 import generation_pb2 as pb
+from duospec.v1 import generation_pb2_grpc as pb_grpc
+from test_server_support import request, server_coordinator
+from test_server_support import tiny_pair  # noqa: F401  (fixture)
+
+
+async def _start(tiny_pair, delay):  # noqa: F811
+    coordinator = server_coordinator(tiny_pair, step_delay_s=delay)
+    server = DuospecServer(coordinator, ServerSettings(port=0, metrics_port=0), health_poll_s=0.05)
+    port = await server.start()
+    await server.wait_ready(30)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    return server, channel, pb_grpc.GenerationServiceStub(channel)
+
+
+async def test_shutdown_drains_short_streams_and_cancels_long_ones(tiny_pair):  # noqa: F811
+    server, channel, stub = await _start(tiny_pair, delay=0.02)
+    short, long = request("a = ", 10), request("b = ", 250)
+    short.stopping.ignore_eos = long.stopping.ignore_eos = True
+    short_call, long_call = stub.Generate(short), stub.Generate(long)
+    await short_call.read()
+    await long_call.read()
+    shutdown = asyncio.ensure_future(server.shutdown(grace_period_s=1.0))
+    await asyncio.sleep(0.1)
+    health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+    assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    try:
+        [m async for m in stub.Generate(request("c", 2))]
+        raise AssertionError("a new request was accepted while draining")
+    except grpc.aio.AioRpcError as err:
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+    short_rest = [m async for m in _rest(short_call)]
+    long_rest = [m async for m in _rest(long_call)]
+    await shutdown
+    assert short_rest[-1].finish_reason == pb.FINISH_REASON_LENGTH  # finished inside the grace period
+    assert long_rest[-1].finish_reason == pb.FINISH_REASON_CANCELLED
+    assert 0 < long_rest[-1].usage.completion_tokens < 250
+    assert live_sequences(await server.coordinator.stats()) == 0
+    await channel.close()
+
+
+async def _rest(call):
+    while (m := await call.read()) is not grpc.aio.EOF:
+        yield m
