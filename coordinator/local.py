@@ -50,7 +50,27 @@ class LocalCoordinator(ModelRouter):
             target = LocalTargetLink(Verifier(target_runner))
             draft = LocalDraftLink(Drafter(draft_runner)) if draft_runner is not None else None
             scheduler = Scheduler(info, target, draft, sched_config)
+            scheduler.workers = (target, draft)
             await scheduler.start()
             return scheduler
 
         return open_scheduler
+
+    async def worker_stats(self) -> dict:
+        """What each in-process worker holds: {model: {role: {"live_sequences": n, "free_slots": n}}}."""
+        out = {}
+        for name, entry in self.entries.items():
+            out[name] = {}
+            if entry.scheduler is None:
+                continue
+            target, draft = entry.scheduler.workers
+            out[name]["target"] = {
+                "live_sequences": len(target.verifier.slots),
+                "free_slots": target.verifier.runner.free_slots,
+            }
+            if draft is not None:
+                out[name]["draft"] = {
+                    "live_sequences": len(draft.loop.drafter.sequences),
+                    "free_slots": draft.loop.drafter.runner.free_slots,
+                }
+        return out

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 
@@ -21,9 +22,10 @@ log = logging.getLogger(__name__)
 
 
 class PipelineCoordinator(ModelRouter):
-    def __init__(self) -> None:
+    def __init__(self, restart_timeout_s: float = 60.0) -> None:
         super().__init__()
         self.pairs: dict[str, WorkerPair] = {}
+        self.restart_timeout_s = restart_timeout_s  # how long a killed worker may take to come back
 
     def add_pair(self, config, pair: WorkerPair) -> None:
         info = model_info(config)
@@ -38,11 +40,32 @@ class PipelineCoordinator(ModelRouter):
             await wait_for_channel(pair.target_info["endpoint"], timeout=30)
             target = GrpcStreamLink(pair.target_info["endpoint"], "verify")
             draft = GrpcStreamLink(pair.draft_info["endpoint"], "draft") if pair.draft_info else None
-            scheduler = Scheduler(info, target, draft, scheduler_config(config))
+            scheduler = Scheduler(
+                info,
+                target,
+                draft,
+                scheduler_config(config),
+                reconnect_target=_reconnector(pair, "target", self.restart_timeout_s),
+                reconnect_draft=_reconnector(pair, "draft", self.restart_timeout_s) if pair.draft else None,
+            )
             await scheduler.start()
             return scheduler
 
         self.add_model(ModelEntry(info, config, open_scheduler))
+
+    async def worker_stats(self) -> dict:
+        """What each worker actor itself holds (live sequences / free slots): {model: {role: stats}}."""
+        out = {}
+        for name, pair in self.pairs.items():
+            handles = {"target": pair.target, "draft": pair.draft}
+            out[name] = {}
+            for role, handle in handles.items():
+                if handle is not None:
+                    try:
+                        out[name][role] = await asyncio.wait_for(handle.stats.remote(), 10)
+                    except Exception as exc:  # restarting or dead
+                        out[name][role] = {"error": type(exc).__name__}
+        return out
 
     def worker_info(self) -> dict:
         return {name: {"target": p.target_info, "draft": p.draft_info} for name, p in self.pairs.items()}
@@ -52,6 +75,29 @@ class PipelineCoordinator(ModelRouter):
         for pair in self.pairs.values():
             pair.shutdown()
         self.pairs.clear()
+
+
+def _reconnector(pair: WorkerPair, role: str, timeout_s: float):
+    """Waits for Ray to restart the role's actor, then opens a stream to its new endpoint."""
+    method = "verify" if role == "target" else "draft"
+
+    async def reconnect() -> GrpcStreamLink:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        last_error: Exception | None = None
+        while loop.time() < deadline:
+            handle = getattr(pair, role)
+            try:
+                info = await asyncio.wait_for(handle.info.remote(), max(1.0, min(10.0, deadline - loop.time())))
+                await wait_for_channel(info["endpoint"], timeout=max(1.0, deadline - loop.time()))
+                setattr(pair, f"{role}_info", info)
+                return GrpcStreamLink(info["endpoint"], method)
+            except Exception as exc:  # still restarting
+                last_error = exc
+                await asyncio.sleep(0.5)
+        raise ConnectionError(f"the {role} actor did not restart within {timeout_s:.0f} s: {last_error}")
+
+    return reconnect
 
 
 def start_pipeline(models: list, *, ray_address: str | None = None, placement_timeout_s: float = 30.0):

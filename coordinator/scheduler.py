@@ -20,7 +20,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Awaitable, Callable, Protocol
 
 from coordinator.api import (
     CoordinatorError,
@@ -36,6 +36,9 @@ from coordinator.sequence import Sequence
 from duospec.internal.v1 import pearl_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+
+Reconnect = Callable[[], Awaitable["Link"]]  # opens a link to the (restarted) worker, or raises
 
 
 class Link(Protocol):
@@ -77,7 +80,16 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, info: ModelInfo, target: Link, draft: Link | None, config: SchedulerConfig):
+    def __init__(
+        self,
+        info: ModelInfo,
+        target: Link,
+        draft: Link | None,
+        config: SchedulerConfig,
+        *,
+        reconnect_target: Reconnect | None = None,
+        reconnect_draft: Reconnect | None = None,
+    ):
         self.info = info
         self.target = target
         self.draft = draft
@@ -95,6 +107,14 @@ class Scheduler:
         self._idle_since = time.monotonic()
         self._deferring = False  # True while a batch is being applied: dispatch once, at its end
         self.closed = False
+        # Worker failures: a lost stream is reopened on the restarted actor through these.
+        self._reconnect_target = reconnect_target
+        self._reconnect_draft = reconnect_draft
+        self._target_up = True
+        self._draft_up = draft is not None
+        self._target_failed = False  # the target did not come back: fail fast from now on
+        self.target_restarts = 0
+        self.draft_restarts = 0
 
     async def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._read_target(), name="duospec-target-reader"))
@@ -116,6 +136,8 @@ class Scheduler:
         """Async generator of TokensEvent..., FinishEvent. Closing it early cancels the sequence."""
         if self.closed:
             raise Unavailable("the coordinator is shutting down; retry on another replica")
+        if self._target_failed:
+            raise Unavailable("the target worker is down; retry later")
         await self._slots.acquire()
         seq = None
         try:
@@ -133,7 +155,7 @@ class Scheduler:
             self._slots.release()
 
     def _add(self, request: GenerationRequest, policy: SpeculationPolicy) -> Sequence:
-        use_draft = policy.uses_draft and self.draft is not None
+        use_draft = policy.uses_draft and self._draft_up
         seq = Sequence(
             seq_id=next(self._seq_ids),
             request=request,
@@ -175,14 +197,32 @@ class Scheduler:
 
     # -- drafts in -----------------------------------------------------------------------------
     async def _read_draft(self) -> None:
-        try:
-            async for batch in self.draft.responses():
-                self._on_draft_batch(batch)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the stream broke: the drafter is gone
-            log.warning("draft stream ended: %s; continuing target-only", type(exc).__name__)
-        self._draft_lost()
+        """Reads draft chunks; when the stream breaks, live sequences go on target-only and the link is
+        reopened on the restarted drafter for later requests."""
+        while not self.closed:
+            try:
+                async for batch in self.draft.responses():
+                    self._on_draft_batch(batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the stream broke: the drafter is gone
+                log.warning("draft stream ended (%s); live sequences continue target-only", type(exc).__name__)
+            if self.closed:
+                return
+            self._draft_up = False
+            self._draft_lost()
+            if self._reconnect_draft is None:
+                return
+            try:
+                link = await self._reconnect_draft()
+            except Exception as exc:
+                log.error("drafter did not come back (%s); serving target-only", exc)
+                return
+            old, self.draft = self.draft, link
+            await _close_quietly(old)
+            self._draft_up = True
+            self.draft_restarts += 1
+            log.info("drafter reconnected; new requests speculate again")
 
     def _draft_lost(self) -> None:
         for seq in self.sequences.values():
@@ -227,7 +267,7 @@ class Scheduler:
 
     # -- verify out ----------------------------------------------------------------------------
     def _dispatch(self) -> None:
-        if self.inflight is not None or self.closed or self._deferring:
+        if self.inflight is not None or self.closed or self._deferring or not self._target_up:
             return
         ready = [
             s
@@ -281,19 +321,47 @@ class Scheduler:
 
     # -- verdicts in ---------------------------------------------------------------------------
     async def _read_target(self) -> None:
+        """Reads verdicts; when the stream breaks, waits for the restarted target and re-prefills every
+        live sequence's committed tokens on it (nothing committed is lost)."""
+        while not self.closed:
+            try:
+                async for batch in self.target.responses():
+                    self._on_verdict_batch(batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.error("target stream ended (%s)", type(exc).__name__)
+            if self.closed or not await self._recover_target():
+                return
+
+    async def _recover_target(self) -> bool:
+        self._target_up = False
+        self.inflight = None
+        self._target_releases = []  # the restarted target holds no sequences
+        for seq in self.sequences.values():
+            seq.target_len = 0  # the next verify re-sends all committed tokens: a re-prefill
+            seq.verifying = None
         try:
-            async for batch in self.target.responses():
-                self._on_verdict_batch(batch)
-        except asyncio.CancelledError:
-            raise
+            if self._reconnect_target is None:
+                raise ConnectionError("no way to reconnect")
+            link = await self._reconnect_target()
         except Exception as exc:
-            log.error("target stream ended: %s", type(exc).__name__)
-        self._target_lost()
+            log.error("target did not come back: %s", exc)
+            self._target_lost()
+            return False
+        old, self.target = self.target, link
+        await _close_quietly(old)
+        self._target_up = True
+        self.target_restarts += 1
+        log.info("target reconnected; re-prefilling %d live sequences", len(self.sequences))
+        self._dispatch()
+        return True
 
     def _target_lost(self) -> None:
+        self._target_failed = True
         self.inflight = None
         for seq in list(self.sequences.values()):
-            self._fail(seq, Unavailable("the target worker is unavailable; retry shortly"))
+            self._fail(seq, Unavailable("the target worker is unavailable and did not restart in time; retry later"))
 
     def _on_verdict_batch(self, batch: pb.VerdictBatch) -> None:
         self.target_times.busy_s += batch.forward_seconds
@@ -400,7 +468,7 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.sequences.pop(seq.seq_id, None)
         self._target_releases.append(seq.seq_id)
-        if seq.draft_started and seq.draft_alive and self.draft is not None:
+        if seq.draft_started and seq.draft_alive and self._draft_up:
             self.draft.send(
                 pb.DraftControl(
                     commands=[pb.DraftCommand(seq_id=seq.seq_id, kind=pb.DRAFT_COMMAND_KIND_RELEASE)]
@@ -436,14 +504,24 @@ class Scheduler:
                 "busy_s": self.target_times.busy_s,
                 "idle_s": self.target_times.idle_s,
                 "batches": self.target_times.messages,
+                "connected": self._target_up,
+                "restarts": self.target_restarts,
             },
             "draft": {
                 "busy_s": self.draft_times.busy_s,
                 "idle_s": self.draft_times.idle_s,
                 "batches": self.draft_times.messages,
-                "connected": self.draft is not None,
+                "connected": self._draft_up,
+                "restarts": self.draft_restarts,
             },
         }
+
+
+async def _close_quietly(link) -> None:
+    try:
+        await link.close()
+    except Exception:  # a dead link may fail to close; it is being replaced anyway
+        pass
 
 
 def _verify_error(error: pb.VerifyError) -> CoordinatorError:

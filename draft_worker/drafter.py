@@ -150,6 +150,7 @@ class Drafter:
     def stats(self) -> dict:
         return {
             "live_sequences": len(self.sequences),
+            "free_slots": self.runner.free_slots,
             "steps": self.steps,
             "tokens_drafted": self.tokens_drafted,
         }

@@ -19,6 +19,7 @@ class TargetWorker(GrpcModelWorker):
         return {
             **self.info(),
             "live_sequences": len(self.verifier.slots),
+            "free_slots": self.runner.free_slots,
             "forwards": self.verifier.forwards,
             "tokens_verified": self.verifier.tokens_verified,
         }

@@ -1,0 +1,140 @@
+"""The PEARL pipeline through real Ray actors and gRPC streams (DESIGN.md §2-§4)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+from transformers import AutoModelForCausalLM
+
+from coordinator.api import FinishReason, InvalidRequest
+from coordinator.models import ModelPairError
+from duospec.sampling import SamplingParams
+from exactness import assert_greedy_equal, hf_greedy
+from pipeline_support import BackgroundLoop, model_config, request, run_all
+from tiny_models import make_tiny_checkpoint
+
+pytestmark = pytest.mark.ray
+
+N_PROMPTS, N_NEW = 20, 64
+REPO = pathlib.Path(__file__).resolve().parent.parent
+BUNDLED = REPO / "models"
+LOOKAHEAD = 8
+
+
+@pytest.fixture(scope="module")
+def loop():
+    background = BackgroundLoop()
+    yield background
+    background.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    target = make_tiny_checkpoint(root / "target", "llama", seed=11, hidden_size=64, num_layers=2)
+    draft = make_tiny_checkpoint(root / "draft", "llama", seed=12, hidden_size=32, num_layers=1)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def pipeline(ray_session, loop, tiny_pair):
+    from coordinator.pipeline import start_pipeline
+
+    target, draft = tiny_pair
+    coordinator = start_pipeline([model_config("tiny", target, draft, max_lookahead=LOOKAHEAD)])
+    yield coordinator
+    loop.run(coordinator.close())
+
+
+@pytest.fixture(scope="module")
+def hf_target(tiny_pair):
+    return AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()
+
+
+def _prompts(n=N_PROMPTS, vocab=384, seed=5):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(4, vocab, size=int(rng.integers(3, 12))).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("mode", ["pearl", "vanilla", "off"])
+def test_greedy_through_actors_matches_target_alone(pipeline, loop, hf_target, mode):
+    prompts = _prompts()
+    results = loop.run(run_all(pipeline, [request(p, N_NEW, mode) for p in prompts]))
+    for prompt, result in zip(prompts, results):
+        assert result.finish.finish_reason is FinishReason.LENGTH
+        assert_greedy_equal(hf_target, prompt, result.tokens, hf_greedy(hf_target, prompt, N_NEW))
+    if mode != "off":
+        assert sum(r.stats.rejections for r in results) > N_PROMPTS * 10  # random draft: the abort path
+
+
+def test_eight_at_once_equal_one_at_a_time(pipeline, loop):
+    prompts = _prompts(8, seed=9)
+    together = loop.run(run_all(pipeline, [request(p, 48) for p in prompts]))
+    alone = [loop.run(run_all(pipeline, [request(p, 48)]))[0] for p in prompts]
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+
+
+def test_seeded_pearl_sampling_is_repeatable(pipeline, loop):
+    params = SamplingParams(temperature=0.9, top_k=20, seed=77)
+    prompts = _prompts(4, seed=3)
+    runs = [loop.run(run_all(pipeline, [request(p, 40, sampling=params) for p in prompts])) for _ in range(2)]
+    assert [r.tokens for r in runs[0]] == [r.tokens for r in runs[1]]
+
+
+def test_abort_bounds_wasted_drafting(pipeline, loop):
+    results = loop.run(run_all(pipeline, [request(p, 64) for p in _prompts(6, seed=4)]))
+    for r in results:
+        assert r.stats.rejections > 0
+        # Per rejection the drafter can have run at most `lookahead` positions ahead, plus the one step
+        # that was already in its forward when the abort arrived.
+        assert r.stats.wasted_draft_tokens <= r.stats.rejections * (LOOKAHEAD + 1)
+
+
+def test_prompt_longer_than_context_is_rejected_at_once(pipeline, loop):
+    info = pipeline.models()[0]
+    with pytest.raises(InvalidRequest, match="context"):
+        loop.run(run_all(pipeline, [request([5] * (info.max_context - 10), 64)]), timeout=10)
+
+
+def test_different_tokenizers_are_refused_before_placement(tmp_path, ray_session):
+    from coordinator.pipeline import start_pipeline
+
+    target = make_tiny_checkpoint(tmp_path / "t", "llama", seed=1)
+    other = make_tiny_checkpoint(tmp_path / "d", "llama", seed=2)
+    tokenizer_file = other / "tokenizer.json"
+    spec = json.loads(tokenizer_file.read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["A"], vocab["B"] = vocab["B"], vocab["A"]  # same size, two ids swapped
+    tokenizer_file.write_text(json.dumps(spec))
+    with pytest.raises(ModelPairError, match="different tokenizers"):
+        start_pipeline([model_config("mismatch", target, other)])
+
+
+@pytest.mark.skipif(not (BUNDLED / "target" / "config.json").exists(), reason="bundled pair not trained yet")
+def test_bundled_pair_greedy_through_actors(ray_session, loop):
+    from coordinator.pipeline import start_pipeline
+    from duospec.engine import load_tokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(BUNDLED / "target").eval()
+    tok = load_tokenizer(BUNDLED / "target")
+    snippets = [
+        "def fibonacci(n):\n    ",
+        "import os\nimport sys\n\n\ndef main(",
+        "class Stack:\n    def __init__(self):\n        self.",
+        "    for i in range(len(",
+    ]
+    prompts = [tok.encode(s) for s in snippets] * 5
+    coordinator = start_pipeline([model_config("bundled", BUNDLED / "target", BUNDLED / "draft")])
+    try:
+        for mode in ("pearl", "vanilla", "off"):
+            results = loop.run(run_all(coordinator, [request(p, N_NEW, mode) for p in prompts]))
+            for prompt, result in zip(prompts, results):
+                assert_greedy_equal(hf, prompt, result.tokens, hf_greedy(hf, prompt, N_NEW))
+            if mode != "off":
+                mean_len = np.mean([r.stats.mean_accepted_length for r in results])
+                assert mean_len > 1.3, f"{mode}: the trained draft should be accepted often ({mean_len:.2f})"
+    finally:
+        loop.run(coordinator.close())
