@@ -22,8 +22,10 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Protocol
 
+from coordinator.adaptive import VerifyCostModel, best_draft_length
 from coordinator.api import (
     CoordinatorError,
+    SpeculationMode,
     FinishEvent,
     FinishReason,
     GenerationRequest,
@@ -58,6 +60,7 @@ class InFlightVerify:
     batch_id: int
     seq_ids: list[int]
     sent_at: float
+    n_tokens: int  # tokens fed to the target in this batch (for the verify cost model)
 
 
 @dataclass
@@ -106,6 +109,9 @@ class Scheduler:
         self._tasks: list[asyncio.Task] = []
         self._idle_since = time.monotonic()
         self._deferring = False  # True while a batch is being applied: dispatch once, at its end
+        # Adaptive draft length for pearl sequences (coordinator/adaptive.py).
+        self.verify_cost = VerifyCostModel()
+        self.pearl_draft_length: int | None = None  # None: not measured yet, use each policy's max
         self.closed = False
         # Worker failures: a lost stream is reopened on the restarted actor through these.
         self._reconnect_target = reconnect_target
@@ -269,11 +275,7 @@ class Scheduler:
     def _dispatch(self) -> None:
         if self.inflight is not None or self.closed or self._deferring or not self._target_up:
             return
-        ready = [
-            s
-            for s in self.sequences.values()
-            if s.finish_reason is None and s.policy.ready(len(s.drafts), s.remaining, s.uses_draft)
-        ]
+        ready = [s for s in self.sequences.values() if s.finish_reason is None and self._ready(s)]
         if not ready and not self._target_releases:
             return
         chosen = self._fair_share(ready)
@@ -282,8 +284,30 @@ class Scheduler:
         self._target_releases = []
         now = time.monotonic()
         self.target_times.idle_s += now - self._idle_since
-        self.inflight = InFlightVerify(batch.batch_id, [s.seq_id for s in chosen], now)
+        n_tokens = sum(len(item.context) + len(item.draft_tokens) for item in items)
+        self.inflight = InFlightVerify(batch.batch_id, [s.seq_id for s in chosen], now, n_tokens)
         self.target.send(batch)
+
+    def _draft_limit(self, seq: Sequence) -> int:
+        """Most drafts to verify for `seq` now: the policy's cap, lowered by the adaptive length in pearl.
+        Sampling keeps k >= 1: a timing-dependent switch to the bonus rule would change seeded output."""
+        limit = seq.policy.max_draft_tokens
+        if seq.policy.mode is SpeculationMode.PEARL and self.pearl_draft_length is not None:
+            limit = min(limit, max(self.pearl_draft_length, 0 if seq.greedy else 1))
+        return limit
+
+    def _ready(self, seq: Sequence) -> bool:
+        if seq.uses_draft and self._draft_limit(seq) == 0:
+            return True  # backed off to target-only under load
+        return seq.policy.ready(len(seq.drafts), seq.remaining, seq.uses_draft)
+
+    def _adapt_draft_length(self) -> None:
+        pearl = [s for s in self.sequences.values() if s.uses_draft and s.policy.mode is SpeculationMode.PEARL]
+        if not pearl:
+            return
+        max_k = max(s.policy.max_draft_tokens for s in pearl)
+        batch = pearl[: self.config.max_batch_size]
+        self.pearl_draft_length = best_draft_length([s.acceptance.alpha for s in batch], self.verify_cost, max_k)
 
     def _fair_share(self, ready: list[Sequence]) -> list[Sequence]:
         """Weighted fair share of the target when more sequences are ready than fit in a batch."""
@@ -304,7 +328,7 @@ class Scheduler:
     def _verify_item(self, seq: Sequence) -> pb.VerifyItem:
         from draft_worker.drafter import sampling_to_proto
 
-        k = seq.policy.verify_count(len(seq.drafts), seq.remaining) if seq.uses_draft else 0
+        k = min(seq.policy.verify_count(len(seq.drafts), seq.remaining), self._draft_limit(seq)) if seq.uses_draft else 0
         seq.verifying = k
         seq.stats.target_forwards += 1
         seq.stats.drafted_tokens += k
@@ -367,6 +391,8 @@ class Scheduler:
         self.target_times.busy_s += batch.forward_seconds
         self.target_times.messages += 1
         self._idle_since = time.monotonic()
+        if self.inflight is not None and batch.verdicts:
+            self.verify_cost.observe(self.inflight.n_tokens, batch.forward_seconds)
         self.inflight = None
         self._deferring = True
         try:
@@ -380,6 +406,7 @@ class Scheduler:
                 if seq is None or seq.finish_reason is not None or verdict.epoch != seq.epoch:
                     continue
                 self._apply_verdict(seq, verdict)
+            self._adapt_draft_length()
         finally:
             self._deferring = False
         self._dispatch()
@@ -398,6 +425,8 @@ class Scheduler:
         for i in range(accepted):
             per_pos[i] += 1
         rejected = verdict.kind == pb.NEXT_TOKEN_KIND_RECOVERED and accepted < k
+        if k:
+            seq.acceptance.observe(accepted, int(rejected))
         if rejected:
             seq.stats.rejections += 1
             if accepted == 0 and old_len == seq.round_start and k >= 1:
@@ -506,7 +535,9 @@ class Scheduler:
                 "batches": self.target_times.messages,
                 "connected": self._target_up,
                 "restarts": self.target_restarts,
+                "verify_cost_s": dict(zip(("fixed", "per_token"), self.verify_cost.coefficients())),
             },
+            "pearl_draft_length": self.pearl_draft_length,
             "draft": {
                 "busy_s": self.draft_times.busy_s,
                 "idle_s": self.draft_times.idle_s,

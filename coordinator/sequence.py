@@ -7,6 +7,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from coordinator.adaptive import AcceptanceTracker
 from coordinator.api import FinishReason, GenerationRequest, SpecStats
 from coordinator.policies import SpeculationPolicy
 
@@ -32,6 +33,7 @@ class Sequence:
     verifying: int | None = None  # drafts in the in-flight verify batch (None: not in flight)
     round_start: int = 0  # position of the first draft of the current round (after start/abort)
     finish_reason: FinishReason | None = None
+    acceptance: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     started_at: float = field(default_factory=time.monotonic)
 
     @property
