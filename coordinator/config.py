@@ -61,6 +61,7 @@ class SpeculationDefaults:
     mode: SpeculationMode = SpeculationMode.PEARL
     max_draft_tokens: int = 4
     max_lookahead: int = 8
+    adaptive: bool = True  # pearl: adapt the draft length to acceptance and load (coordinator/adaptive.py)
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,7 @@ def _parse_model(f: "_Fields", base_dir: pathlib.Path) -> ModelConfig:
             mode=SpeculationMode(mode_name),
             max_draft_tokens=spec_fields.int_in("max_draft_tokens", 1, 64, default=spec.max_draft_tokens),
             max_lookahead=spec_fields.int_in("max_lookahead", 1, 1024, default=spec.max_lookahead),
+            adaptive=spec_fields.get("adaptive", bool, default=spec.adaptive),
         )
         spec_fields.reject_unknown()
     if draft is None and spec.mode is not SpeculationMode.OFF and spec_fields is not None and "mode" in spec_fields.raw:
@@ -171,7 +173,7 @@ def _parse_model(f: "_Fields", base_dir: pathlib.Path) -> ModelConfig:
             f"{f.where('speculation.mode')}: {spec.mode.value!r} needs a draft model; add `draft:` or set mode: off"
         )
     if draft is None:
-        spec = SpeculationDefaults(SpeculationMode.OFF, spec.max_draft_tokens, spec.max_lookahead)
+        spec = SpeculationDefaults(SpeculationMode.OFF, spec.max_draft_tokens, spec.max_lookahead, spec.adaptive)
     model = ModelConfig(
         name=name,
         target=_resolve_model_path(target, base_dir),

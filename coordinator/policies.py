@@ -17,6 +17,7 @@ class SpeculationPolicy:
     mode: SpeculationMode
     max_draft_tokens: int  # pearl: most drafts per verify; vanilla: γ
     max_lookahead: int  # pearl: how far the drafter may run past the committed prefix
+    adaptive: bool = True  # pearl: the scheduler may verify fewer drafts (coordinator/adaptive.py)
 
     @property
     def uses_draft(self) -> bool:

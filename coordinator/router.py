@@ -80,6 +80,7 @@ class ModelRouter:
             mode=mode,
             max_draft_tokens=int(max_draft),
             max_lookahead=int(getattr(spec, "max_lookahead", 8)),
+            adaptive=bool(getattr(spec, "adaptive", True)),
         )
 
     def validate(self, entry: ModelEntry, request: GenerationRequest) -> None:

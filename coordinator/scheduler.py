@@ -109,6 +109,7 @@ class Scheduler:
         self._tasks: list[asyncio.Task] = []
         self._idle_since = time.monotonic()
         self._deferring = False  # True while a batch is being applied: dispatch once, at its end
+        self._pending_draft_commands: list[pb.DraftCommand] = []
         # Adaptive draft length for pearl sequences (coordinator/adaptive.py).
         self.verify_cost = VerifyCostModel()
         self.pearl_draft_length: int | None = None  # None: not measured yet, use each policy's max
@@ -185,19 +186,15 @@ class Scheduler:
 
         seq.draft_started = True
         seq.draft_fed_len = 0
-        self.draft.send(
-            pb.DraftControl(
-                commands=[
-                    pb.DraftCommand(
-                        seq_id=seq.seq_id,
-                        epoch=seq.epoch,
-                        kind=pb.DRAFT_COMMAND_KIND_START,
-                        start_pos=0,
-                        tail=seq.committed,
-                        draft_until=seq.draft_until(),
-                        sampling=sampling_to_proto(seq.request.sampling),
-                    )
-                ]
+        self._draft_command(
+            pb.DraftCommand(
+                seq_id=seq.seq_id,
+                epoch=seq.epoch,
+                kind=pb.DRAFT_COMMAND_KIND_START,
+                start_pos=0,
+                tail=seq.committed,
+                draft_until=seq.draft_until(),
+                sampling=sampling_to_proto(seq.request.sampling),
             )
         )
 
@@ -272,8 +269,21 @@ class Scheduler:
             seq.draft_fed_len = chunk.start_pos + len(chunk.tokens) - 1
 
     # -- verify out ----------------------------------------------------------------------------
+    def _draft_command(self, command: pb.DraftCommand) -> None:
+        """Queues a command; all commands of one event go to the drafter as one message (_dispatch)."""
+        self._pending_draft_commands.append(command)
+
+    def _flush_draft_commands(self) -> None:
+        if self._pending_draft_commands and self._draft_up:
+            self.draft.send(pb.DraftControl(commands=self._pending_draft_commands))
+        self._pending_draft_commands = []
+
     def _dispatch(self) -> None:
-        if self.inflight is not None or self.closed or self._deferring or not self._target_up:
+        """Ends every event: sends the drafter its commands, then the target a batch if it is free."""
+        if self._deferring:
+            return
+        self._flush_draft_commands()
+        if self.inflight is not None or self.closed or not self._target_up:
             return
         ready = [s for s in self.sequences.values() if s.finish_reason is None and self._ready(s)]
         if not ready and not self._target_releases:
@@ -292,7 +302,7 @@ class Scheduler:
         """Most drafts to verify for `seq` now: the policy's cap, lowered by the adaptive length in pearl.
         Sampling keeps k >= 1: a timing-dependent switch to the bonus rule would change seeded output."""
         limit = seq.policy.max_draft_tokens
-        if seq.policy.mode is SpeculationMode.PEARL and self.pearl_draft_length is not None:
+        if seq.policy.adaptive and seq.policy.mode is SpeculationMode.PEARL and self.pearl_draft_length is not None:
             limit = min(limit, max(self.pearl_draft_length, 0 if seq.greedy else 1))
         return limit
 
@@ -302,7 +312,11 @@ class Scheduler:
         return seq.policy.ready(len(seq.drafts), seq.remaining, seq.uses_draft)
 
     def _adapt_draft_length(self) -> None:
-        pearl = [s for s in self.sequences.values() if s.uses_draft and s.policy.mode is SpeculationMode.PEARL]
+        pearl = [
+            s
+            for s in self.sequences.values()
+            if s.uses_draft and s.policy.adaptive and s.policy.mode is SpeculationMode.PEARL
+        ]
         if not pearl:
             return
         max_k = max(s.policy.max_draft_tokens for s in pearl)
@@ -457,16 +471,9 @@ class Scheduler:
             self._advance(seq)
 
     def _advance(self, seq: Sequence) -> None:
-        self.draft.send(
-            pb.DraftControl(
-                commands=[
-                    pb.DraftCommand(
-                        seq_id=seq.seq_id,
-                        epoch=seq.epoch,
-                        kind=pb.DRAFT_COMMAND_KIND_ADVANCE,
-                        draft_until=seq.draft_until(),
-                    )
-                ]
+        self._draft_command(
+            pb.DraftCommand(
+                seq_id=seq.seq_id, epoch=seq.epoch, kind=pb.DRAFT_COMMAND_KIND_ADVANCE, draft_until=seq.draft_until()
             )
         )
 
@@ -478,18 +485,14 @@ class Scheduler:
         start = min(seq.draft_fed_len, len(seq.committed) - 1)
         seq.draft_fed_len = start
         seq.round_start = len(seq.committed)
-        self.draft.send(
-            pb.DraftControl(
-                commands=[
-                    pb.DraftCommand(
-                        seq_id=seq.seq_id,
-                        epoch=seq.epoch,
-                        kind=pb.DRAFT_COMMAND_KIND_RESET,
-                        start_pos=start,
-                        tail=seq.committed[start:],
-                        draft_until=seq.draft_until(),
-                    )
-                ]
+        self._draft_command(
+            pb.DraftCommand(
+                seq_id=seq.seq_id,
+                epoch=seq.epoch,
+                kind=pb.DRAFT_COMMAND_KIND_RESET,
+                start_pos=start,
+                tail=seq.committed[start:],
+                draft_until=seq.draft_until(),
             )
         )
 
@@ -498,11 +501,7 @@ class Scheduler:
         self.sequences.pop(seq.seq_id, None)
         self._target_releases.append(seq.seq_id)
         if seq.draft_started and seq.draft_alive and self._draft_up:
-            self.draft.send(
-                pb.DraftControl(
-                    commands=[pb.DraftCommand(seq_id=seq.seq_id, kind=pb.DRAFT_COMMAND_KIND_RELEASE)]
-                )
-            )
+            self._draft_command(pb.DraftCommand(seq_id=seq.seq_id, kind=pb.DRAFT_COMMAND_KIND_RELEASE))
         seq.stats.wasted_draft_tokens += seq.drop_drafts()
         if not self.closed:
             self._dispatch()

@@ -172,7 +172,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         except (AuthError, RequestError) as exc:
             await context.abort(grpc.StatusCode[exc.code], str(exc))
         except AdmissionError as exc:
-            trailer = (("retry-after-s", f"{exc.retry_after_s:.3f}"),) if exc.retry_after_s else None
+            # grpc.aio rejects trailing_metadata=None (TypeError → UNKNOWN), so "no hint" is an empty tuple.
+            trailer = (("retry-after-s", f"{exc.retry_after_s:.3f}"),) if exc.retry_after_s else ()
             await context.abort(grpc.StatusCode[exc.code], str(exc), trailer)
         state = _StreamState(tenant, info.name, validated.client_request_id, len(validated.request.prompt_token_ids))
         self.lifecycle.stream_opened()

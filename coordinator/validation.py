@@ -21,6 +21,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_DRAFT_TOKENS = 64
+# Below this, logits / temperature overflows float32 (inf → NaN probabilities) and the result is
+# greedy anyway; such requests are refused rather than allowed to break the workers' sampling.
+MIN_TEMPERATURE = 1e-3
 CHAT_ROLES = ("system", "user", "assistant")
 
 _MODES = {
@@ -168,6 +171,9 @@ def _stop_token_ids(stopping: pb.StoppingCriteria, info: ModelInfo) -> list[int]
 def _sampling(sp: pb.SamplingParams) -> SamplingParams:
     if not math.isfinite(sp.temperature) or sp.temperature < 0:
         raise invalid("sampling.temperature", f"{sp.temperature}; use 0 (greedy) or a positive finite number")
+    if 0 < sp.temperature < MIN_TEMPERATURE:
+        raise invalid("sampling.temperature", f"{sp.temperature:g} is below {MIN_TEMPERATURE:g}; use 0 for greedy "
+                      f"decoding or a temperature >= {MIN_TEMPERATURE:g}")
     if not math.isfinite(sp.top_p) or not 0 <= sp.top_p <= 1:
         raise invalid("sampling.top_p", f"{sp.top_p}; use a value in (0, 1] (0 means unset = 1.0)")
     # Unset seed: a fresh random one, so the request is still reproducible from the server's side.

@@ -91,6 +91,46 @@ class DraftLoop:
                 busy = idle = 0.0
 
 
+def merge_batches(batches: list[pb.DraftChunkBatch]) -> pb.DraftChunkBatch:
+    """Coalesces batches that queued up while the stream was busy into one message: consecutive chunks
+    of a sequence in the same epoch become one multi-token chunk (fewer, larger gRPC messages)."""
+    if len(batches) == 1:
+        return batches[0]
+    merged = pb.DraftChunkBatch()
+    last: dict[int, pb.DraftChunk] = {}
+    for batch in batches:
+        merged.busy_seconds += batch.busy_seconds
+        merged.idle_seconds += batch.idle_seconds
+        merged.failed_seq_ids.extend(batch.failed_seq_ids)
+        for chunk in batch.chunks:
+            prev = last.get(chunk.seq_id)
+            if (
+                prev is not None
+                and prev.epoch == chunk.epoch
+                and prev.start_pos + len(prev.tokens) == chunk.start_pos
+                and bool(prev.draft_probs) == bool(chunk.draft_probs)
+            ):
+                prev.tokens.extend(chunk.tokens)
+                prev.draft_probs.extend(chunk.draft_probs)
+            else:
+                merged.chunks.append(chunk)
+                last[chunk.seq_id] = merged.chunks[-1]
+    return merged
+
+
+def drain(first, inbox: queue.SimpleQueue) -> tuple[list, bool]:
+    """`first` plus whatever else is already queued; True if the end marker was among them."""
+    items = [first]
+    while True:
+        try:
+            item = inbox.get_nowait()
+        except queue.Empty:
+            return items, False
+        if item is _STOP:
+            return items, True
+        items.append(item)
+
+
 class DraftServicer(pb_grpc.DraftServiceServicer):
     """One coordinator stream at a time; a new stream releases the previous one's sequences."""
 
@@ -121,7 +161,10 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 batch = out.get()
                 if batch is _STOP:
                     return
-                yield batch
+                batches, ended = drain(batch, out)
+                yield merge_batches(batches)
+                if ended:
+                    return
         finally:
             loop.stop()
             with self._lock:

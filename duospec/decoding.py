@@ -35,7 +35,7 @@ class DecodeResult:
     stats: SpecStats
 
 
-def _router(target, draft, *, gamma: int, max_lookahead: int, max_batch_size: int) -> ModelRouter:
+def _router(target, draft, *, gamma: int, max_lookahead: int, max_batch_size: int, adaptive=False) -> ModelRouter:
     """A one-model router over already-loaded checkpoints (duospec.engine.LoadedCheckpoint)."""
     runner = target.runner
     context = runner.max_context if draft is None else min(runner.max_context, draft.runner.max_context)
@@ -48,7 +48,9 @@ def _router(target, draft, *, gamma: int, max_lookahead: int, max_batch_size: in
         eos_token_id=target.tokenizer.eos_token_id,
     )
     config = types.SimpleNamespace(
-        speculation=types.SimpleNamespace(mode=SpeculationMode.PEARL, max_draft_tokens=gamma, max_lookahead=max_lookahead),
+        speculation=types.SimpleNamespace(
+            mode=SpeculationMode.PEARL, max_draft_tokens=gamma, max_lookahead=max_lookahead, adaptive=adaptive
+        ),
     )
     sched_config = SchedulerConfig(max_batch_size=max_batch_size, max_sequences=min(runner.max_slots, 64))
 

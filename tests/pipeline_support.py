@@ -31,7 +31,11 @@ class BackgroundLoop:
         self.thread.join(5)
 
 
-def model_config(name, target, draft, *, device="cpu", max_draft_tokens=4, max_lookahead=8, max_batch_size=8):
+def model_config(
+    name, target, draft, *, device="cpu", max_draft_tokens=4, max_lookahead=8, max_batch_size=8, adaptive=False
+):
+    """Adaptive draft length is off by default here: exactness tests must exercise the abort path
+    even when the draft is so bad that the scheduler would stop speculating."""
     from coordinator.config import ModelConfig, SpeculationDefaults
 
     return ModelConfig(
@@ -42,7 +46,8 @@ def model_config(name, target, draft, *, device="cpu", max_draft_tokens=4, max_l
         dtype="float32",
         max_batch_size=max_batch_size,
         speculation=SpeculationDefaults(
-            mode=SpeculationMode.PEARL, max_draft_tokens=max_draft_tokens, max_lookahead=max_lookahead
+            mode=SpeculationMode.PEARL, max_draft_tokens=max_draft_tokens, max_lookahead=max_lookahead,
+            adaptive=adaptive,
         ),
     )
 

@@ -138,3 +138,25 @@ def test_bundled_pair_greedy_through_actors(ray_session, loop):
                 assert mean_len > 1.3, f"{mode}: the trained draft should be accepted often ({mean_len:.2f})"
     finally:
         loop.run(coordinator.close())
+
+
+def test_queued_draft_batches_merge_into_multi_token_chunks():
+    from draft_worker.service import merge_batches
+    from duospec.internal.v1 import pearl_pb2 as pb
+
+    def batch(*chunks, busy=0.001):
+        return pb.DraftChunkBatch(chunks=[pb.DraftChunk(**c) for c in chunks], busy_seconds=busy)
+
+    merged = merge_batches(
+        [
+            batch({"seq_id": 1, "epoch": 0, "start_pos": 5, "tokens": [7]}, {"seq_id": 2, "epoch": 3, "start_pos": 9, "tokens": [1]}),
+            batch({"seq_id": 1, "epoch": 0, "start_pos": 6, "tokens": [8]}),
+            batch({"seq_id": 2, "epoch": 4, "start_pos": 9, "tokens": [2]}),  # new epoch: not merged
+        ]
+    )
+    assert [(c.seq_id, c.epoch, c.start_pos, list(c.tokens)) for c in merged.chunks] == [
+        (1, 0, 5, [7, 8]),
+        (2, 3, 9, [1]),
+        (2, 4, 9, [2]),
+    ]
+    assert merged.busy_seconds == pytest.approx(0.003)
