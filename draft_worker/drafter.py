@@ -108,6 +108,13 @@ class Drafter:
         if seq is not None:
             self.runner.free_slot(seq.slot)
 
+    def drop_drafting(self) -> list[int]:
+        """Releases every sequence that was about to draft (after a failed step); returns their ids."""
+        ids = [seq_id for seq_id, seq in self.sequences.items() if seq.may_draft]
+        for seq_id in ids:
+            self.release(seq_id)
+        return ids
+
     def release_all(self) -> None:
         for seq_id in list(self.sequences):
             self.release(seq_id)

@@ -70,7 +70,12 @@ class DraftLoop:
             # 2. Draft one token for every sequence below its bound, or wait for a command.
             if self.drafter.has_work():
                 started = time.perf_counter()
-                chunks = self.drafter.step()
+                try:
+                    chunks = self.drafter.step()
+                except Exception:  # never let one bad step kill the loop: those sequences go target-only
+                    log.exception("draft step failed; dropping the sequences it was drafting")
+                    failed.extend(self.drafter.drop_drafting())
+                    chunks = []
                 busy += time.perf_counter() - started
             else:
                 chunks = []

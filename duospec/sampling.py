@@ -138,7 +138,9 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         onehot = torch.zeros_like(logits)
         onehot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
         return onehot
-    scaled = logits / params.temperature
+    # Shift before dividing: with a tiny temperature, logits / t overflows to inf and inf - inf is NaN;
+    # (logits - max) / t stays in [-inf, 0] and the softmax is the same distribution.
+    scaled = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature
     vocab = scaled.shape[1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(scaled, params.top_k, dim=-1).values[:, -1:]

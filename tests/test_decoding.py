@@ -127,3 +127,28 @@ def test_seeded_sampling_is_deterministic(pair):
         for _ in range(2)
     ]
     assert runs[0] == runs[1]
+
+
+def test_a_failing_draft_step_leaves_the_sequence_target_only(pair):
+    """A drafter error must not kill the draft loop: the sequence finishes target-only, exactly."""
+    target, draft, hf = pair
+    prompt = [9, 10, 11]
+
+    class Exploding:
+        def __init__(self, runner):
+            self.runner, self.calls = runner, 0
+
+        def __getattr__(self, name):
+            return getattr(self.runner, name)
+
+        def forward_last(self, chunks, **kw):
+            self.calls += 1
+            if self.calls == 3:
+                raise RuntimeError("injected draft failure")
+            return self.runner.forward_last(chunks, **kw)
+
+    broken = type(draft)(Exploding(draft.runner), draft.tokenizer, draft.config, draft.path, draft.eos_token_ids)
+    # Before the fix the draft thread died and a vanilla sequence waited for drafts forever.
+    result = vanilla_speculative(target, broken, prompt, max_new_tokens=24, ignore_eos=True)
+    assert result.token_ids == hf_greedy(hf, prompt, 24)
+    assert result.stats.drafted_tokens > 0  # it speculated before the failure

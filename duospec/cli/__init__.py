@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "duospec.cli.client",     # generate, models
     "duospec.cli.admin",      # tenants, usage
     "duospec.cli.train",      # train-tiny, distill
+    "duospec.cli.bench",      # bench
 ]
 
 

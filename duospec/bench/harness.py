@@ -1,0 +1,205 @@
+"""The benchmark run: every mode on the same prompts and models, repeated, summarised with medians.
+
+    report = run_bench(BenchConfig(target="models/target", draft="models/draft", out=Path("bench-out")))
+
+Order: all repeats of the in-process modes (interleaved, so slow drift of a shared machine hits every
+mode alike), then the same through the server, the round-overhead measurement and the concurrency
+sweep. The returned report is what report.py writes as JSON, Markdown and PNG.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+
+from duospec.bench import arithmetic as ar
+from duospec.bench.inprocess import BenchPair, HFGenerate, encode_prompts, open_local_coordinator, run_coordinator_mode
+from duospec.bench.records import ALL_MODES, HF_MODES, OUR_MODES, Run
+
+WARMUP_TOKENS = 8
+
+
+@dataclass
+class BenchConfig:
+    target: str
+    draft: str
+    out: pathlib.Path
+    prompts: pathlib.Path | None = None  # None: benchmarks/prompts/prompts.jsonl
+    prompt_limit: int | None = None  # first N prompts only
+    max_new_tokens: int = 128
+    repeats: int = 3
+    modes: tuple[str, ...] = ALL_MODES
+    skip_server: bool = False
+    concurrency: tuple[int, ...] = (1, 2, 4, 8)
+    sweep_requests_per_stream: int = 2
+    device: str = "cpu"
+    gamma: int = 4  # max draft tokens per verify (pearl), γ (vanilla, HF assisted)
+    max_lookahead: int = 8
+    max_prompt_tokens: int = 256
+    ray_address: str | None = None
+    models_label: str = ""  # what the models are, for the report (e.g. "bundled pair")
+    progress: bool = True
+
+    def validate(self) -> None:
+        unknown = [m for m in self.modes if m not in ALL_MODES]
+        if unknown:
+            raise ValueError(f"--modes: {', '.join(unknown)} unknown; choose from {', '.join(ALL_MODES)}")
+        for name in ("max_new_tokens", "repeats", "gamma", "sweep_requests_per_stream"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)}: must be >= 1")
+        if any(c < 1 for c in self.concurrency):
+            raise ValueError(f"--concurrency {list(self.concurrency)}: stream counts must be >= 1")
+        for role in ("target", "draft"):
+            if not (pathlib.Path(getattr(self, role)) / "config.json").is_file():
+                raise FileNotFoundError(f"--{role} {getattr(self, role)}: no checkpoint there (config.json); "
+                                        "pass --models DIR holding target/ and draft/, or --target and --draft")
+
+
+@dataclass
+class Collected:
+    runs: list[Run] = field(default_factory=list)
+    overhead: list[dict] = field(default_factory=list)
+    sweep: list[dict] = field(default_factory=list)
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, unit="req", desc="duospec bench", disable=not enabled, dynamic_ncols=True)
+
+    def tick(self) -> None:
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _planned_requests(config: BenchConfig, n_prompts: int) -> int:
+    per_pass = n_prompts * config.repeats
+    total = per_pass * len(config.modes) + n_prompts  # + in-process overhead pass
+    if not config.skip_server:
+        total += per_pass * len([m for m in config.modes if m in OUR_MODES]) + n_prompts
+        total += sum(c * config.sweep_requests_per_stream for c in config.concurrency) * 2
+    return total
+
+
+async def _in_process(config: BenchConfig, pair: BenchPair, prompts, hf: HFGenerate | None, progress, out: Collected):
+    from duospec.bench.served import round_overhead
+
+    coordinator = open_local_coordinator(pair, config.gamma, config.max_lookahead)
+    try:
+        ours = [m for m in config.modes if m in OUR_MODES]
+        for mode in ours:  # warm-up: first-call allocations and caches, untimed
+            await run_coordinator_mode(coordinator, prompts[:1], mode, WARMUP_TOKENS, config.gamma, "warmup", "warmup")
+        for rep in range(config.repeats):
+            for mode in config.modes:
+                if mode in HF_MODES:
+                    out.runs.append(hf.run(prompts, mode, config.max_new_tokens, config.gamma, progress.tick))
+                else:
+                    out.runs.append(await run_coordinator_mode(coordinator, prompts, mode, config.max_new_tokens,
+                                                               config.gamma, "in-process", f"r{rep}", progress.tick))
+        out.overhead.append(await round_overhead(coordinator, prompts, config.max_new_tokens, "in-process",
+                                                 progress.tick))
+    finally:
+        await coordinator.close()
+
+
+async def _through_server(config: BenchConfig, pair: BenchPair, prompts, progress, out: Collected):
+    from duospec.bench.served import round_overhead, run_client_mode, served_pipeline, sweep_point
+
+    ours = [m for m in config.modes if m in OUR_MODES]
+    async with served_pipeline(pair, config.gamma, config.max_lookahead, config.ray_address) as served:
+        for mode in ours:
+            await run_client_mode(served, prompts[:1], mode, WARMUP_TOKENS, config.gamma, lambda: None)
+        for _ in range(config.repeats):
+            for mode in ours:
+                out.runs.append(await run_client_mode(served, prompts, mode, config.max_new_tokens, config.gamma,
+                                                      progress.tick))
+        out.overhead.append(await round_overhead(served.coordinator, prompts, config.max_new_tokens, "pipeline",
+                                                 progress.tick))
+        for streams in config.concurrency:
+            for mode in ("pearl", "off"):
+                out.sweep.append(await sweep_point(served, prompts, mode, streams, config.sweep_requests_per_stream,
+                                                   config.max_new_tokens, config.gamma, progress.tick))
+
+
+def run_bench(config: BenchConfig) -> dict:
+    import torch
+
+    from duospec.bench.prompts import DEFAULT_PROMPTS, load_prompts
+    from duospec.bench.summary import summarise
+    from duospec.engine import load_tokenizer
+
+    from transformers.utils import logging as hf_logging
+
+    config.validate()
+    torch.set_num_threads(1)  # one thread per model: the draft and target threads each get one core
+    hf_logging.disable_progress_bar()  # per-checkpoint "Loading weights" bars would break up ours
+    pair = BenchPair(str(config.target), str(config.draft), config.device)
+    prompt_path = config.prompts or DEFAULT_PROMPTS
+    prompts = encode_prompts(load_tokenizer(pair.target), load_prompts(prompt_path, config.prompt_limit),
+                             config.max_prompt_tokens)
+    hf = HFGenerate(pair) if any(m in HF_MODES for m in config.modes) else None
+    collected = Collected()
+    progress = _Progress(_planned_requests(config, len(prompts)), config.progress)
+    started = time.time()
+    try:
+        asyncio.run(_in_process(config, pair, prompts, hf, progress, collected))
+        if not config.skip_server:
+            asyncio.run(_through_server(config, pair, prompts, progress, collected))
+    finally:
+        progress.close()
+    report = summarise(collected, prompts)
+    report["setup"] = _setup(config, prompt_path, len(prompts), time.time() - started)
+    return report
+
+
+def _setup(config: BenchConfig, prompt_path, n_prompts: int, elapsed_s: float) -> dict:
+    import os
+
+    import torch
+
+    settings = {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in asdict(config).items()}
+    return {
+        "config": settings,
+        "prompts_file": str(prompt_path),
+        "prompts": n_prompts,
+        "hardware": {
+            "machine": platform.machine(),
+            "processor": platform.processor() or _cpu_model(),
+            "cpu_count": os.cpu_count(),
+            "device": config.device,
+            "gpu": torch.cuda.get_device_name(0) if config.device == "cuda" and torch.cuda.is_available() else None,
+            "torch_threads_per_model": 1,
+        },
+        "software": {"python": platform.python_version(), "torch": torch.__version__},
+        "elapsed_s": round(elapsed_s, 1),
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - elapsed_s)),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def speedups(tokens_per_s: dict[str, float | None]) -> dict[str, float | None]:
+    """The ratios the report states, from median tokens/s by mode (None where a mode was not run)."""
+    get = tokens_per_s.get
+    return {
+        "pearl_vs_off": ar.ratio_or_none(get("pearl"), get("off")),
+        "vanilla_vs_off": ar.ratio_or_none(get("vanilla"), get("off")),
+        "hf_assisted_vs_off": ar.ratio_or_none(get("hf-assisted"), get("off")),
+        "hf_vs_off": ar.ratio_or_none(get("hf"), get("off")),
+        "pearl_vs_vanilla": ar.ratio_or_none(get("pearl"), get("vanilla")),
+        "pearl_vs_hf_assisted": ar.ratio_or_none(get("pearl"), get("hf-assisted")),
+    }

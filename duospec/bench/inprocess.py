@@ -1,0 +1,154 @@
+"""Runs in this process: our three modes on a LocalCoordinator (draft and target on two threads) and
+transformers `generate` (target alone, and assisted generation with the draft as assistant_model).
+
+Every request is greedy, ignores EOS (fixed-length outputs, so tokens/s compare like for like) and
+asks for the same number of new tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from duospec.bench.records import RequestRecord, Run, window
+
+MODEL_NAME = "bench"
+
+
+@dataclass(frozen=True)
+class BenchPair:
+    target: str
+    draft: str
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class EncodedPrompt:
+    id: str
+    token_ids: tuple[int, ...]
+
+
+def model_config(pair: BenchPair, gamma: int, max_lookahead: int):
+    from coordinator.api import SpeculationMode
+    from coordinator.config import ModelConfig, SpeculationDefaults
+
+    return ModelConfig(name=MODEL_NAME, target=pair.target, draft=pair.draft, device=pair.device,
+                       speculation=SpeculationDefaults(SpeculationMode.PEARL, gamma, max_lookahead))
+
+
+def request_for(prompt: EncodedPrompt, mode: str, max_new_tokens: int, gamma: int, tag: str):
+    from coordinator.api import GenerationRequest, SpeculationMode
+
+    return GenerationRequest(request_id=f"bench-{tag}-{prompt.id}", prompt_token_ids=prompt.token_ids,
+                             max_new_tokens=max_new_tokens, mode=SpeculationMode(mode), max_draft_tokens=gamma,
+                             ignore_eos=True, model=MODEL_NAME)
+
+
+async def timed_request(coordinator, request, prompt_id: str) -> RequestRecord:
+    """One request through `coordinator.generate`, with first-token and per-token timings."""
+    from coordinator.api import FinishEvent
+
+    tokens: list[int] = []
+    gaps: list[float] = []
+    first = None
+    started = last = time.perf_counter()
+    final = None
+    async for event in coordinator.generate(request):
+        now = time.perf_counter()
+        if isinstance(event, FinishEvent):
+            final = event.stats
+            break
+        if first is None:
+            first = now - started
+        elif event.token_ids:
+            gaps.extend([(now - last) / len(event.token_ids)] * len(event.token_ids))
+        tokens.extend(event.token_ids)
+        last = now
+    record = RequestRecord(prompt_id, tokens, time.perf_counter() - started, first, gaps)
+    if final is not None:
+        record.drafted, record.accepted = final.drafted_tokens, final.accepted_tokens
+        record.target_forwards, record.accepted_per_pos = final.target_forwards, list(final.accepted_per_pos)
+    return record
+
+
+def _no_tick() -> None:
+    pass
+
+
+async def run_coordinator_mode(coordinator, prompts: list[EncodedPrompt], mode: str, max_new_tokens: int,
+                               gamma: int, path: str, tag: str, tick: Callable[[], None] = _no_tick) -> Run:
+    """Every prompt once, one request at a time, through a LocalCoordinator or PipelineCoordinator."""
+    before = await coordinator.stats()
+    started = time.perf_counter()
+    records = []
+    for i, p in enumerate(prompts):
+        records.append(await timed_request(coordinator, request_for(p, mode, max_new_tokens, gamma, f"{tag}-{i}"), p.id))
+        tick()
+    wall = time.perf_counter() - started
+    return Run(mode, path, wall, records, window(before, await coordinator.stats(), MODEL_NAME))
+
+
+def open_local_coordinator(pair: BenchPair, gamma: int, max_lookahead: int):
+    from coordinator.local import LocalCoordinator
+
+    return LocalCoordinator([model_config(pair, gamma, max_lookahead)])
+
+
+class HFGenerate:
+    """transformers `generate` on the same checkpoints (the baselines users already have)."""
+
+    def __init__(self, pair: BenchPair):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.device = torch.device(pair.device)
+        self.target = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).to(self.device).eval()
+        self.draft = AutoModelForCausalLM.from_pretrained(pair.draft, dtype=torch.float32).to(self.device).eval()
+
+    def _config(self, max_new_tokens: int, gamma: int | None):
+        from transformers import GenerationConfig
+
+        # eos_token_id=None: never stop early, like ignore_eos in our requests.
+        config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                                  pad_token_id=self.target.config.pad_token_id or 0)
+        if gamma is not None:
+            config.num_assistant_tokens = gamma
+            config.num_assistant_tokens_schedule = "constant"  # a fixed γ, like our vanilla mode
+            config.assistant_confidence_threshold = 0.0  # no early stop inside a draft round
+        return config
+
+    def generate(self, prompt: EncodedPrompt, max_new_tokens: int, gamma: int | None) -> RequestRecord:
+        torch = self.torch
+        ids = torch.tensor([prompt.token_ids], device=self.device)
+        kwargs = {"assistant_model": self.draft} if gamma is not None else {}
+        started = time.perf_counter()
+        with torch.no_grad():
+            out = self.target.generate(ids, attention_mask=torch.ones_like(ids),
+                                       generation_config=self._config(max_new_tokens, gamma), **kwargs)
+        wall = time.perf_counter() - started
+        return RequestRecord(prompt.id, out[0, ids.shape[1]:].tolist(), wall)
+
+    def run(self, prompts: list[EncodedPrompt], mode: str, max_new_tokens: int, gamma: int,
+            tick: Callable[[], None] = _no_tick) -> Run:
+        use_gamma = gamma if mode == "hf-assisted" else None
+        started = time.perf_counter()
+        records = []
+        for p in prompts:
+            records.append(self.generate(p, max_new_tokens, use_gamma))
+            tick()
+        return Run(mode, "in-process", time.perf_counter() - started, records)
+
+
+def encode_prompts(tokenizer, prompts, max_prompt_tokens: int) -> list[EncodedPrompt]:
+    """Token ids of each prompt, keeping its last `max_prompt_tokens` tokens (the context must hold
+    prompt + new tokens)."""
+    encoded = []
+    for prompt in prompts:
+        ids = tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise ValueError(f"prompt {prompt.id!r} encodes to no tokens")
+        encoded.append(EncodedPrompt(prompt.id, tuple(ids[-max_prompt_tokens:])))
+    return encoded
+

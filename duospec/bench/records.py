@@ -1,0 +1,99 @@
+"""What one benchmark run records, and how repeats are summarised.
+
+A *run* is one pass of one mode over the whole prompt set, requests one after another (or, in the
+concurrency sweep, several streams at once). Runs are repeated; the report gives medians.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from duospec.bench import arithmetic as ar
+
+OUR_MODES = ("off", "vanilla", "pearl")
+HF_MODES = ("hf", "hf-assisted")  # transformers generate: target alone / with assistant_model=draft
+ALL_MODES = ("off", "hf", "hf-assisted", "vanilla", "pearl")
+
+
+@dataclass
+class RequestRecord:
+    prompt_id: str
+    token_ids: list[int]
+    wall_s: float  # request sent -> last token received
+    first_token_s: float | None = None  # request sent -> first token received (None: not streamed)
+    # [tokens generated] seconds attributed to each token after the first (chunk gap / chunk size)
+    inter_token_s: list[float] = field(default_factory=list)
+    drafted: int = 0
+    accepted: int = 0
+    target_forwards: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+
+@dataclass
+class WorkerWindow:
+    """Differences of `coordinator.stats()` over a run's window (seconds as the actors report them)."""
+
+    target_busy_s: float = 0.0
+    target_rounds: int = 0
+    draft_busy_s: float = 0.0
+
+
+@dataclass
+class Run:
+    mode: str
+    path: str  # "in-process" | "server"
+    wall_s: float
+    records: list[RequestRecord]
+    workers: WorkerWindow | None = None  # None for transformers runs (no actors)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.records)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return ar.tokens_per_second(self.tokens, self.wall_s)
+
+    @property
+    def forwards(self) -> int:
+        return sum(r.target_forwards for r in self.records)
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Committed tokens per target forward over the run (accepted drafts + 1 per forward)."""
+        forwards = self.forwards
+        return (sum(r.accepted for r in self.records) + forwards) / forwards if forwards else None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        drafted = sum(r.drafted for r in self.records)
+        return sum(r.accepted for r in self.records) / drafted if drafted else None
+
+    def accepted_per_pos(self) -> list[int]:
+        width = max((len(r.accepted_per_pos) for r in self.records), default=0)
+        return [sum(r.accepted_per_pos[i] for r in self.records if i < len(r.accepted_per_pos)) for i in range(width)]
+
+    def verify_forward_s(self) -> float | None:
+        """Mean seconds the target spent per verify round (its forward + verify rule), as it reports."""
+        w = self.workers
+        return w.target_busy_s / w.target_rounds if w and w.target_rounds else None
+
+    def busy_fractions(self) -> tuple[float, float] | None:
+        w = self.workers
+        if w is None:
+            return None
+        return ar.busy_fraction(w.target_busy_s, self.wall_s), ar.busy_fraction(w.draft_busy_s, self.wall_s)
+
+
+def window(before: dict, after: dict, model: str) -> WorkerWindow:
+    """Differences between two `coordinator.stats()` snapshots for one model. A model whose scheduler
+    was not open yet reports no worker figures: those count as zero."""
+
+    def figure(snapshot: dict, role: str, key: str) -> float:
+        return float(snapshot.get("models", {}).get(model, {}).get(role, {}).get(key, 0.0))
+
+    return WorkerWindow(
+        target_busy_s=figure(after, "target", "busy_s") - figure(before, "target", "busy_s"),
+        target_rounds=int(figure(after, "target", "batches") - figure(before, "target", "batches")),
+        draft_busy_s=figure(after, "draft", "busy_s") - figure(before, "draft", "busy_s"),
+    )

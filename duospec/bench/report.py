@@ -1,0 +1,153 @@
+"""Writing a benchmark report: results.json (everything), results.md (the tables), results.png
+(tokens/s by mode; pearl's accepted-length histogram)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from duospec.bench.records import ALL_MODES
+
+MODE_LABELS = {
+    "off": "ours, off (target only)",
+    "hf": "transformers generate (target only)",
+    "hf-assisted": "transformers assisted generation",
+    "vanilla": "ours, vanilla speculative",
+    "pearl": "ours, pearl",
+}
+
+
+def _num(value, digits: int = 2, scale: float = 1.0, suffix: str = "") -> str:
+    return "–" if value is None else f"{value * scale:.{digits}f}{suffix}"
+
+
+def _mode_table(path: str, block: dict) -> list[str]:
+    lines = [f"### {path}", "",
+             "| mode | tokens/s (median) | × off | mean accepted length | acceptance | verify fwd (ms) "
+             "| target busy | draft busy |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    off = block["modes"].get("off", {}).get("tokens_per_s")
+    for mode in ALL_MODES:
+        s = block["modes"].get(mode)
+        if s is None:
+            continue
+        ratio = s["tokens_per_s"] / off if off else None
+        lines.append(
+            f"| {MODE_LABELS[mode]} | {s['tokens_per_s']:.1f} | {_num(ratio)} | {_num(s['mean_accepted_length'])} "
+            f"| {_num(s['acceptance_rate'], 1, 100, ' %')} | {_num(s['verify_forward_s'], 2, 1e3)} "
+            f"| {_num(s['target_busy_fraction'], 0, 100, ' %')} | {_num(s['draft_busy_fraction'], 0, 100, ' %')} |"
+        )
+    pearl = block["modes"].get("pearl", {})
+    sp = block["speedups"]
+    lines += ["", f"pearl vs vanilla: {_num(sp['pearl_vs_vanilla'])}×, pearl vs HF assisted: "
+              f"{_num(sp['pearl_vs_hf_assisted'])}×; pearl ideal overlap bound "
+              f"{_num(pearl.get('ideal_tokens_per_s'), 1)} tokens/s, efficiency "
+              f"{_num(pearl.get('efficiency'), 0, 100, ' %')}.", ""]
+    return lines
+
+
+def render_markdown(report: dict) -> str:
+    setup = report["setup"]
+    cfg, hw = setup["config"], setup["hardware"]
+    lines = ["# duospec bench", "",
+             f"Models: {cfg['models_label'] or 'unlabelled'} (target `{cfg['target']}`, draft `{cfg['draft']}`).  ",
+             f"Hardware: {hw['processor']}, {hw['cpu_count']} cores, device {hw['device']}"
+             f"{', ' + hw['gpu'] if hw['gpu'] else ''}, one torch thread per model.  ",
+             f"Prompts: {setup['prompts']} from `{setup['prompts_file']}`; greedy, {cfg['max_new_tokens']} new "
+             f"tokens each (EOS ignored), γ = {cfg['gamma']}, lookahead {cfg['max_lookahead']}, "
+             f"{cfg['repeats']} repeats, medians.", ""]
+    for path, block in report["paths"].items():
+        lines += _mode_table(path, block)
+    lines += _overhead_lines(report["overhead"]) + _sweep_lines(report["sweep"]) + _exactness_lines(report)
+    lines += ["## Targets", "", "| target | threshold | measured | met |", "|---|---:|---:|---|"]
+    for t in report["targets"]:
+        met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
+        lines.append(f"| {t['what']} | {t['target']} | {_num(t['measured'])} | {met} |")
+    return "\n".join(lines) + "\n"
+
+
+def _overhead_lines(overhead: list[dict]) -> list[str]:
+    if not overhead:
+        return []
+    lines = ["### Overhead per verify round (mode off, one request at a time)", "",
+             "| path | rounds | wall / round (ms) | target's own time / round (ms) | overhead / round (ms) |",
+             "|---|---:|---:|---:|---:|"]
+    for o in overhead:
+        lines.append(f"| {o['path']} | {o['rounds']} | {o['wall_per_round_s'] * 1e3:.3f} | "
+                     f"{o['target_per_round_s'] * 1e3:.3f} | {o['overhead_per_round_s'] * 1e3:.3f} |")
+    return lines + [""]
+
+
+def _sweep_lines(sweep: list[dict]) -> list[str]:
+    if not sweep:
+        return []
+    lines = ["### Concurrency sweep (through the server)", "",
+             "| streams | mode | aggregate tokens/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    for p in sweep:
+        lines.append(f"| {p['streams']} | {p['mode']} | {p['aggregate_tokens_per_s']:.1f} | "
+                     f"{_num(p['ttft_p50_s'], 1, 1e3)} | {_num(p['ttft_p99_s'], 1, 1e3)} | "
+                     f"{_num(p['itl_p50_s'], 2, 1e3)} | {_num(p['itl_p99_s'], 2, 1e3)} |")
+    return lines + [""]
+
+
+def exactness_line(exactness: dict) -> str:
+    if exactness.get("reference") is None:
+        return "greedy exactness: not checked (" + exactness["note"] + ")"
+    parts = [f"{key} {e['identical']}/{e['compared']}" for key, e in exactness["by_run"].items()]
+    verdict = "all identical to off" if exactness["all_identical"] else "MISMATCHES against off"
+    return f"greedy exactness: {verdict} ({', '.join(parts)})"
+
+
+def _exactness_lines(report: dict) -> list[str]:
+    lines = ["### Greedy outputs vs `off`", "", exactness_line(report["exactness"]), ""]
+    for key, e in report["exactness"].get("by_run", {}).items():
+        for m in e["mismatches"][:5]:
+            lines.append(f"- {key}: prompt {m['prompt']} diverges at generated token {m['first_divergence']}")
+    return lines + [""]
+
+
+def write_plot(report: dict, path: pathlib.Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError(f"{path}: the plot needs matplotlib; install it with `pip install 'duospec[bench]'` "
+                           "(results.json and results.md are written)") from None
+
+    matplotlib.use("Agg")  # no display: write the file only
+    import matplotlib.pyplot as plt
+
+    fig, (bars, hist) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names, values, colours = [], [], []
+    for colour, (path_name, block) in zip(("tab:blue", "tab:orange"), report["paths"].items()):
+        for mode in ALL_MODES:
+            if mode in block["modes"]:
+                names.append(f"{mode}\n{path_name}")
+                values.append(block["modes"][mode]["tokens_per_s"])
+                colours.append(colour)
+    bars.bar(range(len(values)), values, color=colours)
+    bars.set_xticks(range(len(values)), names, fontsize=7)
+    bars.set_ylabel("tokens/s (median)")
+    bars.set_title("Throughput by mode (blue: in-process, orange: server)")
+    pearl = report["paths"].get("in-process", {}).get("modes", {}).get("pearl", {})
+    histogram = pearl.get("accepted_length_histogram")
+    if histogram:
+        hist.bar(range(len(histogram)), histogram, color="tab:green")
+        hist.set_xlabel("draft tokens accepted in a verify round")
+        hist.set_ylabel("verify rounds")
+        hist.set_title("pearl: accepted length per round (in-process)")
+    else:
+        hist.text(0.5, 0.5, "pearl not run in-process", ha="center", va="center")
+        hist.set_axis_off()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(report: dict, out_dir: pathlib.Path) -> dict[str, pathlib.Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "results.json", "markdown": out_dir / "results.md", "plot": out_dir / "results.png"}
+    paths["json"].write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    paths["markdown"].write_text(render_markdown(report))
+    write_plot(report, paths["plot"])  # last: a missing matplotlib still leaves the JSON and Markdown
+    return paths

@@ -1,0 +1,135 @@
+"""Runs through the full server: the Ray pipeline (draft and target actors, gRPC data plane) behind an
+in-process DuospecServer on a loopback port, driven through the SDK's AsyncClient.
+
+Also measures what the coordinator and the internal gRPC streams add to each verify round, and the
+concurrency sweep (several client streams at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from duospec.bench import arithmetic as ar
+from duospec.bench.inprocess import MODEL_NAME, BenchPair, EncodedPrompt, model_config, run_coordinator_mode
+from duospec.bench.records import RequestRecord, Run, window
+
+SERVER_READY_TIMEOUT_S = 300.0
+
+
+@dataclass
+class Served:
+    coordinator: object  # coordinator.pipeline.PipelineCoordinator
+    client: object  # duospec.sdk.aio.AsyncClient
+
+
+@contextlib.asynccontextmanager
+async def served_pipeline(pair: BenchPair, gamma: int, max_lookahead: int, ray_address: str | None):
+    from coordinator.config import ServerSettings
+    from coordinator.pipeline import start_pipeline
+    from coordinator.server import DuospecServer
+    from duospec.sdk.aio import AsyncClient
+
+    config = model_config(pair, gamma, max_lookahead)
+    coordinator = start_pipeline([config], ray_address=ray_address)
+    server = DuospecServer(coordinator, ServerSettings(host="127.0.0.1", port=0, metrics_port=0),
+                           default_modes={MODEL_NAME: config.speculation.mode})
+    try:
+        port = await server.start()
+        await server.wait_ready(SERVER_READY_TIMEOUT_S)
+        async with AsyncClient(f"127.0.0.1:{port}", timeout=600) as client:
+            yield Served(coordinator, client)
+    finally:
+        await server.shutdown(grace_period_s=1.0)
+
+
+async def client_request(client, prompt: EncodedPrompt, mode: str, max_new_tokens: int, gamma: int) -> RequestRecord:
+    """One streamed Generate call; per-token gaps are chunk gaps shared evenly by the chunk's tokens."""
+    tokens: list[int] = []
+    gaps: list[float] = []
+    first = None
+    final = None
+    started = last = time.perf_counter()
+    stream = await client.generate(prompt_token_ids=list(prompt.token_ids), max_new_tokens=max_new_tokens, mode=mode,
+                                   max_draft_tokens=gamma, ignore_eos=True, stream=True)
+    async with stream:
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.token_ids:
+                if first is None:
+                    first = now - started
+                else:
+                    gaps.extend([(now - last) / len(chunk.token_ids)] * len(chunk.token_ids))
+                tokens.extend(chunk.token_ids)
+                last = now
+            if chunk.stats is not None:
+                final = chunk.stats
+    record = RequestRecord(prompt.id, tokens, time.perf_counter() - started, first, gaps)
+    if final is not None:
+        record.drafted, record.accepted, record.target_forwards = (final.drafted_tokens, final.accepted_tokens,
+                                                                   final.target_forwards)
+    return record
+
+
+async def run_client_mode(served: Served, prompts: list[EncodedPrompt], mode: str, max_new_tokens: int, gamma: int,
+                          tick: Callable[[], None]) -> Run:
+    before = await served.coordinator.stats()
+    started = time.perf_counter()
+    records = []
+    for prompt in prompts:
+        records.append(await client_request(served.client, prompt, mode, max_new_tokens, gamma))
+        tick()
+    wall = time.perf_counter() - started
+    return Run(mode, "server", wall, records, window(before, await served.coordinator.stats(), MODEL_NAME))
+
+
+async def sweep_point(served: Served, prompts: list[EncodedPrompt], mode: str, streams: int, requests_per_stream: int,
+                      max_new_tokens: int, gamma: int, tick: Callable[[], None]) -> dict:
+    """`streams` client streams at once, each running `requests_per_stream` requests back to back."""
+
+    async def stream_worker(index: int) -> list[RequestRecord]:
+        out = []
+        for j in range(requests_per_stream):
+            prompt = prompts[(index * requests_per_stream + j) % len(prompts)]
+            out.append(await client_request(served.client, prompt, mode, max_new_tokens, gamma))
+            tick()
+        return out
+
+    started = time.perf_counter()
+    per_stream = await asyncio.gather(*(stream_worker(i) for i in range(streams)))
+    wall = time.perf_counter() - started
+    records = [r for rs in per_stream for r in rs]
+    ttft = [r.first_token_s for r in records if r.first_token_s is not None]
+    itl = [gap for r in records for gap in r.inter_token_s]
+    return {
+        "mode": mode,
+        "streams": streams,
+        "requests": len(records),
+        "tokens": sum(len(r.token_ids) for r in records),
+        "wall_s": wall,
+        "aggregate_tokens_per_s": ar.tokens_per_second(sum(len(r.token_ids) for r in records), wall),
+        "ttft_p50_s": ar.percentile(ttft, 50),
+        "ttft_p99_s": ar.percentile(ttft, 99),
+        "itl_p50_s": ar.percentile(itl, 50) if itl else None,
+        "itl_p99_s": ar.percentile(itl, 99) if itl else None,
+    }
+
+
+async def round_overhead(coordinator, prompts: list[EncodedPrompt], max_new_tokens: int, path: str,
+                         tick: Callable[[], None]) -> dict:
+    """Target-only requests one at a time: every round's sequence is ready the moment its verdict is
+    in, so wall time not spent in the target's own verify work is coordinator + link overhead."""
+    run = await run_coordinator_mode(coordinator, prompts, "off", max_new_tokens, 0, path, f"overhead-{path}", tick)
+    w = run.workers
+    return {
+        "path": path,
+        "wall_s": run.wall_s,
+        "target_busy_s": w.target_busy_s,
+        "rounds": w.target_rounds,
+        "wall_per_round_s": run.wall_s / w.target_rounds,
+        "target_per_round_s": w.target_busy_s / w.target_rounds,
+        "overhead_per_round_s": ar.overhead_per_round_s(run.wall_s, w.target_busy_s, w.target_rounds),
+    }

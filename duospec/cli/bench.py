@@ -1,0 +1,89 @@
+"""`duospec bench`: tokens/s, speedups, acceptance and overlap efficiency of every mode, written as
+Markdown, JSON and a PNG plot (see docs/performance.md)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+MODES = ("off", "hf", "hf-assisted", "vanilla", "pearl")
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 1,2,4,8") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="benchmark every decoding mode on the same prompts and models",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("--models", type=pathlib.Path,
+                   help="folder holding target/ and draft/ (default: the bundled pair, $DUOSPEC_MODELS or models/)")
+    p.add_argument("--target", type=pathlib.Path, help="target checkpoint (with --draft, instead of --models)")
+    p.add_argument("--draft", type=pathlib.Path, help="draft checkpoint (with --target)")
+    p.add_argument("--models-label", default="", help="what the models are, printed in the report")
+    p.add_argument("--prompts", type=pathlib.Path, help="JSONL prompt set (default benchmarks/prompts/prompts.jsonl)")
+    p.add_argument("--limit-prompts", type=int, help="use only the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), metavar="MODE",
+                   help=f"modes to run (default all: {' '.join(MODES)})")
+    p.add_argument("--gamma", type=int, default=4, help="draft tokens per verify (γ; pearl's max) (default 4)")
+    p.add_argument("--skip-server", action="store_true", help="in-process only: no Ray, no gRPC server")
+    p.add_argument("--concurrency", type=_int_list, default=(1, 2, 4, 8), help="streams for the sweep (1,2,4,8)")
+    p.add_argument("--sweep-requests", type=int, default=2, help="requests per stream in the sweep (default 2)")
+    p.add_argument("--address", help="Ray cluster to join for the server runs (default: a local Ray)")
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench-out"), help="output folder")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.set_defaults(func=run_bench_command)
+
+
+def resolve_pair(args: argparse.Namespace) -> tuple[pathlib.Path, pathlib.Path]:
+    if (args.target is None) != (args.draft is None):
+        raise ValueError("--target and --draft go together; pass both, or --models DIR")
+    if args.target is not None:
+        if args.models is not None:
+            raise ValueError("pass either --models DIR or --target/--draft, not both")
+        return args.target, args.draft
+    root = args.models or pathlib.Path(os.environ.get("DUOSPEC_MODELS", REPO_ROOT / "models"))
+    return root / "target", root / "draft"
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from duospec.bench import BenchConfig, run_bench, write_outputs
+    from duospec.bench.report import exactness_line
+
+    try:
+        target, draft = resolve_pair(args)
+        config = BenchConfig(
+            target=str(target), draft=str(draft), out=args.out, prompts=args.prompts, prompt_limit=args.limit_prompts,
+            max_new_tokens=args.max_new_tokens, repeats=args.repeats, modes=tuple(args.modes),
+            skip_server=args.skip_server, concurrency=args.concurrency, sweep_requests_per_stream=args.sweep_requests,
+            device=args.device, gamma=args.gamma, ray_address=args.address,
+            models_label=args.models_label or ("bundled pair" if args.models is None and args.target is None else ""),
+            progress=not args.no_progress,
+        )
+        config.validate()
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"duospec bench: error: {exc}", file=sys.stderr)
+        return 2
+    report = run_bench(config)
+    try:
+        paths = write_outputs(report, args.out)
+    except RuntimeError as exc:
+        print(f"duospec bench: error: {exc}", file=sys.stderr)
+        return 1
+    print(paths["markdown"].read_text())
+    print(exactness_line(report["exactness"]))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0

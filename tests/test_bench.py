@@ -1,0 +1,157 @@
+"""duospec bench: the arithmetic on hand-computed timings, the summary of synthetic runs, and a smoke
+run of the command on tiny random models (in-process only)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from duospec.bench import arithmetic as ar
+from duospec.bench.records import RequestRecord, Run, WorkerWindow, window
+from duospec.bench.summary import add_ideal_bound, exactness, mode_summary
+
+
+def test_median_odd_and_even():
+    assert ar.median([3, 1, 2]) == 2
+    assert ar.median([4, 1, 3, 2]) == 2.5
+
+
+def test_percentile_interpolates_between_ranks():
+    values = [5, 1, 4, 2, 3]
+    assert ar.percentile(values, 50) == 3
+    assert ar.percentile(values, 0) == 1 and ar.percentile(values, 100) == 5
+    # rank (5 - 1) * 0.99 = 3.96: 4 + 0.96 * (5 - 4)
+    assert ar.percentile(values, 99) == pytest.approx(4.96)
+    assert ar.percentile([10, 20], 25) == pytest.approx(12.5)
+    assert ar.percentile([7.0], 99) == 7.0
+
+
+def test_speedup_bound_efficiency_busy_overhead():
+    assert ar.tokens_per_second(640, 3.2) == pytest.approx(200.0)
+    assert ar.speedup(300.0, 100.0) == pytest.approx(3.0)
+    # 3 tokens per forward, 20 ms per verify forward: at best 150 tokens/s
+    assert ar.ideal_overlap_tokens_per_s(3.0, 0.020) == pytest.approx(150.0)
+    assert ar.efficiency(120.0, 150.0) == pytest.approx(0.8)
+    assert ar.busy_fraction(0.6, 2.0) == pytest.approx(0.3)
+    # 1.3 s wall, 1.2 s in the target, 100 rounds: 1 ms per round added
+    assert ar.overhead_per_round_s(1.3, 1.2, 100) == pytest.approx(0.001)
+    assert ar.ratio_or_none(None, 2.0) is None and ar.ratio_or_none(3.0, 2.0) == 1.5
+
+
+def test_accepted_length_histogram_from_per_position_counts():
+    # 10 rounds; 6 accepted position 0, 3 accepted positions 0-1, 1 accepted 0-2
+    assert ar.accepted_length_histogram([6, 3, 1], 10) == [4, 3, 2, 1]
+    assert ar.accepted_length_histogram([], 5) == [5]
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: ar.median([]), "no values"),
+        (lambda: ar.percentile([1.0], 101), "within"),
+        (lambda: ar.percentile([float("nan")], 50), "finite"),
+        (lambda: ar.speedup(1.0, 0.0), "baseline"),
+        (lambda: ar.ideal_overlap_tokens_per_s(2.0, 0.0), "verify forward"),
+        (lambda: ar.overhead_per_round_s(1.0, 0.5, 0), "no verify rounds"),
+        (lambda: ar.accepted_length_histogram([2, 5], 10), "non-increasing"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def _pearl_run(wall_s: float, tokens: list[int]) -> Run:
+    # 4 verify rounds, 8 drafts sent, 6 accepted: (6 + 4) / 4 = 2.5 tokens per forward
+    record = RequestRecord("p0", tokens, wall_s, drafted=8, accepted=6, target_forwards=4, accepted_per_pos=[3, 2, 1])
+    return Run("pearl", "in-process", wall_s, [record], WorkerWindow(target_busy_s=0.4, target_rounds=4, draft_busy_s=0.3))
+
+
+def test_mode_summary_medians_and_ideal_bound():
+    runs = [_pearl_run(0.5, list(range(10))), _pearl_run(1.0, list(range(10))), _pearl_run(0.4, list(range(10)))]
+    s = mode_summary(runs)
+    assert s["tokens_per_s"] == pytest.approx(20.0)  # median of 20, 10, 25
+    assert s["mean_accepted_length"] == pytest.approx(2.5)
+    assert s["acceptance_rate"] == pytest.approx(0.75)
+    assert s["verify_forward_s"] == pytest.approx(0.1)
+    assert s["target_busy_fraction"] == pytest.approx(0.8)  # median of 0.8, 0.4, 1.0
+    assert s["draft_busy_fraction"] == pytest.approx(0.6)  # median of 0.6, 0.3, 0.75
+    assert s["accepted_length_histogram"] == [3, 3, 3, 3]  # 12 rounds; 9, 6, 3 at least 1, 2, 3
+    add_ideal_bound(s, runs)
+    assert s["ideal_tokens_per_s"] == pytest.approx(25.0)  # 2.5 tokens / 0.1 s, in every run
+    assert s["efficiency_runs"] == pytest.approx([0.8, 0.4, 1.0])  # 20, 10, 25 tokens/s over 25
+    assert s["efficiency"] == pytest.approx(0.8)
+
+
+def test_exactness_names_the_diverging_prompt_and_position():
+    off = Run("off", "in-process", 1.0, [RequestRecord("a", [1, 2, 3], 0.5), RequestRecord("b", [4, 5], 0.5)])
+    pearl = Run("pearl", "server", 1.0, [RequestRecord("a", [1, 2, 3], 0.5), RequestRecord("b", [4, 9], 0.5)])
+    result = exactness([off, pearl])
+    assert result["all_identical"] is False
+    entry = result["by_run"]["server/pearl"]
+    assert (entry["compared"], entry["identical"]) == (2, 1)
+    assert entry["mismatches"] == [{"prompt": "b", "first_divergence": 1}]
+
+
+def test_worker_window_treats_unopened_scheduler_as_zero():
+    before = {"models": {"bench": {"live_sequences": 0}}}
+    after = {"models": {"bench": {"target": {"busy_s": 1.5, "batches": 30}, "draft": {"busy_s": 0.5}}}}
+    w = window(before, after, "bench")
+    assert (w.target_busy_s, w.target_rounds, w.draft_busy_s) == (1.5, 30, 0.5)
+
+
+def test_bench_command_smoke_in_process(tmp_path):
+    from duospec.cli import main
+    from tests.tiny_models import make_tiny_checkpoint
+
+    target = make_tiny_checkpoint(tmp_path / "target", "llama", seed=0)
+    draft = make_tiny_checkpoint(tmp_path / "draft", "llama", seed=1, num_layers=1)
+    out = tmp_path / "out"
+    code = main(["bench", "--target", str(target), "--draft", str(draft), "--skip-server", "--repeats", "1",
+                 "--max-new-tokens", "8", "--limit-prompts", "2", "--out", str(out), "--no-progress",
+                 "--models-label", "tiny random-weight test models"])
+    assert code == 0
+    report = json.loads((out / "results.json").read_text())
+    modes = report["paths"]["in-process"]["modes"]
+    assert set(modes) == {"off", "hf", "hf-assisted", "vanilla", "pearl"}
+    assert all(m["tokens_per_run"] == 16 and m["tokens_per_s"] > 0 for m in modes.values())
+    assert modes["pearl"]["ideal_tokens_per_s"] > 0 and modes["pearl"]["target_busy_fraction"] > 0
+    assert report["overhead"][0]["path"] == "in-process" and report["overhead"][0]["rounds"] >= 16
+    assert set(report["exactness"]["by_run"]) == {"in-process/hf", "in-process/hf-assisted", "in-process/vanilla",
+                                                  "in-process/pearl"}
+    markdown = (out / "results.md").read_text()
+    assert "tiny random-weight test models" in markdown and "| ours, pearl |" in markdown
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_command_rejects_half_a_pair(tmp_path, capsys):
+    from duospec.cli import main
+
+    assert main(["bench", "--target", str(tmp_path)]) == 2
+    assert "--target and --draft go together" in capsys.readouterr().err
+
+
+def test_committed_prompt_set_is_held_out_and_documented_kinds():
+    from duospec.bench.prompts import KINDS, load_prompts
+    from duospec.training.corpus import is_heldout
+
+    prompts = load_prompts()
+    assert {p.kind for p in prompts} == set(KINDS)
+    assert len({p.id for p in prompts}) == len(prompts)
+    for p in prompts:
+        if p.kind == "heldout-snippet":
+            path, line = p.source.rsplit(":", 1)
+            assert is_heldout(path), f"{p.id}: {path} is in the training split"
+            assert p.text.lstrip().startswith(("def ", "async def ")) and int(line) > 0
+
+
+def test_load_prompts_names_the_bad_line(tmp_path):
+    from duospec.bench.prompts import load_prompts
+
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"id": "a", "kind": "docstring", "text": "def f():"}\n{"id": "b"}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:2: not a prompt object"):
+        load_prompts(bad)
+    with pytest.raises(FileNotFoundError, match="regenerate"):
+        load_prompts(tmp_path / "missing.jsonl")
