@@ -38,8 +38,8 @@ def connect(address: str | None = None, *, namespace: str = NAMESPACE, timeout_s
     if ray.is_initialized():
         return
     kwargs = dict(namespace=namespace, log_to_driver=False, configure_logging=False)
-    if address is None:
-        ray.init(include_dashboard=False, **kwargs)
+    if address is None:  # a private instance, even if `ray start` runs on this machine
+        ray.init(address="local", include_dashboard=False, **kwargs)
         return
     if address != "auto":
         _check_reachable(address, timeout_s)

@@ -31,21 +31,24 @@ class SpeculationPolicy:
             return self.max_draft_tokens  # the drafter stops at γ and idles until the verdict
         return 0
 
-    def ready(self, n_drafts: int, remaining: int, draft_alive: bool) -> bool:
-        """Whether a sequence with `n_drafts` unverified drafts should go to the target now."""
+    def ready(self, n_drafts: int, remaining: int, draft_alive: bool, prefill_pending: bool = False) -> bool:
+        """Whether a sequence with `n_drafts` unverified drafts should go to the target now.
+        `prefill_pending`: the target has not seen the prompt yet."""
         if not (self.uses_draft and draft_alive):
             return True
         if self.mode is SpeculationMode.PEARL:
-            return n_drafts >= 1  # pre-verify: one token is enough when the target is free
+            # pre-verify: one token is enough when the target is free; and the target prefills the
+            # prompt at once, while the drafter prefills and drafts its first token.
+            return n_drafts >= 1 or prefill_pending
         return n_drafts >= min(self.max_draft_tokens, remaining)  # vanilla: a full γ chunk
 
     def verify_count(self, n_drafts: int, remaining: int) -> int:
         return max(0, min(n_drafts, self.max_draft_tokens, remaining))
 
-    def bonus(self, greedy: bool, n_verify: int) -> int:
+    def bonus(self, greedy: bool, drafting: bool) -> int:
         # Pearl with sampling declines the bonus: whether a position is decided by the bonus rule or
         # the accept/reject rule would otherwise depend on chunk timing, and seeded output must not.
-        # With no drafts at all (drafter gone) the bonus is the only way forward.
-        if self.mode is SpeculationMode.PEARL and not greedy and n_verify > 0:
+        # Without a drafter (it died) the bonus is the only way forward.
+        if self.mode is SpeculationMode.PEARL and not greedy and drafting:
             return pb.BONUS_POLICY_SKIP
         return pb.BONUS_POLICY_SAMPLE

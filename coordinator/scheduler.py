@@ -309,7 +309,19 @@ class Scheduler:
     def _ready(self, seq: Sequence) -> bool:
         if seq.uses_draft and self._draft_limit(seq) == 0:
             return True  # backed off to target-only under load
-        return seq.policy.ready(len(seq.drafts), seq.remaining, seq.uses_draft)
+        prefill_pending = seq.target_len < len(seq.committed) - 1 and seq.verifying is None
+        return seq.policy.ready(len(seq.drafts), seq.remaining, seq.uses_draft, prefill_pending)
+
+    def _prefill_only(self, seq: Sequence, k: int) -> bool:
+        """A pearl sequence whose prompt goes to the target before any draft exists: prefill without
+        taking a token, so the drafter's first token is pre-verified as usual (and its work is kept)."""
+        return (
+            k == 0
+            and seq.uses_draft
+            and seq.policy.mode is SpeculationMode.PEARL
+            and self._draft_limit(seq) > 0
+            and seq.target_len < len(seq.committed) - 1
+        )
 
     def _adapt_draft_length(self) -> None:
         pearl = [
@@ -354,7 +366,7 @@ class Scheduler:
             draft_tokens=seq.drafts[:k],
             draft_probs=seq.draft_probs[:k] if not seq.greedy else [],
             sampling=sampling_to_proto(seq.request.sampling),
-            bonus=seq.policy.bonus(seq.greedy, k),
+            bonus=pb.BONUS_POLICY_SKIP if self._prefill_only(seq, k) else seq.policy.bonus(seq.greedy, seq.uses_draft),
         )
 
     # -- verdicts in ---------------------------------------------------------------------------

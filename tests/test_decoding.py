@@ -143,7 +143,7 @@ def test_a_failing_draft_step_leaves_the_sequence_target_only(pair):
 
         def forward_last(self, chunks, **kw):
             self.calls += 1
-            if self.calls == 3:
+            if self.calls == 7:  # after the first verify round (γ = 4)
                 raise RuntimeError("injected draft failure")
             return self.runner.forward_last(chunks, **kw)
 
