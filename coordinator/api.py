@@ -37,7 +37,7 @@ class GenerationRequest:
     prompt_token_ids: tuple[int, ...]
     max_new_tokens: int
     sampling: SamplingParams = SamplingParams()
-    mode: SpeculationMode = SpeculationMode.PEARL
+    mode: SpeculationMode | None = None  # None = the model's configured default
     max_draft_tokens: int | None = None  # None = the model's default (γ in vanilla, max verify in pearl)
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
@@ -54,15 +54,17 @@ class SpecStats:
     pre_verify_aborts: int = 0  # rounds aborted at the first draft token of a chunk
     wasted_draft_tokens: int = 0  # drafted but discarded (after a rejection), incl. never verified
     rejections: int = 0
+    committed_tokens: int = 0  # tokens committed by verify forwards (accepted + recovered/bonus)
     # accepted_per_pos[i]: how often the draft token at offset i of a verified chunk was accepted
     accepted_per_pos: list[int] = field(default_factory=list)
 
     @property
     def mean_accepted_length(self) -> float:
-        """Committed tokens per target forward (accepted + 1 recovered/bonus), as in the literature."""
+        """Committed tokens per target forward (accepted + the recovered/bonus token when there is
+        one), counted directly: a prefill-only forward or a declined bonus adds no token."""
         if self.target_forwards == 0:
             return 0.0
-        return (self.accepted_tokens + self.target_forwards) / self.target_forwards
+        return self.committed_tokens / self.target_forwards
 
     @property
     def acceptance_rate(self) -> float:

@@ -72,7 +72,11 @@ class LocalTargetLink:
             batch = self.requests.get()
             if batch is _END:
                 return
-            self.inbox.put_threadsafe(self.verifier.run(batch))
+            try:
+                result = self.verifier.run(batch)
+            except Exception as exc:  # never leave the scheduler waiting for a verdict that won't come
+                result = failed_batch(batch, exc)
+            self.inbox.put_threadsafe(result)
 
     def send(self, message) -> None:
         self.requests.put(message)
@@ -85,6 +89,19 @@ class LocalTargetLink:
         await asyncio.to_thread(self.thread.join, 5.0)
         self.verifier.release_all()
         self.inbox.put_threadsafe(_END)
+
+
+def failed_batch(batch, exc: Exception):
+    """A VerdictBatch that reports every item of `batch` as failed."""
+    from duospec.internal.v1 import pearl_pb2 as pb
+
+    return pb.VerdictBatch(
+        batch_id=batch.batch_id,
+        errors=[
+            pb.VerifyError(seq_id=item.seq_id, kind=pb.VERIFY_ERROR_KIND_BAD_REQUEST, message=f"target failed: {exc}")
+            for item in batch.items
+        ],
+    )
 
 
 class GrpcStreamLink:

@@ -34,7 +34,7 @@ from coordinator.api import (
     Unavailable,
 )
 from coordinator.policies import SpeculationPolicy
-from coordinator.sequence import Sequence
+from coordinator.sequence import DraftAction, Sequence
 from duospec.internal.v1 import pearl_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -148,6 +148,8 @@ class Scheduler:
         await self._slots.acquire()
         seq = None
         try:
+            if self.closed or self._target_failed:  # changed while this request waited for a slot
+                raise Unavailable("the coordinator is shutting down or its target is down; retry later")
             seq = self._add(request, policy)
             while True:
                 event = await seq.events.get()
@@ -173,11 +175,12 @@ class Scheduler:
             draft_alive=use_draft,
         )
         seq.round_start = seq.prompt_len
-        self.sequences[seq.seq_id] = seq
-        active = [self._vtime.get(s.request.tenant, 0.0) for s in self.sequences.values()]
-        self._vtime[request.tenant] = max(self._vtime.get(request.tenant, 0.0), min(active, default=0.0))
+        # A tenant (re)joining starts at the least-served active tenant's virtual time: no catch-up burst.
+        others = [self._vtime.get(s.request.tenant, 0.0) for s in self.sequences.values()]
+        self._vtime[request.tenant] = max(self._vtime.get(request.tenant, 0.0), min(others, default=0.0))
         if use_draft:
             self._start_draft(seq)
+        self.sequences[seq.seq_id] = seq
         self._dispatch()
         return seq
 
@@ -230,7 +233,7 @@ class Scheduler:
     def _draft_lost(self) -> None:
         for seq in self.sequences.values():
             if seq.draft_alive:
-                seq.stats.wasted_draft_tokens += seq.drop_drafts()
+                seq.drop_drafts()
                 seq.draft_alive = False
         if not self.closed:
             self._dispatch()
@@ -250,7 +253,7 @@ class Scheduler:
         for seq_id in batch.failed_seq_ids:
             seq = self.sequences.get(seq_id)
             if seq is not None:
-                seq.stats.wasted_draft_tokens += seq.drop_drafts()
+                seq.drop_drafts()
                 seq.draft_alive = False
         for chunk in batch.chunks:
             seq = self.sequences.get(chunk.seq_id)
@@ -259,14 +262,11 @@ class Scheduler:
             if chunk.epoch != seq.epoch:  # drafted on a branch that was aborted
                 seq.stats.wasted_draft_tokens += len(chunk.tokens)
                 continue
-            expected = len(seq.committed) + len(seq.drafts)
-            if chunk.start_pos != expected:
-                log.warning("seq %d: draft chunk at %d, expected %d; resyncing", seq.seq_id, chunk.start_pos, expected)
-                self._abort(seq, wasted=len(chunk.tokens))
-                continue
-            seq.drafts.extend(chunk.tokens)
-            seq.draft_probs.extend(chunk.draft_probs)
-            seq.draft_fed_len = chunk.start_pos + len(chunk.tokens) - 1
+            if not seq.add_drafts(chunk.start_pos, chunk.tokens, chunk.draft_probs):
+                log.warning("seq %d: draft chunk at %d, expected %d; resyncing", seq.seq_id, chunk.start_pos,
+                            seq.next_draft_pos)
+                seq.stats.wasted_draft_tokens += len(chunk.tokens) + len(seq.drafts)
+                self._abort(seq)
 
     # -- verify out ----------------------------------------------------------------------------
     def _draft_command(self, command: pb.DraftCommand) -> None:
@@ -309,8 +309,7 @@ class Scheduler:
     def _ready(self, seq: Sequence) -> bool:
         if seq.uses_draft and self._draft_limit(seq) == 0:
             return True  # backed off to target-only under load
-        prefill_pending = seq.target_len < len(seq.committed) - 1 and seq.verifying is None
-        return seq.policy.ready(len(seq.drafts), seq.remaining, seq.uses_draft, prefill_pending)
+        return seq.policy.ready(len(seq.drafts), seq.remaining, seq.uses_draft, seq.prefill_pending)
 
     def _prefill_only(self, seq: Sequence, k: int) -> bool:
         """A pearl sequence whose prompt goes to the target before any draft exists: prefill without
@@ -355,18 +354,17 @@ class Scheduler:
         from draft_worker.drafter import sampling_to_proto
 
         k = min(seq.policy.verify_count(len(seq.drafts), seq.remaining), self._draft_limit(seq)) if seq.uses_draft else 0
-        seq.verifying = k
-        seq.stats.target_forwards += 1
-        seq.stats.drafted_tokens += k
+        bonus = pb.BONUS_POLICY_SKIP if self._prefill_only(seq, k) else seq.policy.bonus(seq.greedy, seq.uses_draft)
+        tokens, probs = seq.take_verify_chunk(k)
         return pb.VerifyItem(
             seq_id=seq.seq_id,
             epoch=seq.epoch,
             start_pos=seq.target_len,
             context=seq.committed[seq.target_len :],
-            draft_tokens=seq.drafts[:k],
-            draft_probs=seq.draft_probs[:k] if not seq.greedy else [],
+            draft_tokens=tokens,
+            draft_probs=probs if not seq.greedy else [],
             sampling=sampling_to_proto(seq.request.sampling),
-            bonus=pb.BONUS_POLICY_SKIP if self._prefill_only(seq, k) else seq.policy.bonus(seq.greedy, seq.uses_draft),
+            bonus=bonus,
         )
 
     # -- verdicts in ---------------------------------------------------------------------------
@@ -390,7 +388,7 @@ class Scheduler:
         self._target_releases = []  # the restarted target holds no sequences
         for seq in self.sequences.values():
             seq.target_len = 0  # the next verify re-sends all committed tokens: a re-prefill
-            seq.verifying = None
+            seq.forget_verify()
         try:
             if self._reconnect_target is None:
                 raise ConnectionError("no way to reconnect")
@@ -414,89 +412,67 @@ class Scheduler:
             self._fail(seq, Unavailable("the target worker is unavailable and did not restart in time; retry later"))
 
     def _on_verdict_batch(self, batch: pb.VerdictBatch) -> None:
+        inflight = self.inflight
+        if inflight is None or batch.batch_id != inflight.batch_id:
+            log.warning("verdict batch %d was not expected; ignored", batch.batch_id)
+            return
+        self.inflight = None
         self.target_times.busy_s += batch.forward_seconds
         self.target_times.messages += 1
         self._idle_since = time.monotonic()
-        if self.inflight is not None and batch.verdicts:
-            self.verify_cost.observe(self.inflight.n_tokens, batch.forward_seconds)
-        self.inflight = None
+        if batch.verdicts:
+            self.verify_cost.observe(inflight.n_tokens, batch.forward_seconds)
         self._deferring = True
         try:
             for error in batch.errors:
                 seq = self.sequences.get(error.seq_id)
                 if seq is not None:
-                    seq.verifying = None
                     self._fail(seq, _verify_error(error))
+            answered = {v.seq_id for v in batch.verdicts} | {e.seq_id for e in batch.errors}
             for verdict in batch.verdicts:
                 seq = self.sequences.get(verdict.seq_id)
-                if seq is None or seq.finish_reason is not None or verdict.epoch != seq.epoch:
+                if seq is None or seq.finish_reason is not None:
+                    continue
+                if verdict.epoch != seq.epoch:  # aborted while it was being verified
+                    seq.forget_verify()
                     continue
                 self._apply_verdict(seq, verdict)
+            for seq_id in set(inflight.seq_ids) - answered:
+                if (seq := self.sequences.get(seq_id)) is not None:
+                    seq.forget_verify()
             self._adapt_draft_length()
+        except Exception:  # a bug here must not look like a lost target: fail this batch's sequences
+            log.exception("applying verdict batch %d failed", batch.batch_id)
+            for seq_id in inflight.seq_ids:
+                if (seq := self.sequences.get(seq_id)) is not None and seq.finish_reason is None:
+                    self._fail(seq, CoordinatorError("internal error applying a verdict; see the server log"))
         finally:
             self._deferring = False
         self._dispatch()
 
     def _apply_verdict(self, seq: Sequence, verdict: pb.Verdict) -> None:
-        k = seq.verifying or 0
-        seq.verifying = None
-        accepted = verdict.n_accepted
-        has_next = verdict.kind != pb.NEXT_TOKEN_KIND_NONE
-        new_tokens = seq.drafts[:accepted] + ([verdict.next_token] if has_next else [])
-        old_len = len(seq.committed)
-        seq.stats.accepted_tokens += accepted
-        per_pos = seq.stats.accepted_per_pos
-        if len(per_pos) < accepted:
-            per_pos.extend([0] * (accepted - len(per_pos)))
-        for i in range(accepted):
-            per_pos[i] += 1
-        rejected = verdict.kind == pb.NEXT_TOKEN_KIND_RECOVERED and accepted < k
-        if k:
-            seq.acceptance.observe(accepted, int(rejected))
-        if rejected:
-            seq.stats.rejections += 1
-            if accepted == 0 and old_len == seq.round_start and k >= 1:
-                seq.stats.pre_verify_aborts += 1
-        rest, rest_probs = seq.drafts[k:], seq.draft_probs[k:]
-        seq.target_len = old_len + len(new_tokens) - 1  # the target keeps committed[:-1]
-        kept = seq.commit(new_tokens)
-        self._vtime[seq.request.tenant] = (
-            self._vtime.get(seq.request.tenant, 0.0) + len(kept) / seq.request.priority_weight
-        )
+        k = len(seq.verify_tokens or ())
+        rejected = verdict.kind == pb.NEXT_TOKEN_KIND_RECOVERED and verdict.n_accepted < k
+        next_token = verdict.next_token if verdict.kind != pb.NEXT_TOKEN_KIND_NONE else None
+        kept, action = seq.apply_verdict(verdict.n_accepted, next_token, rejected)
+        tenant = seq.request.tenant
+        self._vtime[tenant] = self._vtime.get(tenant, 0.0) + len(kept) / seq.request.priority_weight
         if kept:
             seq.events.put_nowait(TokensEvent(tuple(kept), seq.stats))
         if seq.finish_reason is not None:
             self._finish(seq, seq.finish_reason)
-            return
-        if not seq.uses_draft:
-            return
-        if rejected:
-            self._abort(seq, wasted=len(seq.drafts) - accepted)
-        elif has_next:  # bonus: keep the speculation past it only if the drafter guessed it
-            if rest and rest[0] == verdict.next_token:
-                seq.drafts, seq.draft_probs = rest[1:], rest_probs[1:]
-                self._advance(seq)
-            else:
-                self._abort(seq, wasted=len(rest))
-        else:
-            seq.drafts, seq.draft_probs = rest, rest_probs
-            self._advance(seq)
-
-    def _advance(self, seq: Sequence) -> None:
-        self._draft_command(
-            pb.DraftCommand(
-                seq_id=seq.seq_id, epoch=seq.epoch, kind=pb.DRAFT_COMMAND_KIND_ADVANCE, draft_until=seq.draft_until()
+        elif action is DraftAction.ABORT:
+            self._abort(seq)
+        elif action is DraftAction.ADVANCE:
+            self._draft_command(
+                pb.DraftCommand(
+                    seq_id=seq.seq_id, epoch=seq.epoch, kind=pb.DRAFT_COMMAND_KIND_ADVANCE, draft_until=seq.draft_until()
+                )
             )
-        )
 
-    def _abort(self, seq: Sequence, wasted: int) -> None:
+    def _abort(self, seq: Sequence) -> None:
         """Rejection: new epoch; the drafter rolls back to what it shares with the committed prefix."""
-        seq.epoch += 1
-        seq.stats.wasted_draft_tokens += wasted
-        seq.drop_drafts()
-        start = min(seq.draft_fed_len, len(seq.committed) - 1)
-        seq.draft_fed_len = start
-        seq.round_start = len(seq.committed)
+        start = seq.start_new_epoch()
         self._draft_command(
             pb.DraftCommand(
                 seq_id=seq.seq_id,
@@ -514,7 +490,7 @@ class Scheduler:
         self._target_releases.append(seq.seq_id)
         if seq.draft_started and seq.draft_alive and self._draft_up:
             self._draft_command(pb.DraftCommand(seq_id=seq.seq_id, kind=pb.DRAFT_COMMAND_KIND_RELEASE))
-        seq.stats.wasted_draft_tokens += seq.drop_drafts()
+        seq.drop_drafts()
         if not self.closed:
             self._dispatch()
 

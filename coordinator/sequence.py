@@ -1,15 +1,30 @@
 """Per-sequence state in the coordinator: the one place that knows a sequence's committed tokens,
-its epoch, the drafts in flight and how much of each worker's KV cache is valid."""
+its epoch, the drafts in flight and how much of each worker's KV cache is valid.
+
+The transitions here are pure bookkeeping (no I/O); the scheduler turns their outcomes into
+messages. Positions: committed[i] sits at position i. Drafts come in two groups:
+
+    committed ... | verify_tokens (sent to the target, awaiting the verdict) | drafts (arrived since)
+"""
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 from dataclasses import dataclass, field
 
 from coordinator.adaptive import AcceptanceTracker
-from coordinator.api import FinishReason, GenerationRequest, SpecStats
+from coordinator.api import FinishReason, GenerationRequest, SpecStats, SpeculationMode
 from coordinator.policies import SpeculationPolicy
+
+
+class DraftAction(enum.Enum):
+    """What the drafter must be told after a verdict."""
+
+    NONE = "none"  # nothing: the drafter is not used
+    ADVANCE = "advance"  # the committed prefix grew; the drafter's speculation still stands
+    ABORT = "abort"  # rejection (or an unguessed bonus): new epoch, roll back, continue from the fix
 
 
 @dataclass
@@ -23,19 +38,20 @@ class Sequence:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     stats: SpecStats = field(default_factory=SpecStats)
     epoch: int = 0
-    # Unverified draft tokens at positions len(committed), len(committed)+1, ...
-    drafts: list[int] = field(default_factory=list)
+    verify_tokens: list[int] | None = None  # drafts in the in-flight verify batch (None: not in one)
+    verify_probs: list[bytes] = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)  # drafts that arrived after the in-flight chunk
     draft_probs: list[bytes] = field(default_factory=list)  # [len(drafts)] or empty when greedy
     draft_alive: bool = True  # False: the drafter dropped it or died; go on target-only
     draft_fed_len: int = 0  # the drafter's KV cache holds valid tokens for positions < this
     draft_started: bool = False
     target_len: int = 0  # the target's KV cache holds committed[:target_len]
-    verifying: int | None = None  # drafts in the in-flight verify batch (None: not in flight)
     round_start: int = 0  # position of the first draft of the current round (after start/abort)
     finish_reason: FinishReason | None = None
     acceptance: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     started_at: float = field(default_factory=time.monotonic)
 
+    # -- facts ------------------------------------------------------------------------------------
     @property
     def greedy(self) -> bool:
         return self.request.sampling.greedy
@@ -53,6 +69,19 @@ class Sequence:
     def uses_draft(self) -> bool:
         return self.policy.uses_draft and self.draft_alive
 
+    @property
+    def verifying(self) -> bool:
+        return self.verify_tokens is not None
+
+    @property
+    def next_draft_pos(self) -> int:
+        """Where the next draft chunk must start to extend what this sequence holds."""
+        return len(self.committed) + len(self.verify_tokens or ()) + len(self.drafts)
+
+    @property
+    def prefill_pending(self) -> bool:
+        return self.target_len < len(self.committed) - 1 and not self.verifying
+
     def draft_until(self) -> int:
         return min(len(self.committed) + self.policy.lookahead(), self.limit)
 
@@ -62,7 +91,72 @@ class Sequence:
             ids = ids | {self.eos_token_id}
         return ids
 
-    def commit(self, tokens: list[int]) -> list[int]:
+    # -- transitions ------------------------------------------------------------------------------
+    def add_drafts(self, start_pos: int, tokens, probs) -> bool:
+        """Appends a draft chunk of the current epoch; False if it does not continue the drafts."""
+        if start_pos != self.next_draft_pos:
+            return False
+        self.drafts.extend(tokens)
+        self.draft_probs.extend(probs)
+        self.draft_fed_len = start_pos + len(tokens) - 1  # drafting position P needed P-1 fed
+        return True
+
+    def drop_drafts(self) -> int:
+        """Discards the drafts not under verification (the in-flight chunk still gets its verdict)."""
+        n = len(self.drafts)
+        self.drafts, self.draft_probs = [], []
+        self.stats.wasted_draft_tokens += n
+        return n
+
+    def take_verify_chunk(self, k: int) -> tuple[list[int], list[bytes]]:
+        """Moves the first k drafts into the in-flight verify chunk and returns them."""
+        tokens, probs = self.drafts[:k], self.draft_probs[:k]
+        self.drafts, self.draft_probs = self.drafts[k:], self.draft_probs[k:]
+        self.verify_tokens, self.verify_probs = tokens, probs
+        return tokens, probs
+
+    def forget_verify(self) -> None:
+        """The verdict for the in-flight chunk will not come (stale, or the target restarted)."""
+        if self.verify_tokens is not None:
+            # Back in front of the later drafts; they are re-verified (or dropped by an abort).
+            self.drafts = self.verify_tokens + self.drafts
+            self.draft_probs = self.verify_probs + self.draft_probs
+        self.verify_tokens, self.verify_probs = None, []
+
+    def apply_verdict(self, n_accepted: int, next_token: int | None, rejected: bool) -> tuple[list[int], DraftAction]:
+        """Commits the verdict of the in-flight chunk. Returns (tokens kept, what the drafter needs)."""
+        chunk = self.verify_tokens or []
+        self.verify_tokens, self.verify_probs = None, []
+        k = len(chunk)
+        new_tokens = chunk[:n_accepted] + ([next_token] if next_token is not None else [])
+        old_len = len(self.committed)
+        self.target_len = old_len + len(new_tokens) - 1  # the target keeps committed[:-1]
+        kept = self._commit(new_tokens)
+        self._count(k, n_accepted, len(kept), rejected, first_of_round=old_len == self.round_start)
+        if self.finish_reason is not None or not self.uses_draft:
+            return kept, DraftAction.NONE
+        if rejected:
+            self.stats.wasted_draft_tokens += (k - n_accepted) + len(self.drafts)
+            return kept, DraftAction.ABORT
+        if next_token is not None:  # bonus: keep the speculation past it only if the drafter guessed it
+            if self.drafts and self.drafts[0] == next_token:
+                self.drafts, self.draft_probs = self.drafts[1:], self.draft_probs[1:]
+                return kept, DraftAction.ADVANCE
+            self.stats.wasted_draft_tokens += len(self.drafts)
+            return kept, DraftAction.ABORT
+        return kept, DraftAction.ADVANCE
+
+    def start_new_epoch(self) -> int:
+        """After an abort: drafts are gone (a verdict still in flight is now stale and will be
+        dropped); returns where the drafter's cache stops matching the committed prefix."""
+        self.epoch += 1
+        self.drafts, self.draft_probs = [], []
+        self.verify_tokens, self.verify_probs = None, []
+        self.draft_fed_len = min(self.draft_fed_len, len(self.committed) - 1)
+        self.round_start = len(self.committed)
+        return self.draft_fed_len
+
+    def _commit(self, tokens: list[int]) -> list[int]:
         """Appends verified tokens, cut at a stop token or the length limit; sets finish_reason."""
         stop_ids = self.stop_ids()
         kept = []
@@ -77,8 +171,20 @@ class Sequence:
             self.finish_reason = FinishReason.LENGTH
         return kept
 
-    def drop_drafts(self) -> int:
-        n = len(self.drafts)
-        self.drafts.clear()
-        self.draft_probs.clear()
-        return n
+    def _count(self, k: int, accepted: int, kept: int, rejected: bool, first_of_round: bool) -> None:
+        stats = self.stats
+        stats.target_forwards += 1
+        stats.drafted_tokens += k
+        accepted_kept = min(accepted, kept)  # tokens cut by a stop or the length limit don't count
+        stats.accepted_tokens += accepted_kept
+        stats.committed_tokens += kept
+        if len(stats.accepted_per_pos) < accepted_kept:
+            stats.accepted_per_pos.extend([0] * (accepted_kept - len(stats.accepted_per_pos)))
+        for i in range(accepted_kept):
+            stats.accepted_per_pos[i] += 1
+        if k:
+            self.acceptance.observe(accepted, int(rejected))
+        if rejected:
+            stats.rejections += 1
+            if accepted == 0 and first_of_round and self.policy.mode is SpeculationMode.PEARL:
+                stats.pre_verify_aborts += 1  # the round's first draft token, checked on its own, was wrong

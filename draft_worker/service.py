@@ -51,8 +51,12 @@ class DraftLoop:
         for cmd in control.commands:
             try:
                 self.drafter.apply(cmd)
-            except (SlotsExhausted, ValueError) as exc:
+            except SlotsExhausted as exc:
                 log.warning("draft sequence %d dropped: %s", cmd.seq_id, exc)
+                failed.append(cmd.seq_id)
+            except Exception:  # a bad command drops its sequence, never the loop
+                log.exception("draft command for sequence %d failed", cmd.seq_id)
+                self.drafter.release(cmd.seq_id)
                 failed.append(cmd.seq_id)
         return True
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from duospec.engine import ModelRunner, SlotChunk, SlotsExhausted
 from duospec.internal.v1 import pearl_pb2 as pb
 from duospec.qcodec import DraftProbs
@@ -55,10 +57,21 @@ class Verifier:
             items.append(item)
             chunks.append(SlotChunk(self.slots[item.seq_id], item.start_pos, [*item.context, *item.draft_tokens]))
         if chunks:
-            logits = self.runner.forward(chunks)
-            self.forwards += 1
-            for item, item_logits, chunk in zip(items, logits, chunks):
-                out.verdicts.append(self._verdict(item, item_logits))
+            try:
+                logits = self.runner.forward(chunks)
+            except Exception as exc:  # a broken batch must not take the worker down: report, go on
+                for item in items:
+                    self.release(item.seq_id)
+                    out.errors.append(_error(item, pb.VERIFY_ERROR_KIND_BAD_REQUEST, f"target forward failed: {exc}"))
+                items = []
+            else:
+                self.forwards += 1
+            for item, item_logits in zip(items, logits if items else []):
+                try:
+                    out.verdicts.append(self._verdict(item, item_logits))
+                except Exception as exc:
+                    self.release(item.seq_id)
+                    out.errors.append(_error(item, pb.VERIFY_ERROR_KIND_BAD_REQUEST, f"verify failed: {exc}"))
                 self.tokens_verified += len(item.draft_tokens)
         out.forward_seconds = time.perf_counter() - started
         return out
@@ -89,9 +102,15 @@ class Verifier:
         n_ctx, k = len(item.context), len(item.draft_tokens)
         params = sampling_from_proto(item.sampling)
         probs = [DraftProbs.from_bytes(b) for b in item.draft_probs] if item.draft_probs else None
+        rows = logits[n_ctx - 1 : n_ctx + k]
+        # A draft whose logits are wider than the target's (padded embeddings) may propose an id the
+        # target cannot produce: give such ids probability 0 (-inf logits) so the rule rejects them.
+        widest = max([*item.draft_tokens, *(int(q.token_ids[-1]) for q in probs or ())], default=0) + 1
+        if widest > rows.shape[-1]:
+            rows = torch.nn.functional.pad(rows, (0, widest - rows.shape[-1]), value=float("-inf"))
         result = verify(
             list(item.draft_tokens),
-            logits[n_ctx - 1 : n_ctx + k],
+            rows,
             probs,
             params,
             item.start_pos + n_ctx,

@@ -1,0 +1,163 @@
+"""The scheduler's bookkeeping with fake links: exact scenarios, no models, no threads.
+
+Each test drives `Scheduler` the way the links would (draft chunk batches in, verdict batches in) and
+checks what it commits and what it tells the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from coordinator.api import GenerationRequest, ModelInfo, SpeculationMode, TokensEvent, Unavailable
+from coordinator.policies import SpeculationPolicy
+from coordinator.scheduler import Scheduler, SchedulerConfig
+from duospec.internal.v1 import pearl_pb2 as pb
+from duospec.sampling import SamplingParams
+
+
+class FakeLink:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, message):
+        self.sent.append(message)
+
+    async def responses(self):
+        return
+        yield
+
+    async def close(self):
+        pass
+
+
+def _scheduler(mode=SpeculationMode.PEARL, **config):
+    info = ModelInfo(name="m", target_path="t", draft_path="d", vocab_size=100, max_context=256, eos_token_id=None)
+    target, draft = FakeLink(), FakeLink()
+    scheduler = Scheduler(info, target, draft, SchedulerConfig(**config))
+    policy = SpeculationPolicy(mode=mode, max_draft_tokens=4, max_lookahead=8, adaptive=False)
+    return scheduler, target, draft, policy
+
+
+def _request(prompt=(1, 2, 3), n=10, tenant="default", weight=1.0, sampling=SamplingParams()):
+    return GenerationRequest(
+        request_id=f"r-{tenant}", prompt_token_ids=tuple(prompt), max_new_tokens=n, sampling=sampling,
+        tenant=tenant, priority_weight=weight,
+    )
+
+
+def _chunks(scheduler, seq, pos, tokens):
+    scheduler._on_draft_batch(
+        pb.DraftChunkBatch(chunks=[pb.DraftChunk(seq_id=seq.seq_id, epoch=seq.epoch, start_pos=pos, tokens=tokens)])
+    )
+
+
+def _verdict(scheduler, target, seq, n_accepted, kind, next_token=0):
+    batch = target.sent[-1]
+    scheduler._on_verdict_batch(
+        pb.VerdictBatch(
+            batch_id=batch.batch_id,
+            verdicts=[pb.Verdict(seq_id=seq.seq_id, epoch=seq.epoch, n_accepted=n_accepted, kind=kind, next_token=next_token)],
+        )
+    )
+
+
+def _committed_events(seq):
+    out = []
+    while not seq.events.empty():
+        event = seq.events.get_nowait()
+        if isinstance(event, TokensEvent):
+            out.extend(event.token_ids)
+    return out
+
+
+async def test_accepted_drafts_survive_a_draft_failure_during_verify():
+    scheduler, target, draft, policy = _scheduler()
+    seq = scheduler._add(_request(), policy)
+    _chunks(scheduler, seq, 3, [10])  # pre-verify goes out with one token... (after the prompt prefill)
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_NONE)  # prefill-only verdict
+    for pos, tok in ((4, 11), (5, 12)):
+        _chunks(scheduler, seq, pos, [tok])
+    sent = target.sent[-1].items[0]
+    assert list(sent.draft_tokens) == [10]
+    scheduler._on_draft_batch(pb.DraftChunkBatch(failed_seq_ids=[seq.seq_id]))  # drafter drops it
+    _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_BONUS, 99)
+    assert seq.committed == [1, 2, 3, 10, 99]
+    assert _committed_events(seq) == [10, 99]
+    assert seq.target_len == 4
+
+
+async def test_rejection_aborts_and_rolls_the_drafter_back():
+    scheduler, target, draft, policy = _scheduler()
+    seq = scheduler._add(_request(), policy)
+    _chunks(scheduler, seq, 3, [10])
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_NONE)  # prefill
+    for pos, tok in ((4, 11), (5, 12), (6, 13)):
+        _chunks(scheduler, seq, pos, [tok])
+    # In flight: [10]. Its verdict: rejected, recovered 50.
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_RECOVERED, 50)
+    assert seq.committed == [1, 2, 3, 50] and seq.epoch == 1
+    reset = [c for m in draft.sent for c in m.commands if c.kind == pb.DRAFT_COMMAND_KIND_RESET][-1]
+    assert (reset.epoch, reset.start_pos, list(reset.tail)) == (1, 3, [50])
+    assert seq.stats.pre_verify_aborts == 1 and seq.stats.wasted_draft_tokens == 4
+    # A chunk from the aborted branch is dropped and counted.
+    _chunks_old = pb.DraftChunk(seq_id=seq.seq_id, epoch=0, start_pos=7, tokens=[14])
+    scheduler._on_draft_batch(pb.DraftChunkBatch(chunks=[_chunks_old]))
+    assert seq.drafts == [] and seq.stats.wasted_draft_tokens == 5
+
+
+async def test_vanilla_rejections_are_not_pre_verify_aborts():
+    scheduler, target, draft, policy = _scheduler(SpeculationMode.VANILLA)
+    seq = scheduler._add(_request(), policy)
+    for pos, tok in ((3, 10), (4, 11), (5, 12), (6, 13)):
+        _chunks(scheduler, seq, pos, [tok])
+    assert list(target.sent[-1].items[0].draft_tokens) == [10, 11, 12, 13]
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_RECOVERED, 50)
+    assert seq.stats.rejections == 1 and seq.stats.pre_verify_aborts == 0
+
+
+async def test_mean_accepted_length_counts_committed_tokens():
+    scheduler, target, draft, policy = _scheduler()
+    seq = scheduler._add(_request(sampling=SamplingParams(temperature=1.0, seed=1)), policy)
+    _chunks(scheduler, seq, 3, [10])
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_NONE)  # prefill: no token
+    _chunks(scheduler, seq, 4, [11])
+    _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_NONE)  # pearl + sampling: bonus declined
+    assert seq.committed == [1, 2, 3, 10]
+    assert seq.stats.committed_tokens == 1 and seq.stats.target_forwards == 2
+    assert seq.stats.mean_accepted_length == pytest.approx(0.5)
+
+
+async def test_queued_request_fails_fast_once_the_target_is_lost():
+    scheduler, target, draft, policy = _scheduler(max_sequences=1)
+
+    async def consume():
+        return [e async for e in scheduler.generate(_request(), policy)]
+
+    first = asyncio.create_task(consume())
+    second = asyncio.create_task(consume())
+    await asyncio.sleep(0.05)
+    scheduler._target_lost()
+    for task in (first, second):
+        with pytest.raises(Unavailable):
+            await asyncio.wait_for(task, 2)
+
+
+async def test_a_new_tenant_starts_at_the_others_virtual_time():
+    scheduler, target, draft, policy = _scheduler()
+    scheduler._vtime["a"] = 500.0
+    scheduler._add(_request(tenant="a"), policy)
+    scheduler._add(_request(tenant="b"), policy)
+    assert scheduler._vtime["b"] == 500.0
+
+
+async def test_unexpected_verdict_batch_is_ignored():
+    scheduler, target, draft, policy = _scheduler(SpeculationMode.OFF)
+    seq = scheduler._add(_request(), policy)
+    scheduler._on_verdict_batch(
+        pb.VerdictBatch(batch_id=999, verdicts=[pb.Verdict(seq_id=seq.seq_id, kind=pb.NEXT_TOKEN_KIND_BONUS, next_token=7)])
+    )
+    assert seq.committed == [1, 2, 3]
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_BONUS, 7)
+    assert seq.committed == [1, 2, 3, 7]
