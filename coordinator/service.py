@@ -220,6 +220,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     await context.write(self._final(state, stopper.flush(), ()))
                     return
                 if isinstance(event, TokensEvent):
+                    state.stats = event.stats or state.stats  # live: right even if we stop early
                     self._observe_tokens(state, len(event.token_ids))
                     text, hit = stopper.feed(detok.push(list(event.token_ids)))
                     if hit:
