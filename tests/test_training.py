@@ -175,3 +175,19 @@ def test_out_holding_another_run_is_refused(target_dir, data_dir, tmp_path, caps
     assert "different target" in capsys.readouterr().err
     assert (out / ".distill" / "checkpoint.pt").stat().st_mtime_ns == checkpoint_time
     assert json.loads((out / ".distill" / "run.json").read_text())["draft_config"]["hidden_size"] == 32
+
+
+def test_draft_loss_terms():
+    from duospec.training.objectives import DraftLossWeights, draft_losses
+
+    torch.manual_seed(0)
+    target = torch.randn(2, 5, 11)
+    labels = torch.randint(0, 11, (2, 5))
+    total, kl, ce, agreement = draft_losses(target.clone(), target, labels, DraftLossWeights(1.0, 0.0, 0.0))
+    assert kl.item() == pytest.approx(0.0, abs=1e-6) and agreement.item() == 1.0
+    assert total.item() == pytest.approx(0.0, abs=1e-6)
+
+    draft = torch.randn(2, 5, 11)
+    only_argmax, *_ = draft_losses(draft, target, labels, DraftLossWeights(0.0, 0.0, 1.0))
+    expected = torch.nn.functional.cross_entropy(draft.reshape(-1, 11), target.argmax(-1).reshape(-1))
+    assert only_argmax.item() == pytest.approx(expected.item(), rel=1e-5)

@@ -56,7 +56,7 @@ def build_config(args: argparse.Namespace):
     from coordinator.config import DEFAULT_LEDGER, ServeConfig, ServerSettings, load_serve_config
 
     if args.config is not None:
-        config = load_serve_config(args.config)
+        config = load_serve_config(pathlib.Path(args.config).expanduser())
     else:
         config = ServeConfig(server=ServerSettings(), models=[], ledger=str(pathlib.Path(DEFAULT_LEDGER).resolve()))
     if args.model_dir is not None or not config.models:
@@ -66,9 +66,9 @@ def build_config(args: argparse.Namespace):
     server = replace(server, **{k: v for k, v in overrides.items() if v is not None})
     config = replace(config, server=server)
     if args.ledger:
-        config = replace(config, ledger=str(pathlib.Path(args.ledger).resolve()))
+        config = replace(config, ledger=str(pathlib.Path(args.ledger).expanduser().resolve()))
     if args.tenants:
-        config = replace(config, tenants=str(args.tenants.resolve()))
+        config = replace(config, tenants=str(args.tenants.expanduser().resolve()))
     return config
 
 

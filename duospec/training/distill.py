@@ -209,7 +209,7 @@ def distill(options: DistillOptions) -> Path:
     from duospec.training.export import export_checkpoint
     from duospec.training.loop import Logger, LoopConfig, run_loop
     from duospec.training.models import build_model, count_parameters
-    from duospec.training.objectives import DistillObjective, DraftLossWeights
+    from duospec.training.objectives import DISTILL_WEIGHTS, DistillObjective
 
     # 1. Input checks, cheapest first; nothing is written before they all pass.
     options.validate()
@@ -244,7 +244,7 @@ def distill(options: DistillOptions) -> Path:
     cfg = LoopConfig(batch_size=options.batch_size, lr=options.lr, max_steps=options.steps,
                      warmup_steps=min(100, max(options.steps // 10, 1)), seed=options.seed,
                      bf16_autocast=device.type == "cuda")
-    state = run_loop(DistillObjective(target, draft, DraftLossWeights(), device), source, heldout, cfg,
+    state = run_loop(DistillObjective(target, draft, DISTILL_WEIGHTS, device), source, heldout, cfg,
                      state_dir / "checkpoint.pt", log, phase="distill")
     export_checkpoint(draft.float().cpu(), tokenizer, options.out)
     log(f"draft written to {options.out} after {state.step} steps")

@@ -6,8 +6,13 @@
 - `DistillObjective`: the target is frozen (no gradients, eval mode); only the draft learns. This is
   `duospec distill` and the final phase of `duospec train-tiny`.
 
-Draft loss = kd_weight * KL(p_target || q_draft) + ce_weight * CE(q_draft, data). Forward KL makes
-the draft cover the target's mass, which is what the greedy and sampled acceptance rules reward.
+Draft loss = kd_weight * KL(p_target || q_draft) + ce_weight * CE(q_draft, data)
+            + argmax_weight * CE(q_draft, argmax p_target).
+Forward KL makes the draft cover the target's mass, which the sampled acceptance rule rewards. The
+argmax term targets greedy acceptance directly (a draft token survives greedy verification only if
+it is the target's argmax). While the target is still learning (joint phase) the data term keeps the
+draft useful; against a finished target the data term only pulls the draft away from the target,
+so distillation uses `DISTILL_WEIGHTS`.
 """
 
 from __future__ import annotations
@@ -22,6 +27,11 @@ import torch.nn.functional as F
 class DraftLossWeights:
     kd_weight: float = 1.0
     ce_weight: float = 0.25
+    argmax_weight: float = 0.0
+
+
+JOINT_WEIGHTS = DraftLossWeights(kd_weight=1.0, ce_weight=0.25, argmax_weight=0.0)
+DISTILL_WEIGHTS = DraftLossWeights(kd_weight=1.0, ce_weight=0.0, argmax_weight=0.5)
 
 
 def _logits(model, inputs: torch.Tensor) -> torch.Tensor:
@@ -36,8 +46,12 @@ def draft_losses(draft_logits, target_logits, labels, weights: DraftLossWeights)
     log_p = F.log_softmax(target_logits.reshape(-1, vocab), dim=-1)
     kl = F.kl_div(log_q, log_p, log_target=True, reduction="batchmean")
     ce = F.nll_loss(log_q, labels.reshape(-1))
-    agreement = (draft_logits.argmax(-1) == target_logits.argmax(-1)).float().mean()
-    return weights.kd_weight * kl + weights.ce_weight * ce, kl, ce, agreement
+    target_argmax = log_p.argmax(-1)
+    total = weights.kd_weight * kl + weights.ce_weight * ce
+    if weights.argmax_weight:
+        total = total + weights.argmax_weight * F.nll_loss(log_q, target_argmax)
+    agreement = (log_q.argmax(-1) == target_argmax).float().mean()
+    return total, kl, ce, agreement
 
 
 def _split(batch: torch.Tensor, device):

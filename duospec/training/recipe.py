@@ -87,7 +87,7 @@ def train_tiny(recipe: TinyRecipe, run_dir: Path, out_dir: Path) -> dict:
     import torch
 
     from duospec.training.export import export_checkpoint
-    from duospec.training.objectives import DistillObjective, DraftLossWeights, JointObjective
+    from duospec.training.objectives import DISTILL_WEIGHTS, JOINT_WEIGHTS, DistillObjective, JointObjective
 
     torch.set_num_threads(recipe.threads)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -99,17 +99,16 @@ def train_tiny(recipe: TinyRecipe, run_dir: Path, out_dir: Path) -> dict:
     source = WindowSource(train_tokens, recipe.seq_len, recipe.seed)
     heldout = WindowSource(heldout_tokens, recipe.seq_len, recipe.seed).fixed_batches(8, recipe.batch_size)
     device = torch.device("cpu")
-    weights = DraftLossWeights()
 
     joint_cfg = LoopConfig(batch_size=recipe.batch_size, lr=recipe.target_lr, warmup_steps=100,
                            max_seconds=recipe.joint_minutes * 60, seed=recipe.seed,
                            bf16_autocast=recipe.bf16_autocast)
-    joint = run_loop(JointObjective(target, draft, weights, device), source, heldout, joint_cfg,
+    joint = run_loop(JointObjective(target, draft, JOINT_WEIGHTS, device), source, heldout, joint_cfg,
                      run_dir / "joint.pt", log, phase="joint")
     distill_cfg = LoopConfig(batch_size=recipe.batch_size, lr=recipe.distill_lr, warmup_steps=20,
                              max_seconds=recipe.distill_minutes * 60, seed=recipe.seed + 1,
                              bf16_autocast=recipe.bf16_autocast)
-    distill = run_loop(DistillObjective(target, draft, weights, device), source, heldout, distill_cfg,
+    distill = run_loop(DistillObjective(target, draft, DISTILL_WEIGHTS, device), source, heldout, distill_cfg,
                        run_dir / "distill.pt", log, phase="distill")
 
     export_checkpoint(target, tokenizer, out_dir / "target")
