@@ -259,7 +259,7 @@ class Scheduler:
             seq = self.sequences.get(chunk.seq_id)
             if seq is None or not seq.draft_alive:
                 continue
-            if chunk.epoch != seq.epoch:  # drafted on a branch that was aborted
+            if chunk.epoch != seq.epoch or seq.draft_paused:  # an aborted branch, or drafted before a pause
                 seq.stats.wasted_draft_tokens += len(chunk.tokens)
                 continue
             if not seq.add_drafts(chunk.start_pos, chunk.tokens, chunk.draft_probs):
@@ -461,14 +461,26 @@ class Scheduler:
             seq.events.put_nowait(TokensEvent(tuple(kept), seq.stats))
         if seq.finish_reason is not None:
             self._finish(seq, seq.finish_reason)
-        elif action is DraftAction.ABORT:
+        elif action is DraftAction.NONE:
+            return
+        elif self._draft_limit(seq) == 0:  # load-aware back-off: stop the drafter, go target-only
+            if not seq.draft_paused:
+                seq.pause_drafting()
+                self._advance(seq)
+            else:
+                seq.drop_drafts()
+        elif seq.draft_paused or action is DraftAction.ABORT:  # resuming needs a catch-up reset too
+            seq.draft_paused = False
             self._abort(seq)
-        elif action is DraftAction.ADVANCE:
-            self._draft_command(
-                pb.DraftCommand(
-                    seq_id=seq.seq_id, epoch=seq.epoch, kind=pb.DRAFT_COMMAND_KIND_ADVANCE, draft_until=seq.draft_until()
-                )
+        else:
+            self._advance(seq)
+
+    def _advance(self, seq: Sequence) -> None:
+        self._draft_command(
+            pb.DraftCommand(
+                seq_id=seq.seq_id, epoch=seq.epoch, kind=pb.DRAFT_COMMAND_KIND_ADVANCE, draft_until=seq.draft_until()
             )
+        )
 
     def _abort(self, seq: Sequence) -> None:
         """Rejection: new epoch; the drafter rolls back to what it shares with the committed prefix."""

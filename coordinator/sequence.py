@@ -45,6 +45,7 @@ class Sequence:
     draft_alive: bool = True  # False: the drafter dropped it or died; go on target-only
     draft_fed_len: int = 0  # the drafter's KV cache holds valid tokens for positions < this
     draft_started: bool = False
+    draft_paused: bool = False  # backed off to target-only under load: the drafter is told to stop
     target_len: int = 0  # the target's KV cache holds committed[:target_len]
     round_start: int = 0  # position of the first draft of the current round (after start/abort)
     finish_reason: FinishReason | None = None
@@ -83,7 +84,16 @@ class Sequence:
         return self.target_len < len(self.committed) - 1 and not self.verifying
 
     def draft_until(self) -> int:
+        if self.draft_paused:
+            return len(self.committed)  # nothing to draft: the drafter idles instead of taking CPU/GPU
         return min(len(self.committed) + self.policy.lookahead(), self.limit)
+
+    def pause_drafting(self) -> None:
+        """Stop speculating for now. Only the committed prefix of the drafter's cache stays trusted:
+        what it drafted past it may not be what the target commits meanwhile."""
+        self.draft_paused = True
+        self.drop_drafts()
+        self.draft_fed_len = min(self.draft_fed_len, len(self.committed))
 
     def stop_ids(self) -> frozenset[int]:
         ids = self.request.stop_token_ids

@@ -161,3 +161,31 @@ async def test_unexpected_verdict_batch_is_ignored():
     assert seq.committed == [1, 2, 3]
     _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_BONUS, 7)
     assert seq.committed == [1, 2, 3, 7]
+
+
+async def test_backing_off_under_load_pauses_the_drafter_and_resumes_with_a_reset():
+    scheduler, target, draft, _ = _scheduler()
+    policy = SpeculationPolicy(mode=SpeculationMode.PEARL, max_draft_tokens=4, max_lookahead=8, adaptive=True)
+    scheduler._adapt_draft_length = lambda: None  # the test plays the cost model
+    seq = scheduler._add(_request(n=20), policy)
+    _chunks(scheduler, seq, 3, [10])
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_NONE)  # prefill; [10] goes out next
+    _chunks(scheduler, seq, 4, [11])
+    _chunks(scheduler, seq, 5, [12])
+    scheduler.pearl_draft_length = 0  # the cost model says speculation no longer pays
+    _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_BONUS, 11)  # accepts 10, bonus 11 matches
+    assert seq.draft_paused and seq.committed == [1, 2, 3, 10, 11]
+    stop = [c for m in draft.sent for c in m.commands][-1]
+    assert stop.kind == pb.DRAFT_COMMAND_KIND_ADVANCE and stop.draft_until == len(seq.committed)
+    # Target-only while paused: no drafts in the verify, late draft chunks are dropped.
+    assert list(target.sent[-1].items[0].draft_tokens) == []
+    _chunks(scheduler, seq, 6, [13])
+    assert seq.drafts == []
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_BONUS, 40)
+    scheduler.pearl_draft_length = 4  # load went down
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_BONUS, 41)
+    assert not seq.draft_paused and seq.committed == [1, 2, 3, 10, 11, 40, 41]
+    reset = [c for m in draft.sent for c in m.commands][-1]
+    assert reset.kind == pb.DRAFT_COMMAND_KIND_RESET
+    # Drafting 12 at position 5 fed positions < 5 (prompt, 10, 11: all committed); it resumes there.
+    assert reset.start_pos == 5 and list(reset.tail) == [40, 41]
