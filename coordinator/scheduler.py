@@ -307,7 +307,7 @@ class Scheduler:
         return limit
 
     def _ready(self, seq: Sequence) -> bool:
-        if seq.uses_draft and self._draft_limit(seq) == 0:
+        if seq.uses_draft and (seq.draft_paused or self._draft_limit(seq) == 0):
             return True  # backed off to target-only under load
         return seq.policy.ready(len(seq.drafts), seq.remaining, seq.uses_draft, seq.prefill_pending)
 
@@ -333,6 +333,10 @@ class Scheduler:
         max_k = max(s.policy.max_draft_tokens for s in pearl)
         batch = pearl[: self.config.max_batch_size]
         self.pearl_draft_length = best_draft_length([s.acceptance.alpha for s in batch], self.verify_cost, max_k)
+        for seq in pearl:  # speculation pays again: wake paused drafters now, not at their next verdict
+            if seq.draft_paused and not seq.verifying and self._draft_limit(seq) > 0:
+                seq.draft_paused = False
+                self._abort(seq)
 
     def _fair_share(self, ready: list[Sequence]) -> list[Sequence]:
         """Weighted fair share of the target when more sequences are ready than fit in a batch."""

@@ -189,3 +189,19 @@ async def test_backing_off_under_load_pauses_the_drafter_and_resumes_with_a_rese
     assert reset.kind == pb.DRAFT_COMMAND_KIND_RESET
     # Drafting 12 at position 5 fed positions < 5 (prompt, 10, 11: all committed); it resumes there.
     assert reset.start_pos == 5 and list(reset.tail) == [40, 41]
+
+
+async def test_a_paused_sequence_never_waits_for_drafts_that_will_not_come():
+    scheduler, target, draft, _ = _scheduler()
+    policy = SpeculationPolicy(mode=SpeculationMode.PEARL, max_draft_tokens=4, max_lookahead=8, adaptive=True)
+    scheduler._adapt_draft_length = lambda: None
+    seq = scheduler._add(_request(n=20), policy)
+    _chunks(scheduler, seq, 3, [10])
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_NONE)
+    scheduler.pearl_draft_length = 0
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_RECOVERED, 30)  # paused after this verdict
+    assert seq.draft_paused
+    scheduler.pearl_draft_length = 1  # load dropped, but no draft exists: it must still be verified
+    sent = len(target.sent)
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_BONUS, 31)
+    assert len(target.sent) == sent + 1 or not seq.draft_paused
