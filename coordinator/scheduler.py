@@ -35,6 +35,7 @@ from coordinator.api import (
 )
 from coordinator.policies import SpeculationPolicy
 from coordinator.sequence import DraftAction, Sequence
+from duospec.internal.sampling_wire import sampling_to_proto
 from duospec.internal.v1 import pearl_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -185,8 +186,6 @@ class Scheduler:
         return seq
 
     def _start_draft(self, seq: Sequence) -> None:
-        from draft_worker.drafter import sampling_to_proto
-
         seq.draft_started = True
         seq.draft_fed_len = 0
         self._draft_command(
@@ -355,8 +354,6 @@ class Scheduler:
         return chosen
 
     def _verify_item(self, seq: Sequence) -> pb.VerifyItem:
-        from draft_worker.drafter import sampling_to_proto
-
         k = min(seq.policy.verify_count(len(seq.drafts), seq.remaining), self._draft_limit(seq)) if seq.uses_draft else 0
         bonus = pb.BONUS_POLICY_SKIP if self._prefill_only(seq, k) else seq.policy.bonus(seq.greedy, seq.uses_draft)
         tokens, probs = seq.take_verify_chunk(k)

@@ -23,7 +23,6 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_DRAFT_TOKENS = 64
 # Below this, logits / temperature overflows float32 (inf → NaN probabilities) and the result is
 # greedy anyway; such requests are refused rather than allowed to break the workers' sampling.
-MIN_TEMPERATURE = 1e-3
 CHAT_ROLES = ("system", "user", "assistant")
 
 _MODES = {
@@ -169,17 +168,18 @@ def _stop_token_ids(stopping: pb.StoppingCriteria, info: ModelInfo) -> list[int]
 
 
 def _sampling(sp: pb.SamplingParams) -> SamplingParams:
-    if not math.isfinite(sp.temperature) or sp.temperature < 0:
-        raise invalid("sampling.temperature", f"{sp.temperature}; use 0 (greedy) or a positive finite number")
-    if 0 < sp.temperature < MIN_TEMPERATURE:
-        raise invalid("sampling.temperature", f"{sp.temperature:g} is below {MIN_TEMPERATURE:g}; use 0 for greedy "
-                      f"decoding or a temperature >= {MIN_TEMPERATURE:g}")
     if not math.isfinite(sp.top_p) or not 0 <= sp.top_p <= 1:
         raise invalid("sampling.top_p", f"{sp.top_p}; use a value in (0, 1] (0 means unset = 1.0)")
     # Unset seed: a fresh random one, so the request is still reproducible from the server's side.
     seed = sp.seed if sp.HasField("seed") else secrets.randbits(63)
-    return SamplingParams(temperature=float(sp.temperature), top_k=int(sp.top_k), top_p=float(sp.top_p or 1.0),
-                          seed=int(seed))
+    params = SamplingParams(temperature=float(sp.temperature), top_k=int(sp.top_k), top_p=float(sp.top_p or 1.0),
+                            seed=int(seed))
+    try:
+        params.validate()  # the one place the ranges live (duospec/sampling.py)
+    except ValueError as exc:
+        field, _, problem = str(exc).partition("=")
+        raise invalid(field, problem) from None
+    return params
 
 
 def _speculation(sp: pb.SpeculationParams, info: ModelInfo, default_mode: SpeculationMode):

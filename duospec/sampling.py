@@ -23,6 +23,13 @@ _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64 increment: 2**64 / golden ratio
 _INV_2_53 = 1.0 / (1 << 53)
 
 
+# Sampling parameters cross process boundaries as float32 / uint32 (proto/duospec/internal/v1), and
+# logits / temperature overflows for tiny temperatures: these bounds keep every value representable.
+MIN_TEMPERATURE = 1e-3
+MAX_TEMPERATURE = 1e4
+MAX_TOP_K = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy (argmax of raw logits)
@@ -41,9 +48,14 @@ class SamplingParams:
             raise ValueError(
                 f"sampling.temperature={t!r} is invalid: use a finite number >= 0 (0 = greedy)"
             )
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if t != 0 and not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
             raise ValueError(
-                f"sampling.top_k={self.top_k!r} is invalid: use an integer >= 0 (0 = no top-k)"
+                f"sampling.temperature={t!r} is invalid: use 0 (greedy) or a value in "
+                f"[{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"
+            )
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(
+                f"sampling.top_k={self.top_k!r} is invalid: use an integer in [0, 2**31) (0 = no top-k)"
             )
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):

@@ -13,10 +13,10 @@ import time
 import torch
 
 from duospec.engine import ModelRunner, SlotChunk, SlotsExhausted
+from duospec.internal.sampling_wire import sampling_from_proto
 from duospec.internal.v1 import pearl_pb2 as pb
 from duospec.qcodec import DraftProbs
 from duospec.verify import NextTokenKind, verify
-from draft_worker.drafter import sampling_from_proto
 
 _KIND_TO_PROTO = {
     NextTokenKind.RECOVERED: pb.NEXT_TOKEN_KIND_RECOVERED,
