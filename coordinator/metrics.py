@@ -2,8 +2,8 @@
 
 Counter names follow vLLM where the concept exists (`duospec:` instead of `vllm:`); prometheus_client
 appends `_total` to counters on exposition, as vLLM's do. Every per-request series has a `tenant`
-label. Not exported yet: `duospec:spec_decode_num_accepted_tokens_per_pos{position}` — SpecStats does
-not carry per-position acceptance counts.
+label. `duospec:spec_decode_num_accepted_tokens_per_pos{position}` counts, for each offset in a
+verified chunk, how often the draft token there was accepted (from SpecStats.accepted_per_pos).
 
 Gauges about the actors come from `await coordinator.stats()`, sampled by the server on a timer
 (collection runs on the HTTP thread, which cannot await); keys are read defensively because the
@@ -35,6 +35,9 @@ class ServerMetrics:
             "duospec:spec_decode_num_draft_tokens", "Draft tokens sent to the target", t, registry=r)
         self.num_accepted_tokens = Counter(
             "duospec:spec_decode_num_accepted_tokens", "Draft tokens the target accepted", t, registry=r)
+        self.num_accepted_tokens_per_pos = Counter(
+            "duospec:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by offset in the chunk",
+            (*t, "position"), registry=r)
         self.pre_verify_aborts = Counter(
             "duospec:spec_decode_pre_verify_aborts", "Rounds aborted at the first draft token", t, registry=r)
         self.wasted_draft_tokens = Counter(
@@ -84,6 +87,8 @@ class ServerMetrics:
             self.num_drafts.labels(tenant).inc(stats.target_forwards)
         self.num_draft_tokens.labels(tenant).inc(stats.drafted_tokens)
         self.num_accepted_tokens.labels(tenant).inc(stats.accepted_tokens)
+        for position, count in enumerate(stats.accepted_per_pos):
+            self.num_accepted_tokens_per_pos.labels(tenant, str(position)).inc(count)
         self.pre_verify_aborts.labels(tenant).inc(stats.pre_verify_aborts)
         self.wasted_draft_tokens.labels(tenant).inc(stats.wasted_draft_tokens)
 
