@@ -42,6 +42,7 @@ class BenchConfig:
     ray_address: str | None = None
     models_label: str = ""  # what the models are, for the report (e.g. "bundled pair")
     progress: bool = True
+    simulate: str | None = None  # a duospec.bench.simulate scenario: replayed tokens, slept forward times
 
     def validate(self) -> None:
         unknown = [m for m in self.modes if m not in ALL_MODES]
@@ -50,6 +51,13 @@ class BenchConfig:
         for name in ("max_new_tokens", "repeats", "gamma", "sweep_requests_per_stream"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)}: must be >= 1")
+        if self.simulate is not None:
+            from duospec.bench.simulate import SCENARIOS
+
+            if self.simulate not in SCENARIOS:
+                raise ValueError(f"--simulate {self.simulate!r}: choose from {', '.join(SCENARIOS)}")
+            if not any(m in OUR_MODES for m in self.modes):
+                raise ValueError("--simulate runs our modes only (off, vanilla, pearl); --modes names none of them")
         if any(c < 1 for c in self.concurrency):
             raise ValueError(f"--concurrency {list(self.concurrency)}: stream counts must be >= 1")
         for role in ("target", "draft"):
@@ -143,6 +151,9 @@ def run_bench(config: BenchConfig) -> dict:
     prompt_path = config.prompts or DEFAULT_PROMPTS
     prompts = encode_prompts(load_tokenizer(pair.target), load_prompts(prompt_path, config.prompt_limit),
                              config.max_prompt_tokens)
+    simulation = None
+    if config.simulate is not None:
+        pair, config, simulation = _simulated_pair(config, pair, prompts)
     hf = HFGenerate(pair) if any(m in HF_MODES for m in config.modes) else None
     collected = Collected()
     progress = _Progress(_planned_requests(config, len(prompts)), config.progress)
@@ -155,7 +166,23 @@ def run_bench(config: BenchConfig) -> dict:
         progress.close()
     report = summarise(collected, prompts)
     report["setup"] = _setup(config, prompt_path, len(prompts), time.time() - started)
+    report["setup"]["simulation"] = simulation
     return report
+
+
+def _simulated_pair(config: BenchConfig, pair: BenchPair, prompts) -> tuple[BenchPair, BenchConfig, dict]:
+    """Replay checkpoints of `pair` (duospec/bench/simulate.py); the transformers modes cannot replay."""
+    import dataclasses
+
+    from duospec.bench.simulate import build_replay_pair
+
+    target, draft, simulation = build_replay_pair(
+        config.out / f"replay-{config.simulate}", pair.target, pair.draft, [p.token_ids for p in prompts],
+        scenario=config.simulate, max_new_tokens=config.max_new_tokens, gamma=config.gamma,
+        max_lookahead=config.max_lookahead, progress=config.progress)
+    simulation["modes_not_simulated"] = [m for m in config.modes if m in HF_MODES]
+    config = dataclasses.replace(config, modes=tuple(m for m in config.modes if m in OUR_MODES))
+    return BenchPair(str(target), str(draft), "cpu"), config, simulation
 
 
 def _setup(config: BenchConfig, prompt_path, n_prompts: int, elapsed_s: float) -> dict:

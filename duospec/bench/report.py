@@ -49,7 +49,13 @@ def _mode_table(path: str, block: dict) -> list[str]:
 def render_markdown(report: dict) -> str:
     setup = report["setup"]
     cfg, hw = setup["config"], setup["hardware"]
-    lines = ["# duospec bench", "",
+    simulation = setup.get("simulation")
+    lines = ["# duospec bench" + (f" — SIMULATED ({simulation['scenario']})" if simulation else ""), ""]
+    if simulation:
+        lines += [f"**{simulation['what']}** Single-token cost ratio target/draft: "
+                  f"{simulation['cost_ratio_1_token']}×. Not simulated (they cannot replay): "
+                  f"{', '.join(simulation['modes_not_simulated']) or 'none'}.", ""]
+    lines += [
              f"Models: {cfg['models_label'] or 'unlabelled'} (target `{cfg['target']}`, draft `{cfg['draft']}`).  ",
              f"Hardware: {hw['processor']}, {hw['cpu_count']} cores, device {hw['device']}"
              f"{', ' + hw['gpu'] if hw['gpu'] else ''}, one torch thread per model.  ",

@@ -43,6 +43,10 @@ def register(subparsers) -> None:
     p.add_argument("--address", help="Ray cluster to join for the server runs (default: a local Ray)")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench-out"), help="output folder")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--simulate", choices=("devices", "large-target"),
+                   help="time the pipeline as if each model had its own device: the pair's greedy tokens replayed, "
+                        "each forward sleeping for its measured cost (devices: the target's own; large-target: a "
+                        "larger random-weight target's). Runs off, vanilla and pearl only")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.set_defaults(func=run_bench_command)
 
@@ -71,7 +75,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
             skip_server=args.skip_server, concurrency=args.concurrency, sweep_requests_per_stream=args.sweep_requests,
             device=args.device, gamma=args.gamma, ray_address=args.address,
             models_label=args.models_label or ("bundled pair" if args.models is None and args.target is None else ""),
-            progress=not args.no_progress,
+            progress=not args.no_progress, simulate=args.simulate,
         )
         config.validate()
     except (ValueError, FileNotFoundError) as exc:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from duospec.engine.errors import CheckpointError
+from duospec.engine.replay import REPLAY_FILE, load_replay_runner
 from duospec.engine.runner import ModelRunner
 
 __all__ = ["LoadedCheckpoint", "load_checkpoint", "load_model", "load_tokenizer", "resolve_dtype"]
@@ -51,7 +52,7 @@ def _checkpoint_ref(path: str | pathlib.Path) -> str:
             f"{p}: not a checkpoint directory (no config.json); pass a Hugging Face model directory "
             f"with config.json, *.safetensors and tokenizer files"
         )
-    if not any(any(p.glob(pattern)) for pattern in _WEIGHT_PATTERNS):
+    if not (p / REPLAY_FILE).is_file() and not any(any(p.glob(pattern)) for pattern in _WEIGHT_PATTERNS):
         raise CheckpointError(
             f"{p}: config.json but no weights (*.safetensors or pytorch_model*.bin); copy the model's "
             f"weight files into the directory"
@@ -113,6 +114,7 @@ def load_model(path: str | pathlib.Path, *, device: str | torch.device = "cpu", 
     backend: "lean" = duospec's slot-cache forward (Llama/Qwen2/Mistral; error otherwise), "hf" =
     the transformers model one sequence at a time, "auto" = lean where supported, else hf.
     max_context: positions per slot; default min(max_position_embeddings, 4096).
+    A directory holding ``replay.json`` loads a ``ReplayRunner`` (benchmark simulation; see replay.py).
     """
     if backend not in BACKENDS:
         raise CheckpointError(f"backend={backend!r} is not one of {BACKENDS}")
@@ -123,6 +125,8 @@ def load_model(path: str | pathlib.Path, *, device: str | torch.device = "cpu", 
     context = _max_context(ref, config, max_context)
     if max_slots < 1:
         raise CheckpointError(f"max_slots={max_slots}: must be >= 1")
+    if (pathlib.Path(ref) / REPLAY_FILE).is_file():
+        return load_replay_runner(pathlib.Path(ref), config, max_slots=max_slots, max_context=context)
 
     from duospec.engine.llama import LeanLlamaRunner, lean_unsupported_reason
 

@@ -1,0 +1,189 @@
+"""`duospec bench --simulate`: the pipeline timed as if the draft and the target each had a device.
+
+On a small CPU machine the draft actor, the target actor and the coordinator compete for the same few
+cores, so pearl's premise (two devices working at once) is not there to measure. The simulation keeps
+everything real except the model arithmetic:
+
+1. record the real pair's greedy choices on the benchmark prompts (the target's greedy path, and the
+   draft's continuation after every prefix of it) — so acceptance is exactly the trained pair's;
+2. measure what one forward costs (one torch thread, this machine) as a function of the batch's
+   tokens — for `devices` on the real target, for `large-target` on a random-weight target of
+   ``LARGE_TARGET`` size (the draft's cost is always the real draft's);
+3. write two replay checkpoints (duospec/engine/replay.py) and run the bench on them: every actor,
+   gRPC stream, scheduler decision and verify rule runs; a forward sleeps for its measured cost.
+
+Reports built this way say so in their title and setup (``setup.simulation``).
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import shutil
+import statistics
+import time
+from collections.abc import Sequence
+
+from duospec.engine.replay import CostModel, ReplayEntry, write_replay_table
+
+log = logging.getLogger(__name__)
+
+SCENARIOS = ("devices", "large-target")
+# Points of the cost curve: decode-sized batches densely, prefill sizes sparsely.
+COST_TOKEN_POINTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64, 128, 256)
+COST_BATCH_POINTS = (2, 4, 8)
+COST_CONTEXT = 128  # positions already cached when a decode-sized chunk is timed
+# The random-weight target of the large-target scenario: same vocabulary as the pair, Llama layout.
+LARGE_TARGET = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
+                "num_key_value_heads": 12, "head_dim": 64}
+# Files a replay checkpoint copies from the real one (everything but the weights).
+_COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+           "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def table_depth(gamma: int, max_lookahead: int) -> int:
+    """How many draft tokens past the last committed one the table records: the drafter never runs
+    further ahead than its lookahead, plus the γ tokens of a verify in flight; margin for the rest."""
+    return max_lookahead + gamma + 4
+
+
+def record_tables(target_dir: str, draft_dir: str, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                  depth: int, progress: bool = True) -> list[ReplayEntry]:
+    """The target's greedy continuation of every prompt (max_new_tokens + depth tokens) and the draft's
+    greedy continuation (depth tokens) after every prefix of it; one batched forward per step."""
+    import torch
+    from tqdm import tqdm
+
+    from duospec.engine import SlotChunk, load_model
+
+    n_greedy = max_new_tokens + depth
+    longest = max(len(p) for p in prompts) + n_greedy + depth + 1
+    greedy: list[list[int]] = []
+    target = load_model(target_dir, dtype=torch.float32, max_slots=len(prompts), max_context=longest)
+    with torch.inference_mode():
+        slots = [target.allocate_slot() for _ in prompts]
+        seqs = [list(p) for p in prompts]
+        fed = [0] * len(prompts)
+        for _ in range(n_greedy):
+            logits = target.forward_last([SlotChunk(s, f, q[f:]) for s, f, q in zip(slots, fed, seqs)])
+            for i, token in enumerate(logits.argmax(-1).tolist()):
+                fed[i] = len(seqs[i])
+                seqs[i].append(token)
+        greedy = [q[len(p):] for q, p in zip(seqs, prompts)]
+        del target
+
+        draft = load_model(draft_dir, dtype=torch.float32, max_slots=len(prompts), max_context=longest)
+        slots = [draft.allocate_slot() for _ in prompts]
+        drafts: list[list[tuple[int, ...]]] = [[] for _ in prompts]
+        fed = [0] * len(prompts)
+        for j in tqdm(range(n_greedy + 1), desc="recording draft continuations", disable=not progress, leave=False):
+            prefixes = [list(p) + g[:j] for p, g in zip(prompts, greedy)]
+            chunks = [SlotChunk(s, f, x[f:]) for s, f, x in zip(slots, fed, prefixes)]
+            fed = [len(x) for x in prefixes]  # the next prefix extends this one
+            continuation: list[list[int]] = [[] for _ in prompts]
+            for k in range(depth):
+                tokens = draft.forward_last(chunks).argmax(-1).tolist()
+                for i, token in enumerate(tokens):
+                    continuation[i].append(token)
+                chunks = [SlotChunk(s, len(x) + k, [t]) for s, x, t in zip(slots, prefixes, tokens)]
+            for i, c in enumerate(continuation):
+                drafts[i].append(tuple(c))
+    return [ReplayEntry(tuple(p), tuple(g), tuple(d)) for p, g, d in zip(prompts, greedy, drafts)]
+
+
+def measure_costs(runner, *, last_only: bool, source: str, repeats: int = 7) -> CostModel:
+    """Median seconds of one forward of `runner` by the batch's tokens, and per extra sequence."""
+    import torch
+
+    from duospec.engine import SlotChunk
+
+    run = runner.forward_last if last_only else runner.forward
+    slots = [runner.allocate_slot() for _ in range(max(COST_BATCH_POINTS))]
+    with torch.inference_mode():
+        for slot in slots:  # every slot holds COST_CONTEXT positions of context
+            run([SlotChunk(slot, 0, [1] * COST_CONTEXT)])
+
+        def timed(chunks) -> float:
+            times = []
+            for _ in range(repeats + 1):
+                started = time.perf_counter()
+                run(chunks)
+                times.append(time.perf_counter() - started)
+            return statistics.median(times[1:])  # the first run warms caches
+
+        seconds = [timed([SlotChunk(slots[0], COST_CONTEXT, [1] * n)]) for n in COST_TOKEN_POINTS]
+        extra = []
+        for b in COST_BATCH_POINTS:
+            batched = timed([SlotChunk(s, COST_CONTEXT, [1]) for s in slots[:b]])
+            single = timed([SlotChunk(slots[0], COST_CONTEXT, [1] * b)])
+            extra.append(max(0.0, (batched - single) / (b - 1)))
+    for slot in slots:
+        runner.free_slot(slot)
+    return CostModel(COST_TOKEN_POINTS, tuple(seconds), statistics.median(extra), source)
+
+
+def _large_target_runner(target_dir: str):
+    import torch
+    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+
+    from duospec.engine.llama import LeanLlamaRunner
+
+    base = AutoConfig.from_pretrained(target_dir)
+    config = LlamaConfig(vocab_size=base.vocab_size, max_position_embeddings=1024, tie_word_embeddings=False,
+                         **LARGE_TARGET)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    params = sum(p.numel() for p in model.parameters())
+    runner = LeanLlamaRunner(config, model.state_dict(), device=torch.device("cpu"), dtype=torch.float32,
+                             max_slots=max(COST_BATCH_POINTS), max_context=1024)
+    return runner, params
+
+
+def write_replay_checkpoint(directory: pathlib.Path, source_dir: str, role: str, cost: CostModel,
+                            entries: Sequence[ReplayEntry]) -> pathlib.Path:
+    """A replay checkpoint of `source_dir`: its config and tokenizer files, and the replay table."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in _COPIED:
+        if (pathlib.Path(source_dir) / name).is_file():
+            shutil.copy(pathlib.Path(source_dir) / name, directory / name)
+    write_replay_table(directory, role, cost, entries)
+    return directory
+
+
+def build_replay_pair(out_dir: pathlib.Path, target_dir: str, draft_dir: str, prompts: Sequence[Sequence[int]], *,
+                      scenario: str, max_new_tokens: int, gamma: int, max_lookahead: int,
+                      progress: bool = True) -> tuple[pathlib.Path, pathlib.Path, dict]:
+    """Writes out_dir/target and out_dir/draft (replay checkpoints); returns them and a description."""
+    import torch
+
+    from duospec.engine import load_model
+
+    if scenario not in SCENARIOS:
+        raise ValueError(f"--simulate {scenario!r}: choose from {', '.join(SCENARIOS)}")
+    entries = record_tables(target_dir, draft_dir, prompts, max_new_tokens, table_depth(gamma, max_lookahead),
+                            progress)
+    draft_cost = measure_costs(load_model(draft_dir, dtype=torch.float32, max_slots=max(COST_BATCH_POINTS)),
+                               last_only=True, source=f"measured: {draft_dir}, float32, 1 torch thread")
+    if scenario == "devices":
+        target_cost = measure_costs(load_model(target_dir, dtype=torch.float32, max_slots=max(COST_BATCH_POINTS)),
+                                    last_only=False, source=f"measured: {target_dir}, float32, 1 torch thread")
+        target_label = f"the real target's measured forward time ({target_dir})"
+    else:
+        runner, params = _large_target_runner(target_dir)
+        target_cost = measure_costs(runner, last_only=False, source=(
+            f"measured: random-weight Llama {params / 1e6:.0f} M parameters ({LARGE_TARGET}), float32, 1 torch thread"))
+        del runner
+        target_label = f"the forward time of a {params / 1e6:.0f} M-parameter random-weight Llama target"
+    paths = [write_replay_checkpoint(out_dir / role, source, role, cost, entries)
+             for role, source, cost in (("target", target_dir, target_cost), ("draft", draft_dir, draft_cost))]
+    description = {
+        "scenario": scenario,
+        "what": (f"SIMULATED devices: tokens are the real pair's greedy choices (replayed); every forward "
+                 f"sleeps for its measured cost instead of computing — target: {target_label}; draft: the real "
+                 f"draft's. Actors, gRPC streams, coordinator and verify rule run for real."),
+        "target_cost": target_cost.to_json(),
+        "draft_cost": draft_cost.to_json(),
+        "cost_ratio_1_token": round(target_cost.seconds_for(1) / draft_cost.seconds_for(1), 2),
+        "table_depth": table_depth(gamma, max_lookahead),
+    }
+    return paths[0], paths[1], description

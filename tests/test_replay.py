@@ -1,0 +1,170 @@
+"""Replay runners (`duospec bench --simulate`): the cost model, exact greedy replay through the real
+scheduler in every mode, clear errors, and a smoke run of the simulated benchmark."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from coordinator.api import FinishEvent
+from duospec.bench.simulate import record_tables, table_depth, write_replay_checkpoint
+from duospec.decoding import _request, stream_events
+from duospec.engine import CheckpointError, SlotChunk, load_checkpoint
+from duospec.engine.replay import REPLAY_FILE, CostModel, ReplayEntry, ReplayRunner
+from duospec.sampling import SamplingParams
+from exactness import assert_greedy_equal, hf_greedy
+from tiny_models import make_tiny_checkpoint
+
+N_PROMPTS, N_NEW, GAMMA, LOOKAHEAD = 6, 40, 4, 8
+FREE = CostModel((1,), (0.0,))
+
+
+def test_cost_model_interpolates_extrapolates_and_charges_extra_sequences():
+    cost = CostModel((1, 5, 9), (0.004, 0.005, 0.007), per_extra_sequence_s=0.0002)
+    assert cost.seconds_for(1) == pytest.approx(0.004)
+    assert cost.seconds_for(3) == pytest.approx(0.0045)  # halfway between the first two points
+    assert cost.seconds_for(13) == pytest.approx(0.009)  # the last slope carried on
+    assert cost.seconds_for(5, sequences=3) == pytest.approx(0.0054)
+    assert CostModel.from_json(cost.to_json()) == cost
+
+
+@pytest.mark.parametrize("tokens, seconds, message", [
+    ((), (), "non-empty"), ((2, 1), (0.1, 0.2), "strictly increasing"), ((1,), (-1.0,), ">= 0"),
+])
+def test_cost_model_rejects_bad_points(tokens, seconds, message):
+    with pytest.raises(ValueError, match=message):
+        CostModel(tokens, seconds)
+
+
+class _Config:
+    vocab_size = 16
+
+
+def _runner(role: str, cost: CostModel = FREE) -> ReplayRunner:
+    # The draft agrees with the target for two tokens (5, 6), then says 1 where the target says 7.
+    entry = ReplayEntry(prompt=(3, 4), greedy=(5, 6, 7, 8), drafts=((5, 6, 1), (6, 1, 2), (1, 2, 2), (8, 0, 0), (0, 0, 0)))
+    return ReplayRunner(_Config(), role, cost, [entry], max_slots=2, max_context=32)
+
+
+def test_replay_target_answers_the_greedy_path_and_ignores_rows_past_a_rejection():
+    runner = _runner("target")
+    slot = runner.allocate_slot()
+    # prompt, then drafts 5 (right), 6 (right), 1 (wrong), 1: rows predict 5, 6, 7, and past the
+    # rejection anything (never used)
+    logits = runner.forward([SlotChunk(slot, 0, [3, 4, 5, 6, 1])])[0]
+    assert logits.argmax(-1).tolist()[1:4] == [5, 6, 7]
+    runner.truncate(slot, 4)  # keep prompt + 5 6; the recovered 7 is fed next round
+    assert runner.forward_last([SlotChunk(slot, 4, [7])]).argmax(-1).tolist() == [8]
+    assert runner.misses == 0
+
+
+def test_replay_draft_follows_its_own_continuation_and_restarts_after_a_rollback():
+    runner = _runner("draft")
+    slot = runner.allocate_slot()
+    drafted = [runner.forward_last([SlotChunk(slot, 0, [3, 4])]).argmax(-1).item()]
+    for pos in (2, 3, 4):
+        drafted.append(runner.forward_last([SlotChunk(slot, pos, [drafted[-1]])]).argmax(-1).item())
+    assert drafted == [5, 6, 1, 2]
+    # The target rejected the 1 and committed 7 in its place: drafting resumes after prompt + 5 6 7.
+    assert runner.forward_last([SlotChunk(slot, 4, [7])]).argmax(-1).tolist() == [8]
+    assert runner.misses == 0
+
+
+def test_replay_counts_lookups_outside_the_table():
+    runner = _runner("draft")
+    slot = runner.allocate_slot()
+    runner.forward_last([SlotChunk(slot, 0, [3, 4, 9, 9, 9, 9])])  # own tokens past the recorded depth
+    assert runner.misses == 1
+
+
+def test_unrecorded_prompt_is_a_clear_error():
+    runner = _runner("target")
+    slot = runner.allocate_slot()
+    with pytest.raises(ValueError, match="not recorded in the replay table"):
+        runner.forward([SlotChunk(slot, 0, [4, 3])])
+
+
+def test_replay_forward_lasts_at_least_its_cost():
+    runner = _runner("target", CostModel((1, 10), (0.02, 0.03)))
+    slot = runner.allocate_slot()
+    started = time.perf_counter()
+    runner.forward([SlotChunk(slot, 0, [3, 4])])
+    assert time.perf_counter() - started >= runner.cost.seconds_for(2)
+    assert runner.simulated_seconds == pytest.approx(runner.cost.seconds_for(2))
+
+
+def test_a_broken_replay_table_is_a_checkpoint_error(tmp_path):
+    source = make_tiny_checkpoint(tmp_path / "real", "llama", seed=3)
+    directory = write_replay_checkpoint(tmp_path / "replay", str(source), "target", FREE,
+                                        [ReplayEntry((1,), (2,))])
+    data = json.loads((directory / REPLAY_FILE).read_text())
+    (directory / REPLAY_FILE).write_text(json.dumps({**data, "version": 7}))
+    with pytest.raises(CheckpointError, match="version 7"):
+        load_checkpoint(directory)
+    (directory / REPLAY_FILE).write_text("{")
+    with pytest.raises(CheckpointError, match="not a readable replay table"):
+        load_checkpoint(directory)
+
+
+@pytest.fixture(scope="module")
+def real_pair(tmp_path_factory):
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("replay")
+    target = make_tiny_checkpoint(root / "target", "llama", seed=21, hidden_size=64, num_layers=2)
+    draft = make_tiny_checkpoint(root / "draft", "llama", seed=22, hidden_size=32, num_layers=1)
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(3, 300, size=int(rng.integers(3, 12))).tolist() for _ in range(N_PROMPTS)]
+    return root, str(target), str(draft), prompts, AutoModelForCausalLM.from_pretrained(target).eval()
+
+
+@pytest.mark.parametrize("draft_kind", ["random draft", "draft = target"])
+@pytest.mark.parametrize("mode", ["off", "vanilla", "pearl"])
+def test_replayed_pair_decodes_exactly_like_the_real_target(real_pair, draft_kind, mode):
+    root, target, draft, prompts, hf = real_pair
+    draft_source = draft if draft_kind == "random draft" else target
+    entries = record_tables(target, draft_source, prompts, N_NEW, table_depth(GAMMA, LOOKAHEAD), progress=False)
+    tag = draft_kind.replace(" ", "").replace("=", "-")
+    replay_target = load_checkpoint(write_replay_checkpoint(root / tag / "t", target, "target", FREE, entries),
+                                    max_slots=16)
+    replay_draft = load_checkpoint(write_replay_checkpoint(root / tag / "d", draft_source, "draft", FREE, entries),
+                                   max_slots=16)
+    requests = [_request(p, N_NEW, mode, SamplingParams(), GAMMA, True) for p in prompts]
+    results = stream_events(replay_target, replay_draft if mode != "off" else None, requests, gamma=GAMMA,
+                            max_lookahead=LOOKAHEAD)
+    rejections = accepted = 0
+    for prompt, request in zip(prompts, requests):
+        events = results[request.request_id]
+        tokens = [t for e in events if not isinstance(e, FinishEvent) for t in e.token_ids]
+        assert_greedy_equal(hf, prompt, tokens, hf_greedy(hf, prompt, N_NEW))
+        rejections += events[-1].stats.rejections
+        accepted += events[-1].stats.accepted_tokens
+    assert replay_target.runner.misses == 0 and replay_draft.runner.misses == 0
+    if mode != "off" and draft_kind == "random draft":
+        assert rejections > N_PROMPTS * 5, "a random draft is rejected often: the rollback path is replayed"
+    if mode != "off" and draft_kind == "draft = target":
+        assert accepted >= N_PROMPTS * N_NEW * 0.6, "a draft equal to the target is accepted (deep drafts)"
+
+
+def test_bench_simulate_smoke(tmp_path):
+    from duospec.cli import main
+
+    target = make_tiny_checkpoint(tmp_path / "target", "llama", seed=0)
+    draft = make_tiny_checkpoint(tmp_path / "draft", "llama", seed=1, num_layers=1)
+    out = tmp_path / "out"
+    code = main(["bench", "--target", str(target), "--draft", str(draft), "--skip-server", "--repeats", "1",
+                 "--max-new-tokens", "8", "--limit-prompts", "2", "--out", str(out), "--no-progress",
+                 "--simulate", "devices"])
+    assert code == 0
+    report = json.loads((out / "results.json").read_text())
+    simulation = report["setup"]["simulation"]
+    assert simulation["scenario"] == "devices" and simulation["modes_not_simulated"] == ["hf", "hf-assisted"]
+    assert simulation["target_cost"]["seconds"][0] > 0 and simulation["cost_ratio_1_token"] > 0
+    assert set(report["paths"]["in-process"]["modes"]) == {"off", "vanilla", "pearl"}
+    assert report["exactness"]["all_identical"]
+    assert "SIMULATED (devices)" in (out / "results.md").read_text()
+    assert (out / "replay-devices" / "target" / REPLAY_FILE).is_file()
