@@ -112,3 +112,34 @@ def best_draft_length(
         if rate > best_rate * (1 + 1e-6):  # ties go to the shorter draft (less wasted work)
             best_k, best_rate = k, rate
     return best_k
+
+
+@dataclass
+class Ewma:
+    """An exponentially weighted mean (None until the first observation)."""
+
+    decay: float = 0.9
+    value: float | None = None
+
+    def observe(self, x: float) -> None:
+        self.value = x if self.value is None else self.decay * self.value + (1 - self.decay) * x
+
+
+def drafts_worth_waiting_for(alpha: float, n_ready: int, max_k: int, cost: VerifyCostModel, draft_step_s: float,
+                             round_overhead_s: float = 0.0, context_tokens: int = 1) -> int:
+    """How many drafts (>= n_ready, <= max_k) to verify for the most committed tokens per second when
+    the target is free now and n_ready drafts are there: rate(k) = E(k) / (round(k) + (k − n)·step),
+    round(k) = t(context + k) + overhead. Returns n_ready when sending now is best (or unmeasured)."""
+    if n_ready >= max_k or draft_step_s <= 0 or not cost.ready:
+        return n_ready
+
+    def rate(k: int) -> float:
+        seconds = cost.cost(context_tokens + k) + round_overhead_s + (k - n_ready) * draft_step_s
+        return expected_tokens(alpha, k) / seconds if seconds > 0 else float("inf")
+
+    best_k, best_rate = n_ready, rate(n_ready)
+    for k in range(n_ready + 1, max_k + 1):
+        r = rate(k)
+        if r > best_rate * 1.02:  # a wait must pay clearly: it is a bet on α and the step time
+            best_k, best_rate = k, r
+    return best_k

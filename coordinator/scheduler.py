@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Protocol
 
-from coordinator.adaptive import VerifyCostModel, best_draft_length
+from coordinator.adaptive import VerifyCostModel, best_draft_length, drafts_worth_waiting_for
 from coordinator.api import (
     CoordinatorError,
     SpeculationMode,
@@ -33,6 +33,7 @@ from coordinator.api import (
     TokensEvent,
     Unavailable,
 )
+from coordinator.patience import Patience
 from coordinator.policies import SpeculationPolicy
 from coordinator.sequence import DraftAction, Sequence
 from duospec.internal.sampling_wire import sampling_to_proto
@@ -114,6 +115,7 @@ class Scheduler:
         # Adaptive draft length for pearl sequences (coordinator/adaptive.py).
         self.verify_cost = VerifyCostModel()
         self.pearl_draft_length: int | None = None  # None: not measured yet, use each policy's max
+        self.patience = Patience(wake=self._dispatch)
         self.closed = False
         # Worker failures: a lost stream is reopened on the restarted actor through these.
         self._reconnect_target = reconnect_target
@@ -131,6 +133,7 @@ class Scheduler:
 
     async def close(self) -> None:
         self.closed = True
+        self.patience.end()
         for seq in list(self.sequences.values()):
             self._finish(seq, FinishReason.CANCELLED)
         for task in self._tasks:
@@ -238,6 +241,8 @@ class Scheduler:
             self._dispatch()
 
     def _on_draft_batch(self, batch: pb.DraftChunkBatch) -> None:
+        if batch.chunks and batch.busy_seconds > 0:  # merged messages carry several steps per chunk
+            self.patience.draft_step_s.observe(batch.busy_seconds / max(len(c.tokens) for c in batch.chunks))
         self.draft_times.busy_s += batch.busy_seconds
         self.draft_times.idle_s += batch.idle_seconds
         self.draft_times.messages += 1
@@ -287,6 +292,9 @@ class Scheduler:
         ready = [s for s in self.sequences.values() if s.finish_reason is None and self._ready(s)]
         if not ready and not self._target_releases:
             return
+        if not self._target_releases and self.patience.hold([self._drafts_to_wait_for(s) for s in ready]):
+            return
+        self.patience.end()
         chosen = self._fair_share(ready)
         items = [self._verify_item(seq) for seq in chosen]
         batch = pb.VerifyBatch(batch_id=next(self._batch_ids), items=items, release_seq_ids=self._target_releases)
@@ -309,6 +317,18 @@ class Scheduler:
         if seq.uses_draft and (seq.draft_paused or self._draft_limit(seq) == 0):
             return True  # backed off to target-only under load
         return seq.policy.ready(len(seq.drafts), seq.remaining, seq.uses_draft, seq.prefill_pending)
+
+    def _drafts_to_wait_for(self, seq: Sequence) -> int:
+        """Pearl patience (coordinator/patience.py): more drafts worth waiting for before verifying."""
+        if not (seq.uses_draft and seq.policy.adaptive and seq.policy.mode is SpeculationMode.PEARL) or (
+                seq.draft_paused or seq.prefill_pending):
+            return 0
+        n = len(seq.drafts)
+        reachable = min(self._draft_limit(seq), seq.remaining, seq.draft_until() - len(seq.committed))
+        k = drafts_worth_waiting_for(seq.acceptance.alpha, n, reachable, self.verify_cost,
+                                     self.patience.draft_step_s.value or 0.0,
+                                     self.patience.round_overhead_s.value or 0.0, len(seq.committed) - seq.target_len)
+        return k - n
 
     def _prefill_only(self, seq: Sequence, k: int) -> bool:
         """A pearl sequence whose prompt goes to the target before any draft exists: prefill without
@@ -423,6 +443,7 @@ class Scheduler:
         self._idle_since = time.monotonic()
         if batch.verdicts:
             self.verify_cost.observe(inflight.n_tokens, batch.forward_seconds)
+            self.patience.round_overhead_s.observe(max(0.0, self._idle_since - inflight.sent_at - batch.forward_seconds))
         self._deferring = True
         try:
             for error in batch.errors:
@@ -538,6 +559,8 @@ class Scheduler:
                 "verify_cost_s": dict(zip(("fixed", "per_token"), self.verify_cost.coefficients())),
             },
             "pearl_draft_length": self.pearl_draft_length,
+            "patience": {"holds": self.patience.holds, "draft_step_s": self.patience.draft_step_s.value,
+                         "round_overhead_s": self.patience.round_overhead_s.value},
             "draft": {
                 "busy_s": self.draft_times.busy_s,
                 "idle_s": self.draft_times.idle_s,

@@ -2,7 +2,15 @@
 
 import pytest
 
-from coordinator.adaptive import AcceptanceTracker, VerifyCostModel, best_draft_length, expected_tokens
+from coordinator.adaptive import (
+    AcceptanceTracker,
+    Ewma,
+    VerifyCostModel,
+    best_draft_length,
+    drafts_worth_waiting_for,
+    expected_tokens,
+)
+from coordinator.patience import Patience
 
 
 def _fitted(fixed, per_token, sizes=(2, 5, 9, 14, 20, 33)):
@@ -63,3 +71,46 @@ def test_acceptance_tracker_follows_recent_rounds():
     for _ in range(20):
         tracker.observe(0, 1)
     assert tracker.alpha < 0.1
+
+
+def test_ewma_starts_at_the_first_observation():
+    mean = Ewma(decay=0.5)
+    assert mean.value is None
+    mean.observe(4.0)
+    mean.observe(2.0)
+    assert mean.value == pytest.approx(3.0)
+
+
+def test_cheap_drafts_are_worth_waiting_for():
+    # A verify costs ~8 draft steps: after a rejection, wait for a fuller chunk instead of one draft.
+    k = drafts_worth_waiting_for(0.75, 1, 4, _fitted(0.004, 0.00005), draft_step_s=0.0005)
+    assert k in (3, 4)
+
+
+def test_drafts_as_slow_as_a_verify_are_pre_verified_at_once():
+    assert drafts_worth_waiting_for(0.75, 1, 4, _fitted(0.004, 0.00005), draft_step_s=0.004) == 1
+
+
+def test_patience_needs_measurements_and_room():
+    assert drafts_worth_waiting_for(0.75, 1, 4, VerifyCostModel(), draft_step_s=0.0005) == 1  # no cost model yet
+    assert drafts_worth_waiting_for(0.75, 1, 4, _fitted(0.004, 0.00005), draft_step_s=0.0) == 1  # no step time
+    assert drafts_worth_waiting_for(0.75, 4, 4, _fitted(0.004, 0.00005), draft_step_s=0.0005) == 4  # full
+
+
+def test_poor_acceptance_is_not_worth_waiting_for():
+    assert drafts_worth_waiting_for(0.1, 1, 4, _fitted(0.004, 0.00005), draft_step_s=0.0005) == 1
+
+
+async def test_a_hold_ends_by_its_timer():
+    import asyncio
+
+    woken = asyncio.Event()
+    patience = Patience(wake=woken.set)
+    patience.draft_step_s.observe(0.001)
+    assert patience.hold([2]) and patience.hold([1])  # one hold, however often it is asked
+    assert not patience.hold([2, 0]), "a sequence that wants no more drafts releases the target"
+    await asyncio.wait_for(woken.wait(), 1.0)  # 2 x 2 steps x 1 ms + 1 ms
+    assert not patience.hold([2]), "a hold that timed out does not start again until the batch goes"
+    patience.end()
+    assert patience.hold([2]) and patience.holds == 2
+    patience.end()

@@ -146,7 +146,7 @@ def test_replayed_pair_decodes_exactly_like_the_real_target(real_pair, draft_kin
     assert replay_target.runner.misses == 0 and replay_draft.runner.misses == 0
     if mode != "off" and draft_kind == "random draft":
         assert rejections > N_PROMPTS * 5, "a random draft is rejected often: the rollback path is replayed"
-    if mode != "off" and draft_kind == "draft = target":
+    if mode == "vanilla" and draft_kind == "draft = target":  # (pearl's chunk sizes depend on timing)
         assert accepted >= N_PROMPTS * N_NEW * 0.6, "a draft equal to the target is accepted (deep drafts)"
 
 

@@ -205,3 +205,32 @@ async def test_a_paused_sequence_never_waits_for_drafts_that_will_not_come():
     sent = len(target.sent)
     _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_BONUS, 31)
     assert len(target.sent) == sent + 1 or not seq.draft_paused
+
+
+async def test_pearl_patience_waits_for_a_fuller_chunk_then_a_stalled_drafter_is_not_waited_for():
+    from coordinator.adaptive import VerifyCostModel
+
+    scheduler, target, draft, _ = _scheduler()
+    policy = SpeculationPolicy(mode=SpeculationMode.PEARL, max_draft_tokens=4, max_lookahead=8, adaptive=True)
+    scheduler._adapt_draft_length = lambda: None
+    scheduler.verify_cost = VerifyCostModel()
+    for n in (2, 3, 5, 6) * 2:  # verify ≈ 4 ms whatever the chunk; a draft step 0.5 ms: waiting pays
+        scheduler.verify_cost.observe(n, 0.004 + 0.00001 * n)
+    scheduler.patience.draft_step_s.observe(0.0005)
+    seq = scheduler._add(_request(n=40), policy)
+    seq.acceptance.accepted, seq.acceptance.rejected = 8.0, 2.0  # α = 0.8
+    _chunks(scheduler, seq, 3, [10])
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_NONE)  # prefill verdict: the target is free
+    batches = len(target.sent)
+    _chunks(scheduler, seq, 4, [11])
+    assert len(target.sent) == batches, "two drafts: the target waits for a fuller chunk"
+    _chunks(scheduler, seq, 5, [12])  # three: a fourth would add under 2 % per second; go now
+    assert len(target.sent) == batches + 1 and list(target.sent[-1].items[0].draft_tokens) == [10, 11, 12]
+    # Rejected at the first draft: the drafter restarts, sends one draft, then stalls.
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_RECOVERED, 50)
+    _chunks(scheduler, seq, 4, [20])
+    assert len(target.sent) == batches + 1
+    await asyncio.sleep(0.05)  # the hold's timer (at most 2 x 3 steps x 0.5 ms + 1 ms) fires
+    assert len(target.sent) == batches + 2 and list(target.sent[-1].items[0].draft_tokens) == [20]
+    assert scheduler.stats()["patience"]["holds"] == 2
+    await scheduler.close()

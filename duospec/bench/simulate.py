@@ -7,8 +7,9 @@ everything real except the model arithmetic:
 1. record the real pair's greedy choices on the benchmark prompts (the target's greedy path, and the
    draft's continuation after every prefix of it) — so acceptance is exactly the trained pair's;
 2. measure what one forward costs (one torch thread, this machine) as a function of the batch's
-   tokens — for `devices` on the real target, for `large-target` on a random-weight target of
-   ``LARGE_TARGET`` size (the draft's cost is always the real draft's);
+   tokens, on the models the scenario names (``SCENARIOS``): `devices` the real pair itself;
+   `large-target` a random-weight target of ``LARGE_TARGET`` size with the real draft; `large-pair`
+   random-weight models of ``LARGE_TARGET`` and ``LARGE_DRAFT`` size;
 3. write two replay checkpoints (duospec/engine/replay.py) and run the bench on them: every actor,
    gRPC stream, scheduler decision and verify rule runs; a forward sleeps for its measured cost.
 
@@ -28,14 +29,17 @@ from duospec.engine.replay import CostModel, ReplayEntry, write_replay_table
 
 log = logging.getLogger(__name__)
 
-SCENARIOS = ("devices", "large-target")
+SCENARIOS = ("devices", "large-target", "large-pair")
 # Points of the cost curve: decode-sized batches densely, prefill sizes sparsely.
 COST_TOKEN_POINTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 64, 128, 256)
 COST_BATCH_POINTS = (2, 4, 8)
 COST_CONTEXT = 128  # positions already cached when a decode-sized chunk is timed
-# The random-weight target of the large-target scenario: same vocabulary as the pair, Llama layout.
+# Random-weight stand-ins whose forward times the large-* scenarios use: same vocabulary as the pair,
+# Llama layout. ~91 M parameters (GPT-2-small-like) and ~14 M.
 LARGE_TARGET = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 12,
                 "num_key_value_heads": 12, "head_dim": 64}
+LARGE_DRAFT = {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 6, "num_attention_heads": 6,
+               "num_key_value_heads": 6, "head_dim": 64}
 # Files a replay checkpoint copies from the real one (everything but the weights).
 _COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
            "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
@@ -122,15 +126,13 @@ def measure_costs(runner, *, last_only: bool, source: str, repeats: int = 7) -> 
     return CostModel(COST_TOKEN_POINTS, tuple(seconds), statistics.median(extra), source)
 
 
-def _large_target_runner(target_dir: str):
+def _random_runner(vocab_size: int, layout: dict):
     import torch
-    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from duospec.engine.llama import LeanLlamaRunner
 
-    base = AutoConfig.from_pretrained(target_dir)
-    config = LlamaConfig(vocab_size=base.vocab_size, max_position_embeddings=1024, tie_word_embeddings=False,
-                         **LARGE_TARGET)
+    config = LlamaConfig(vocab_size=vocab_size, max_position_embeddings=1024, tie_word_embeddings=False, **layout)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     params = sum(p.numel() for p in model.parameters())
@@ -162,25 +164,31 @@ def build_replay_pair(out_dir: pathlib.Path, target_dir: str, draft_dir: str, pr
         raise ValueError(f"--simulate {scenario!r}: choose from {', '.join(SCENARIOS)}")
     entries = record_tables(target_dir, draft_dir, prompts, max_new_tokens, table_depth(gamma, max_lookahead),
                             progress)
-    draft_cost = measure_costs(load_model(draft_dir, dtype=torch.float32, max_slots=max(COST_BATCH_POINTS)),
-                               last_only=True, source=f"measured: {draft_dir}, float32, 1 torch thread")
-    if scenario == "devices":
-        target_cost = measure_costs(load_model(target_dir, dtype=torch.float32, max_slots=max(COST_BATCH_POINTS)),
-                                    last_only=False, source=f"measured: {target_dir}, float32, 1 torch thread")
-        target_label = f"the real target's measured forward time ({target_dir})"
-    else:
-        runner, params = _large_target_runner(target_dir)
-        target_cost = measure_costs(runner, last_only=False, source=(
-            f"measured: random-weight Llama {params / 1e6:.0f} M parameters ({LARGE_TARGET}), float32, 1 torch thread"))
+    from transformers import AutoConfig
+
+    vocab_size = AutoConfig.from_pretrained(target_dir).vocab_size
+    layouts = {"devices": (None, None), "large-target": (LARGE_TARGET, None),
+               "large-pair": (LARGE_TARGET, LARGE_DRAFT)}[scenario]
+    costs, labels = [], []
+    for role, path, layout in zip(("target", "draft"), (target_dir, draft_dir), layouts):
+        if layout is None:
+            runner = load_model(path, dtype=torch.float32, max_slots=max(COST_BATCH_POINTS))
+            source = f"the real {role}'s ({path})"
+        else:
+            runner, params = _random_runner(vocab_size, layout)
+            source = f"a {params / 1e6:.0f} M-parameter random-weight Llama's ({layout})"
+        costs.append(measure_costs(runner, last_only=role == "draft",
+                                   source=f"measured: {source}, float32, 1 torch thread"))
+        labels.append(f"{role}: {source} forward time")
         del runner
-        target_label = f"the forward time of a {params / 1e6:.0f} M-parameter random-weight Llama target"
+    target_cost, draft_cost = costs
     paths = [write_replay_checkpoint(out_dir / role, source, role, cost, entries)
              for role, source, cost in (("target", target_dir, target_cost), ("draft", draft_dir, draft_cost))]
     description = {
         "scenario": scenario,
         "what": (f"SIMULATED devices: tokens are the real pair's greedy choices (replayed); every forward "
-                 f"sleeps for its measured cost instead of computing — target: {target_label}; draft: the real "
-                 f"draft's. Actors, gRPC streams, coordinator and verify rule run for real."),
+                 f"sleeps for its measured cost instead of computing — {'; '.join(labels)}. Actors, gRPC "
+                 f"streams, coordinator and verify rule run for real."),
         "target_cost": target_cost.to_json(),
         "draft_cost": draft_cost.to_json(),
         "cost_ratio_1_token": round(target_cost.seconds_for(1) / draft_cost.seconds_for(1), 2),

@@ -43,10 +43,11 @@ def register(subparsers) -> None:
     p.add_argument("--address", help="Ray cluster to join for the server runs (default: a local Ray)")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench-out"), help="output folder")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--simulate", choices=("devices", "large-target"),
+    p.add_argument("--simulate", choices=("devices", "large-target", "large-pair"),
                    help="time the pipeline as if each model had its own device: the pair's greedy tokens replayed, "
-                        "each forward sleeping for its measured cost (devices: the target's own; large-target: a "
-                        "larger random-weight target's). Runs off, vanilla and pearl only")
+                        "each forward sleeping for its measured cost (devices: the pair's own costs; large-target: "
+                        "a 91 M-parameter random-weight target's; large-pair: 91 M and 14 M random-weight models'). "
+                        "Runs off, vanilla and pearl only")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.set_defaults(func=run_bench_command)
 

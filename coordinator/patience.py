@@ -1,0 +1,52 @@
+"""Pearl patience: hold the free target briefly when a fuller draft chunk commits more per second.
+
+Right after a rejection the drafter restarts from the corrected token, so when the target frees up
+only one draft (or a few) exists. Pre-verifying it at once is PEARL's rule and is right when a draft
+step costs about as much as a verify; when a verify costs many draft steps, waiting a few steps for
+a longer chunk commits more tokens per second (coordinator/adaptive.py: drafts_worth_waiting_for).
+The wait is bounded by a timer: a drafter that stalls or dies costs at most that long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Callable
+
+from coordinator.adaptive import Ewma
+
+# The longest hold, in multiples of the expected time for the awaited drafts, plus a margin for
+# transport jitter.
+HOLD_FACTOR = 2.0
+HOLD_MARGIN_S = 0.001
+
+
+class Patience:
+    def __init__(self, wake: Callable[[], None]) -> None:
+        self._wake = wake  # called when a hold times out (the scheduler's dispatch)
+        self.draft_step_s = Ewma()  # seconds per drafter step, from its busy time per message
+        self.round_overhead_s = Ewma()  # verify round trip minus the target's own time
+        self._until: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self.holds = 0  # how many times the target was held (stats)
+
+    def hold(self, more_drafts: list[int]) -> bool:
+        """Whether to keep the target waiting: every ready sequence wants more drafts
+        (`more_drafts[i]` > 0) and the current hold has not timed out."""
+        now = time.monotonic()
+        if self._until is not None and now >= self._until:
+            return False
+        if not more_drafts or not all(more_drafts):
+            return False
+        if self._until is None:
+            limit = HOLD_FACTOR * max(more_drafts) * (self.draft_step_s.value or 0.0) + HOLD_MARGIN_S
+            self._until = now + limit
+            self._timer = asyncio.get_running_loop().call_later(limit, self._wake)
+            self.holds += 1
+        return True
+
+    def end(self) -> None:
+        """The target got a batch (or the scheduler closes): no hold in progress."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._until = self._timer = None
