@@ -63,6 +63,9 @@ class InFlightVerify:
     seq_ids: list[int]
     sent_at: float
     n_tokens: int  # tokens fed to the target in this batch (for the verify cost model)
+    # No item carries a prompt (or re-prefill): the decode-sized batches the cost model is about.
+    # Prefills are left out: their hundreds of tokens would tilt the line fitted to 2-40-token rounds.
+    decode_only: bool = True
 
 
 @dataclass
@@ -302,7 +305,8 @@ class Scheduler:
         now = time.monotonic()
         self.target_times.idle_s += now - self._idle_since
         n_tokens = sum(len(item.context) + len(item.draft_tokens) for item in items)
-        self.inflight = InFlightVerify(batch.batch_id, [s.seq_id for s in chosen], now, n_tokens)
+        decode_only = all(len(item.context) <= 2 for item in items)
+        self.inflight = InFlightVerify(batch.batch_id, [s.seq_id for s in chosen], now, n_tokens, decode_only)
         self.target.send(batch)
 
     def _draft_limit(self, seq: Sequence) -> int:
@@ -441,7 +445,7 @@ class Scheduler:
         self.target_times.busy_s += batch.forward_seconds
         self.target_times.messages += 1
         self._idle_since = time.monotonic()
-        if batch.verdicts:
+        if batch.verdicts and inflight.decode_only:
             self.verify_cost.observe(inflight.n_tokens, batch.forward_seconds)
             self.patience.round_overhead_s.observe(max(0.0, self._idle_since - inflight.sent_at - batch.forward_seconds))
         self._deferring = True

@@ -240,3 +240,31 @@ def test_tiny_checkpoints_are_deterministic_and_cached(tmp_path):
     mtime = (one / "model.safetensors").stat().st_mtime_ns
     assert make_tiny_checkpoint(tmp_path / "one", "qwen2", seed=4, tokenizer_dir=tok) == one
     assert (one / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 40])
+@pytest.mark.parametrize("shape", [(64, 32), (1024, 256), (4096, 160), (1536, 1024)])
+def test_packed_cpu_linear_matches_f_linear(shape, rows):
+    # The prepacked oneDNN path (float32, CPU) must compute what F.linear does, for 1 row (the
+    # drafter) and for verify/prefill-sized batches; small weights stay plain.
+    from duospec.engine.llama import _Linear, _packed_linear_works
+
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(shape, generator=gen), torch.randn(shape[0], generator=gen)
+    x = torch.randn(rows, shape[1], generator=gen)
+    linear = _Linear(weight, bias, pack=_packed_linear_works())
+    want = torch.nn.functional.linear(x, weight, bias)
+    torch.testing.assert_close(linear(x), want, rtol=1e-5, atol=1e-4)
+    if weight.numel() < 1 << 17:
+        assert linear.packed is None
+
+
+def test_packed_linear_can_be_switched_off(monkeypatch):
+    from duospec.engine import llama
+
+    llama._packed_linear_works.cache_clear()
+    monkeypatch.setenv(llama.PACKED_LINEAR_ENV, "0")
+    try:
+        assert not llama._packed_linear_works()
+    finally:
+        llama._packed_linear_works.cache_clear()

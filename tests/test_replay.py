@@ -109,6 +109,9 @@ def test_a_broken_replay_table_is_a_checkpoint_error(tmp_path):
     (directory / REPLAY_FILE).write_text("{")
     with pytest.raises(CheckpointError, match="not a readable replay table"):
         load_checkpoint(directory)
+    write_replay_checkpoint(directory, str(source), "target", FREE, [ReplayEntry((1, 2), (3,)), ReplayEntry((1,), (2,))])
+    with pytest.raises(CheckpointError, match="begins a longer one"):
+        load_checkpoint(directory)
 
 
 @pytest.fixture(scope="module")

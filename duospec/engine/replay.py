@@ -128,8 +128,16 @@ class ReplayRunner(ModelRunner):
         self.vocab_size = int(config.vocab_size)
         self.device = torch.device("cpu")
         self.dtype = torch.float32
-        # Longest prompt first, so a prompt that extends another is matched whole.
-        self.entries = sorted(entries, key=lambda e: len(e.prompt), reverse=True)
+        # A slot's first chunk may hold prompt + drafts, so no prompt may begin another: the match
+        # would be ambiguous. Sorted tuples put a prompt right before those it begins. (Identical
+        # prompts are fine: their tables are identical.)
+        unique = {e.prompt: e for e in entries}
+        ordered = sorted(unique)
+        for shorter, longer in zip(ordered, ordered[1:]):
+            if longer[: len(shorter)] == shorter:
+                raise ValueError(f"replay table: a prompt of {len(shorter)} tokens begins a longer one; replay "
+                                 f"needs prompts none of which begins another")
+        self.entries = [unique[prompt] for prompt in ordered]
         self._slots = [_SlotState() for _ in range(max_slots)]
         self.misses = 0
         self.forwards = 0
@@ -212,18 +220,23 @@ class ReplayRunner(ModelRunner):
 
 
 def load_replay_runner(directory: pathlib.Path, config, *, max_slots: int, max_context: int) -> ReplayRunner:
+    path = directory / REPLAY_FILE
     try:
-        data = json.loads((directory / REPLAY_FILE).read_text())
+        data = json.loads(path.read_text())
+        version = data.get("version")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"{path}: not a readable replay table ({exc})") from exc
+    if version != 1:
+        raise CheckpointError(f"{path}: version {version!r}; this duospec reads version 1")
+    try:
         role = data["role"]
         cost = CostModel.from_json(data["cost"])
         entries = [
             ReplayEntry(tuple(e["prompt"]), tuple(e["greedy"]), tuple(tuple(d) for d in e.get("drafts", ())))
             for e in data["entries"]
         ]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{directory / REPLAY_FILE}: not a readable replay table ({exc})") from exc
-    if data.get("version") != 1:
-        raise CheckpointError(f"{directory / REPLAY_FILE}: version {data.get('version')!r}; this duospec reads 1")
-    if role == "draft" and any(not e.drafts for e in entries):
-        raise CheckpointError(f"{directory / REPLAY_FILE}: a draft table needs 'drafts' in every entry")
-    return ReplayRunner(config, role, cost, entries, max_slots=max_slots, max_context=max_context)
+        if role == "draft" and any(not e.drafts for e in entries):
+            raise ValueError("a draft table needs 'drafts' in every entry")
+        return ReplayRunner(config, role, cost, entries, max_slots=max_slots, max_context=max_context)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path}: not a usable replay table ({exc})") from exc
