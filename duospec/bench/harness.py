@@ -43,6 +43,7 @@ class BenchConfig:
     models_label: str = ""  # what the models are, for the report (e.g. "bundled pair")
     progress: bool = True
     simulate: str | None = None  # a duospec.bench.simulate scenario: replayed tokens, slept forward times
+    acceptance: float | None = None  # with simulate: a synthetic drafter with this per-token acceptance
 
     def validate(self) -> None:
         unknown = [m for m in self.modes if m not in ALL_MODES]
@@ -56,8 +57,12 @@ class BenchConfig:
 
             if self.simulate not in SCENARIOS:
                 raise ValueError(f"--simulate {self.simulate!r}: choose from {', '.join(SCENARIOS)}")
+            if self.acceptance is not None and not 0.0 <= self.acceptance <= 1.0:
+                raise ValueError(f"--acceptance {self.acceptance}: must be in [0, 1]")
             if not any(m in OUR_MODES for m in self.modes):
                 raise ValueError("--simulate runs our modes only (off, vanilla, pearl); --modes names none of them")
+        if self.acceptance is not None and self.simulate is None:
+            raise ValueError("--acceptance goes with --simulate (it replaces the draft's choices in the replay)")
         if any(c < 1 for c in self.concurrency):
             raise ValueError(f"--concurrency {list(self.concurrency)}: stream counts must be >= 1")
         for role in ("target", "draft"):
@@ -179,7 +184,7 @@ def _simulated_pair(config: BenchConfig, pair: BenchPair, prompts) -> tuple[Benc
     target, draft, simulation = build_replay_pair(
         config.out / f"replay-{config.simulate}", pair.target, pair.draft, [p.token_ids for p in prompts],
         scenario=config.simulate, max_new_tokens=config.max_new_tokens, gamma=config.gamma,
-        max_lookahead=config.max_lookahead, progress=config.progress)
+        max_lookahead=config.max_lookahead, acceptance=config.acceptance, progress=config.progress)
     simulation["modes_not_simulated"] = [m for m in config.modes if m in HF_MODES]
     config = dataclasses.replace(config, modes=tuple(m for m in config.modes if m in OUR_MODES))
     return BenchPair(str(target), str(draft), "cpu"), config, simulation

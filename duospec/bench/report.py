@@ -50,7 +50,12 @@ def render_markdown(report: dict) -> str:
     setup = report["setup"]
     cfg, hw = setup["config"], setup["hardware"]
     simulation = setup.get("simulation")
-    lines = ["# duospec bench" + (f" — SIMULATED ({simulation['scenario']})" if simulation else ""), ""]
+    title = "# duospec bench"
+    if simulation:
+        synthetic = simulation.get("acceptance")
+        title += f" — SIMULATED ({simulation['scenario']}" + (
+            f", synthetic acceptance {synthetic})" if synthetic is not None else ")")
+    lines = [title, ""]
     if simulation:
         lines += [f"**{simulation['what']}** Single-token cost ratio target/draft: "
                   f"{simulation['cost_ratio_1_token']}×. Not simulated (they cannot replay): "

@@ -48,6 +48,9 @@ def register(subparsers) -> None:
                         "each forward sleeping for its measured cost (devices: the pair's own costs; large-target: "
                         "a 91 M-parameter random-weight target's; large-pair: 91 M and 14 M random-weight models'). "
                         "Runs off, vanilla and pearl only")
+    p.add_argument("--acceptance", type=float,
+                   help="with --simulate: replace the draft's choices by a synthetic drafter that agrees with the "
+                        "target with this probability per token (what a better-matched pair would do)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.set_defaults(func=run_bench_command)
 
@@ -77,6 +80,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
             device=args.device, gamma=args.gamma, ray_address=args.address,
             models_label=args.models_label or ("bundled pair" if args.models is None and args.target is None else ""),
             progress=not args.no_progress, simulate=args.simulate,
+            acceptance=args.acceptance,
         )
         config.validate()
     except (ValueError, FileNotFoundError) as exc:
