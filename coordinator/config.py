@@ -12,7 +12,7 @@
         device: auto                         # auto|cpu|cuda
         dtype: auto                          # auto|float32|bfloat16|float16
         max_batch_size: 8
-        speculation: {mode: pearl, max_draft_tokens: 4, max_lookahead: 8}
+        speculation: {mode: pearl, max_draft_tokens: 4, max_lookahead: 9}
 
 YAML or TOML (chosen by the file suffix). Relative paths are resolved against the config file's folder.
 """
@@ -60,7 +60,7 @@ class ServerSettings:
 class SpeculationDefaults:
     mode: SpeculationMode = SpeculationMode.PEARL
     max_draft_tokens: int = 4
-    max_lookahead: int = 8
+    max_lookahead: int = 9
     adaptive: bool = True  # pearl: adapt the draft length to acceptance and load (coordinator/adaptive.py)
 
 

@@ -79,7 +79,7 @@ class ModelRouter:
         return SpeculationPolicy(
             mode=mode,
             max_draft_tokens=int(max_draft),
-            max_lookahead=int(getattr(spec, "max_lookahead", 8)),
+            max_lookahead=int(getattr(spec, "max_lookahead", 9)),
             adaptive=bool(getattr(spec, "adaptive", True)),
         )
 

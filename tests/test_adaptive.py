@@ -114,3 +114,12 @@ async def test_a_hold_ends_by_its_timer():
     patience.end()
     assert patience.hold([2]) and patience.holds == 2
     patience.end()
+
+
+def test_pearl_lookahead_leaves_room_for_a_full_chunk_past_the_bonus():
+    from coordinator.api import SpeculationMode
+    from coordinator.policies import SpeculationPolicy
+
+    assert SpeculationPolicy(SpeculationMode.PEARL, max_draft_tokens=4, max_lookahead=8).lookahead() == 9
+    assert SpeculationPolicy(SpeculationMode.PEARL, max_draft_tokens=4, max_lookahead=16).lookahead() == 16
+    assert SpeculationPolicy(SpeculationMode.VANILLA, max_draft_tokens=4, max_lookahead=16).lookahead() == 4

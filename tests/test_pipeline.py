@@ -21,7 +21,7 @@ pytestmark = pytest.mark.ray
 N_PROMPTS, N_NEW = 20, 64
 REPO = pathlib.Path(__file__).resolve().parent.parent
 BUNDLED = REPO / "models"
-LOOKAHEAD = 8
+LOOKAHEAD = 9  # pearl runs at least 2γ + 1 = 9 ahead with γ = 4 (coordinator/policies.py)
 
 
 @pytest.fixture(scope="module")

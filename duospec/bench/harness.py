@@ -37,7 +37,7 @@ class BenchConfig:
     sweep_requests_per_stream: int = 2
     device: str = "cpu"
     gamma: int = 4  # max draft tokens per verify (pearl), γ (vanilla, HF assisted)
-    max_lookahead: int = 8
+    max_lookahead: int = 9
     max_prompt_tokens: int = 256
     ray_address: str | None = None
     models_label: str = ""  # what the models are, for the report (e.g. "bundled pair")
