@@ -200,3 +200,37 @@ def test_a_perfect_synthetic_drafter_is_always_accepted(real_pair):
         stats = results[request.request_id][-1].stats
         assert stats.rejections == 0 and stats.accepted_tokens >= N_NEW * GAMMA // (GAMMA + 1) - GAMMA
     assert replay_target.runner.misses == 0 and replay_draft.runner.misses == 0
+
+
+def test_adaptive_pearl_with_device_like_costs_holds_for_fuller_chunks_and_stays_exact(real_pair):
+    # Verify 3 ms, draft step 0.3 ms: the adaptive scheduler's patience engages (it waits for fuller
+    # chunks after rejections) — and greedy output is still the target's own.
+    import asyncio
+
+    from duospec.decoding import _router
+
+    root, target, draft, prompts, hf = real_pair
+    depth = table_depth(GAMMA, LOOKAHEAD)
+    entries = synthetic_drafts(record_tables(target, draft, prompts, N_NEW, depth, progress=False), 0.8, depth, 384)
+    slow = load_checkpoint(write_replay_checkpoint(root / "timed" / "t", target, "target", CostModel((1,), (0.003,)),
+                                                   entries), max_slots=16)
+    fast = load_checkpoint(write_replay_checkpoint(root / "timed" / "d", draft, "draft", CostModel((1,), (0.0003,)),
+                                                   entries), max_slots=16)
+
+    async def run():
+        router = _router(slow, fast, gamma=GAMMA, max_lookahead=LOOKAHEAD, max_batch_size=8, adaptive=True)
+        try:
+            outputs = []
+            for prompt in prompts[:3]:
+                request = _request(prompt, N_NEW, "pearl", SamplingParams(), GAMMA, True)
+                outputs.append([t async for e in router.generate(request) if not isinstance(e, FinishEvent)
+                                for t in e.token_ids])
+            return outputs, (await router.stats())
+        finally:
+            await router.close()
+
+    outputs, stats = asyncio.run(run())
+    for prompt, tokens in zip(prompts[:3], outputs):
+        assert_greedy_equal(hf, prompt, tokens, hf_greedy(hf, prompt, N_NEW))
+    assert slow.runner.misses == 0 and fast.runner.misses == 0
+    assert stats["models"]["in-process"]["patience"]["holds"] > 0, stats
