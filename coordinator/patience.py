@@ -28,25 +28,33 @@ class Patience:
         self.round_overhead_s = Ewma()  # verify round trip minus the target's own time
         self._until: float | None = None
         self._timer: asyncio.TimerHandle | None = None
+        # Set by the timer itself: a loop may run a timer a little before `_until` by its own clock,
+        # and a hold must end when its timer fires whatever the clocks say.
+        self._expired = False
         self.holds = 0  # how many times the target was held (stats)
 
     def hold(self, more_drafts: list[int]) -> bool:
         """Whether to keep the target waiting: every ready sequence wants more drafts
         (`more_drafts[i]` > 0) and the current hold has not timed out."""
         now = time.monotonic()
-        if self._until is not None and now >= self._until:
+        if self._expired or (self._until is not None and now >= self._until):
             return False
         if not more_drafts or not all(more_drafts):
             return False
         if self._until is None:
             limit = HOLD_FACTOR * max(more_drafts) * (self.draft_step_s.value or 0.0) + HOLD_MARGIN_S
             self._until = now + limit
-            self._timer = asyncio.get_running_loop().call_later(limit, self._wake)
+            self._timer = asyncio.get_running_loop().call_later(limit, self._expire)
             self.holds += 1
         return True
+
+    def _expire(self) -> None:
+        self._expired = True
+        self._wake()
 
     def end(self) -> None:
         """The target got a batch (or the scheduler closes): no hold in progress."""
         if self._timer is not None:
             self._timer.cancel()
         self._until = self._timer = None
+        self._expired = False

@@ -26,9 +26,11 @@ class SpeculationPolicy:
     def lookahead(self) -> int:
         """Draft positions allowed past the committed prefix. Pearl: at least 2γ + 1, so that while
         the target verifies γ drafts the drafter can finish the next γ past the bonus position, and a
-        fully accepted round is followed by a full chunk at once."""
+        fully accepted round is followed by a full chunk at once — but never more than γ past the
+        configured lookahead (a request asking for a large γ must not multiply wasted drafting)."""
         if self.mode is SpeculationMode.PEARL:
-            return max(self.max_lookahead, 2 * self.max_draft_tokens + 1)
+            floor = min(2 * self.max_draft_tokens + 1, self.max_lookahead + self.max_draft_tokens)
+            return max(self.max_lookahead, floor)
         if self.mode is SpeculationMode.VANILLA:
             return self.max_draft_tokens  # the drafter stops at γ and idles until the verdict
         return 0

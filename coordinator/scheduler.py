@@ -63,8 +63,9 @@ class InFlightVerify:
     seq_ids: list[int]
     sent_at: float
     n_tokens: int  # tokens fed to the target in this batch (for the verify cost model)
-    # No item carries a prompt (or re-prefill): the decode-sized batches the cost model is about.
-    # Prefills are left out: their hundreds of tokens would tilt the line fitted to 2-40-token rounds.
+    # Every item feeds one committed token (plus drafts): a decode round, what the cost model is
+    # about. Prompts and re-prefills are left out: their hundreds of tokens would tilt the line
+    # fitted to 2-40-token rounds.
     decode_only: bool = True
 
 
@@ -294,6 +295,7 @@ class Scheduler:
             return
         ready = [s for s in self.sequences.values() if s.finish_reason is None and self._ready(s)]
         if not ready and not self._target_releases:
+            self.patience.end()  # nothing is waiting for the target (e.g. the held sequence was aborted)
             return
         if not self._target_releases and self.patience.hold([self._drafts_to_wait_for(s) for s in ready]):
             return
@@ -305,7 +307,7 @@ class Scheduler:
         now = time.monotonic()
         self.target_times.idle_s += now - self._idle_since
         n_tokens = sum(len(item.context) + len(item.draft_tokens) for item in items)
-        decode_only = all(len(item.context) <= 2 for item in items)
+        decode_only = all(len(item.context) == 1 for item in items)
         self.inflight = InFlightVerify(batch.batch_id, [s.seq_id for s in chosen], now, n_tokens, decode_only)
         self.target.send(batch)
 

@@ -77,7 +77,7 @@ def _request(prompt_ids, max_new_tokens, mode, sampling, gamma, ignore_eos) -> G
     )
 
 
-def stream_events(target, draft, requests: list[GenerationRequest], *, gamma=4, max_lookahead=8, max_batch_size=8):
+def stream_events(target, draft, requests: list[GenerationRequest], *, gamma=4, max_lookahead=9, max_batch_size=8):
     """Runs several requests concurrently; returns {request_id: [events]} (both models in-process)."""
 
     async def run():

@@ -123,3 +123,5 @@ def test_pearl_lookahead_leaves_room_for_a_full_chunk_past_the_bonus():
     assert SpeculationPolicy(SpeculationMode.PEARL, max_draft_tokens=4, max_lookahead=8).lookahead() == 9
     assert SpeculationPolicy(SpeculationMode.PEARL, max_draft_tokens=4, max_lookahead=16).lookahead() == 16
     assert SpeculationPolicy(SpeculationMode.VANILLA, max_draft_tokens=4, max_lookahead=16).lookahead() == 4
+    # A request asking for a large γ runs at most γ past the configured lookahead.
+    assert SpeculationPolicy(SpeculationMode.PEARL, max_draft_tokens=64, max_lookahead=9).lookahead() == 73

@@ -234,3 +234,19 @@ def test_adaptive_pearl_with_device_like_costs_holds_for_fuller_chunks_and_stays
         assert_greedy_equal(hf, prompt, tokens, hf_greedy(hf, prompt, N_NEW))
     assert slow.runner.misses == 0 and fast.runner.misses == 0
     assert stats["models"]["in-process"]["patience"]["holds"] > 0, stats
+
+
+def test_simulation_scenarios_listed_once_for_the_cli():
+    from duospec.bench.simulate import SCENARIOS
+    from duospec.cli.bench import SIMULATION_SCENARIOS
+
+    assert SIMULATION_SCENARIOS == SCENARIOS
+
+
+def test_simulate_refuses_a_device_it_does_not_measure(tmp_path, capsys):
+    from duospec.cli import main
+
+    target = make_tiny_checkpoint(tmp_path / "target", "llama", seed=0)
+    code = main(["bench", "--target", str(target), "--draft", str(target), "--simulate", "devices",
+                 "--device", "cuda", "--out", str(tmp_path / "out")])
+    assert code == 2 and "--simulate measures forward costs on this machine's CPU" in capsys.readouterr().err

@@ -57,6 +57,9 @@ class BenchConfig:
 
             if self.simulate not in SCENARIOS:
                 raise ValueError(f"--simulate {self.simulate!r}: choose from {', '.join(SCENARIOS)}")
+            if self.device != "cpu":
+                raise ValueError("--simulate measures forward costs on this machine's CPU; drop --device "
+                                 f"{self.device} (or run the real benchmark on the device without --simulate)")
             if self.acceptance is not None and not 0.0 <= self.acceptance <= 1.0:
                 raise ValueError(f"--acceptance {self.acceptance}: must be in [0, 1]")
             if not any(m in OUR_MODES for m in self.modes):

@@ -51,8 +51,13 @@ _COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer
 
 def table_depth(gamma: int, max_lookahead: int) -> int:
     """How many draft tokens past the last committed one the table records: the drafter never runs
-    further ahead than its lookahead, plus the γ tokens of a verify in flight; margin for the rest."""
-    return max_lookahead + gamma + 4
+    further ahead than pearl's lookahead (coordinator/policies.py), plus the γ tokens of a verify in
+    flight; margin for the rest."""
+    from coordinator.api import SpeculationMode
+    from coordinator.policies import SpeculationPolicy
+
+    lookahead = SpeculationPolicy(SpeculationMode.PEARL, gamma, max_lookahead).lookahead()
+    return lookahead + gamma + 4
 
 
 def record_tables(target_dir: str, draft_dir: str, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -200,11 +205,17 @@ def build_replay_pair(out_dir: pathlib.Path, target_dir: str, draft_dir: str, pr
         raise ValueError(f"--simulate {scenario!r}: choose from {', '.join(SCENARIOS)}")
     from transformers import AutoConfig
 
+    from duospec.engine import load_tokenizer
+    from duospec.engine.replay import check_prompts_distinct
+
+    check_prompts_distinct(prompts)  # before minutes of recording, not when the actors load the tables
     vocab_size = AutoConfig.from_pretrained(target_dir).vocab_size
+    # Synthetic draft ids must be ids both models and the tokenizer have.
+    synthetic_vocab = min(vocab_size, AutoConfig.from_pretrained(draft_dir).vocab_size, len(load_tokenizer(target_dir)))
     depth = table_depth(gamma, max_lookahead)
     entries = record_tables(target_dir, draft_dir, prompts, max_new_tokens, depth, progress)
     if acceptance is not None:
-        entries = synthetic_drafts(entries, acceptance, depth, vocab_size)
+        entries = synthetic_drafts(entries, acceptance, depth, synthetic_vocab)
     layouts = {"devices": (None, None), "large-target": (LARGE_TARGET, None),
                "large-pair": (LARGE_TARGET, LARGE_DRAFT)}[scenario]
     costs, labels = [], []

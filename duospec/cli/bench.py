@@ -10,6 +10,7 @@ import sys
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODES = ("off", "hf", "hf-assisted", "vanilla", "pearl")
+SIMULATION_SCENARIOS = ("devices", "large-target", "large-pair")  # duospec.bench.simulate.SCENARIOS
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -43,7 +44,7 @@ def register(subparsers) -> None:
     p.add_argument("--address", help="Ray cluster to join for the server runs (default: a local Ray)")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench-out"), help="output folder")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--simulate", choices=("devices", "large-target", "large-pair"),
+    p.add_argument("--simulate", choices=SIMULATION_SCENARIOS,
                    help="time the pipeline as if each model had its own device: the pair's greedy tokens replayed, "
                         "each forward sleeping for its measured cost (devices: the pair's own costs; large-target: "
                         "a 91 M-parameter random-weight target's; large-pair: 91 M and 14 M random-weight models'). "

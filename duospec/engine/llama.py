@@ -104,7 +104,8 @@ PACKED_LINEAR_ENV = "DUOSPEC_PACKED_LINEAR"
 _PACK_MIN_ELEMENTS = 1 << 17
 _PLAIN_ONE_ROW_MAX_ELEMENTS = 1 << 19
 # Weights too big for the cache: oneDNN's kernel for 1-2 rows is slower than for 3-5 (measured: a
-# 2304x768 weight takes 525/602 µs for 1/2 rows, 388 µs for 4), so such products run padded to 4 rows.
+# 2304x768 weight takes 525/602 µs for 1/2 rows, 388 µs for 4), so products of 1-3 rows with such
+# weights run padded to 4 rows.
 _PAD_MIN_ELEMENTS = 1_500_000
 _PAD_ROWS = 4
 

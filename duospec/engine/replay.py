@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 
 REPLAY_FILE = "replay.json"
 ROLES = ("target", "draft")
-# The chosen token's logit; every other logit is 0. Large enough that softmax is one-hot in float32.
+# The chosen token's logit; every other logit is 0. Softmax is one-hot in float32 up to temperature
+# ~3; the bench replays greedy requests only.
 CHOSEN_LOGIT = 100.0
 
 
@@ -89,6 +90,18 @@ class ReplayEntry:
     drafts: tuple[tuple[int, ...], ...] = ()  # drafts[j]: the draft's continuation of prompt + greedy[:j]
 
 
+def check_prompts_distinct(prompts) -> list[tuple[int, ...]]:
+    """The distinct prompts, sorted; ValueError if one begins another (a replay slot's first chunk may
+    hold prompt + drafts, so the match would be ambiguous). Sorted tuples put a prompt right before
+    those it begins, so neighbours suffice."""
+    ordered = sorted({tuple(p) for p in prompts})
+    for shorter, longer in zip(ordered, ordered[1:]):
+        if longer[: len(shorter)] == shorter:
+            raise ValueError(f"replay table: a prompt of {len(shorter)} tokens begins a longer one; replay "
+                             f"needs prompts none of which begins another")
+    return ordered
+
+
 def write_replay_table(directory: pathlib.Path, role: str, cost: CostModel, entries: Sequence[ReplayEntry]) -> None:
     if role not in ROLES:
         raise ValueError(f"role={role!r}: one of {ROLES}")
@@ -128,16 +141,8 @@ class ReplayRunner(ModelRunner):
         self.vocab_size = int(config.vocab_size)
         self.device = torch.device("cpu")
         self.dtype = torch.float32
-        # A slot's first chunk may hold prompt + drafts, so no prompt may begin another: the match
-        # would be ambiguous. Sorted tuples put a prompt right before those it begins. (Identical
-        # prompts are fine: their tables are identical.)
-        unique = {e.prompt: e for e in entries}
-        ordered = sorted(unique)
-        for shorter, longer in zip(ordered, ordered[1:]):
-            if longer[: len(shorter)] == shorter:
-                raise ValueError(f"replay table: a prompt of {len(shorter)} tokens begins a longer one; replay "
-                                 f"needs prompts none of which begins another")
-        self.entries = [unique[prompt] for prompt in ordered]
+        unique = {e.prompt: e for e in entries}  # identical prompts have identical tables
+        self.entries = [unique[prompt] for prompt in check_prompts_distinct(unique)]
         self._slots = [_SlotState() for _ in range(max_slots)]
         self.misses = 0
         self.forwards = 0
