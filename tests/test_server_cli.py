@@ -87,3 +87,20 @@ def test_serve_subprocess_streams_and_drains_on_sigterm(tiny_pair, tmp_path):  #
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_serve_grace_period_flag_overrides_the_config(tiny_pair, tmp_path, capsys):  # noqa: F811
+    from duospec.cli import build_parser
+    from duospec.cli.serve import build_config
+
+    target, draft = tiny_pair
+    config_file = tmp_path / "serve.yaml"
+    config_file.write_text(yaml.safe_dump({"server": {"grace_period_s": 30},
+                                           "models": [{"name": "tiny", "target": str(target), "draft": str(draft)}]}))
+    args = build_parser().parse_args(["serve", "--config", str(config_file), "--grace-period", "2.5"])
+    assert build_config(args).server.grace_period_s == 2.5
+    args = build_parser().parse_args(["serve", "--config", str(config_file)])
+    assert build_config(args).server.grace_period_s == 30
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--grace-period", "-1"])
+    assert "must be between 0 and 3600 seconds" in capsys.readouterr().err

@@ -30,7 +30,20 @@ def register(subparsers) -> None:
                    help="allow serving without a tenants file on a non-loopback address")
     p.add_argument("--ledger", help="usage ledger SQLite path (default duospec-usage.db, or ledger from --config)")
     p.add_argument("--model-dir", type=pathlib.Path, help="serve one model from DIR/target (+ DIR/draft)")
+    p.add_argument("--grace-period", type=_grace_seconds, metavar="SECONDS",
+                   help="on SIGTERM, how long in-flight streams may finish before they are cancelled "
+                        "(default 10, or server.grace_period_s from --config)")
     p.set_defaults(func=run_serve)
+
+
+def _grace_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0.0 <= value <= 3600.0:  # the bounds the config file accepts (coordinator/config.py)
+        raise argparse.ArgumentTypeError(f"{text}: must be between 0 and 3600 seconds")
+    return value
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -62,7 +75,8 @@ def build_config(args: argparse.Namespace):
     if args.model_dir is not None or not config.models:
         config = replace(config, models=[default_model(args.model_dir)])
     server = config.server
-    overrides = {"host": args.host, "port": args.port, "metrics_port": args.metrics_port}
+    overrides = {"host": args.host, "port": args.port, "metrics_port": args.metrics_port,
+                 "grace_period_s": args.grace_period}
     server = replace(server, **{k: v for k, v in overrides.items() if v is not None})
     config = replace(config, server=server)
     if args.ledger:
