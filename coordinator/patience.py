@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 from coordinator.adaptive import Ewma
 
@@ -33,16 +33,21 @@ class Patience:
         self._expired = False
         self.holds = 0  # how many times the target was held (stats)
 
-    def hold(self, more_drafts: list[int]) -> bool:
-        """Whether to keep the target waiting: every ready sequence wants more drafts
-        (`more_drafts[i]` > 0) and the current hold has not timed out."""
+    def hold(self, more_drafts: Iterable[int]) -> bool:
+        """Whether to keep the target waiting: every ready sequence wants more drafts (each value of
+        `more_drafts` > 0; consumed lazily, up to the first 0) and the current hold has not timed out."""
         now = time.monotonic()
         if self._expired or (self._until is not None and now >= self._until):
             return False
-        if not more_drafts or not all(more_drafts):
+        wanted = []
+        for more in more_drafts:
+            if more <= 0:
+                return False
+            wanted.append(more)
+        if not wanted:
             return False
         if self._until is None:
-            limit = HOLD_FACTOR * max(more_drafts) * (self.draft_step_s.value or 0.0) + HOLD_MARGIN_S
+            limit = HOLD_FACTOR * max(wanted) * (self.draft_step_s.value or 0.0) + HOLD_MARGIN_S
             self._until = now + limit
             self._timer = asyncio.get_running_loop().call_later(limit, self._expire)
             self.holds += 1

@@ -297,7 +297,7 @@ class Scheduler:
         if not ready and not self._target_releases:
             self.patience.end()  # nothing is waiting for the target (e.g. the held sequence was aborted)
             return
-        if not self._target_releases and self.patience.hold([self._drafts_to_wait_for(s) for s in ready]):
+        if not self._target_releases and self.patience.hold(self._drafts_to_wait_for(s) for s in ready):
             return
         self.patience.end()
         chosen = self._fair_share(ready)

@@ -101,7 +101,8 @@ def test_worker_window_treats_unopened_scheduler_as_zero():
     assert (w.target_busy_s, w.target_rounds, w.draft_busy_s) == (1.5, 30, 0.5)
 
 
-def test_bench_command_smoke_in_process(tmp_path):
+def _bench_smoke(tmp_path, *extra: str):
+    """`duospec bench` on two tiny random-weight checkpoints, in-process, 2 prompts x 8 tokens."""
     from duospec.cli import main
     from tests.tiny_models import make_tiny_checkpoint
 
@@ -109,9 +110,13 @@ def test_bench_command_smoke_in_process(tmp_path):
     draft = make_tiny_checkpoint(tmp_path / "draft", "llama", seed=1, num_layers=1)
     out = tmp_path / "out"
     code = main(["bench", "--target", str(target), "--draft", str(draft), "--skip-server", "--repeats", "1",
-                 "--max-new-tokens", "8", "--limit-prompts", "2", "--out", str(out), "--no-progress",
-                 "--models-label", "tiny random-weight test models"])
+                 "--max-new-tokens", "8", "--limit-prompts", "2", "--out", str(out), "--no-progress", *extra])
     assert code == 0
+    return out
+
+
+def test_bench_command_smoke_in_process(tmp_path):
+    out = _bench_smoke(tmp_path, "--models-label", "tiny random-weight test models")
     report = json.loads((out / "results.json").read_text())
     modes = report["paths"]["in-process"]["modes"]
     assert set(modes) == {"off", "hf", "hf-assisted", "vanilla", "pearl"}
@@ -155,3 +160,17 @@ def test_load_prompts_names_the_bad_line(tmp_path):
         load_prompts(bad)
     with pytest.raises(FileNotFoundError, match="regenerate"):
         load_prompts(tmp_path / "missing.jsonl")
+
+
+def test_bench_simulate_smoke(tmp_path):
+    from duospec.engine.replay import REPLAY_FILE
+
+    out = _bench_smoke(tmp_path, "--simulate", "devices")
+    report = json.loads((out / "results.json").read_text())
+    simulation = report["setup"]["simulation"]
+    assert simulation["scenario"] == "devices" and simulation["modes_not_simulated"] == ["hf", "hf-assisted"]
+    assert simulation["target_cost"]["seconds"][0] > 0 and simulation["cost_ratio_1_token"] > 0
+    assert set(report["paths"]["in-process"]["modes"]) == {"off", "vanilla", "pearl"}
+    assert report["exactness"]["all_identical"]
+    assert "SIMULATED (devices)" in (out / "results.md").read_text()
+    assert (out / "replay-devices" / "target" / REPLAY_FILE).is_file()
