@@ -153,6 +153,35 @@ def test_replayed_pair_decodes_exactly_like_the_real_target(real_pair, draft_kin
         assert accepted >= N_PROMPTS * N_NEW * 0.6, "a draft equal to the target is accepted (deep drafts)"
 
 
+def test_synthetic_drafter_agrees_at_the_asked_rate_and_stays_consistent():
+    rng = np.random.default_rng(3)
+    entries = [ReplayEntry((i,), tuple(rng.integers(0, 50, size=400).tolist())) for i in range(5)]
+    for acceptance in (0.0, 0.7, 1.0):
+        out = synthetic_drafts(entries, acceptance, depth=6, vocab_size=50)
+        agree = [e.drafts[j][0] == e.greedy[j] for e in out for j in range(len(e.greedy))]
+        assert sum(agree) / len(agree) == pytest.approx(acceptance, abs=0.03)
+        for e in out:  # where the drafter agrees at j, its continuation is its continuation after j + 1
+            for j in range(len(e.greedy)):
+                if e.drafts[j][0] == e.greedy[j]:
+                    assert e.drafts[j][1:] == e.drafts[j + 1][:5]
+    with pytest.raises(ValueError, match="must be in"):
+        synthetic_drafts(entries, 1.5, depth=6, vocab_size=50)
+
+
+def test_a_perfect_synthetic_drafter_is_always_accepted(real_pair):
+    root, target, draft, prompts, hf = real_pair
+    depth = table_depth(GAMMA, LOOKAHEAD)
+    entries = synthetic_drafts(record_tables(target, draft, prompts, N_NEW, depth, progress=False), 1.0, depth, 384)
+    replay_target = load_checkpoint(write_replay_checkpoint(root / "perfect" / "t", target, "target", FREE, entries))
+    replay_draft = load_checkpoint(write_replay_checkpoint(root / "perfect" / "d", draft, "draft", FREE, entries))
+    requests = [_request(p, N_NEW, "vanilla", SamplingParams(), GAMMA, True) for p in prompts]
+    results = stream_events(replay_target, replay_draft, requests, gamma=GAMMA, max_lookahead=LOOKAHEAD)
+    for prompt, request in zip(prompts, requests):
+        stats = results[request.request_id][-1].stats
+        assert stats.rejections == 0 and stats.accepted_tokens >= N_NEW * GAMMA // (GAMMA + 1) - GAMMA
+    assert replay_target.runner.misses == 0 and replay_draft.runner.misses == 0
+
+
 def test_adaptive_pearl_with_device_like_costs_holds_for_fuller_chunks_and_stays_exact(real_pair):
     # Verify 3 ms, draft step 0.3 ms: the adaptive scheduler's patience engages (it waits for fuller
     # chunks after rejections) — and greedy output is still the target's own.
