@@ -28,6 +28,7 @@ from typing import Any
 from coordinator.api import SpeculationMode
 
 DEVICES = ("auto", "cpu", "cuda")
+MAX_GRACE_PERIOD_S = 3600.0  # server.grace_period_s and `duospec serve --grace-period`
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
@@ -136,7 +137,7 @@ def _parse_server(f: "_Fields", base_dir: pathlib.Path) -> ServerSettings:
         max_queued_requests=f.int_in("max_queued_requests", 0, 1 << 20, default=d.max_queued_requests),
         max_new_tokens_limit=f.int_in("max_new_tokens_limit", 1, 1 << 24, default=d.max_new_tokens_limit),
         default_max_new_tokens=f.int_in("default_max_new_tokens", 1, 1 << 24, default=d.default_max_new_tokens),
-        grace_period_s=f.float_in("grace_period_s", 0.0, 3600.0, default=d.grace_period_s),
+        grace_period_s=f.float_in("grace_period_s", 0.0, MAX_GRACE_PERIOD_S, default=d.grace_period_s),
         tls=tls,
     )
     if settings.default_max_new_tokens > settings.max_new_tokens_limit:

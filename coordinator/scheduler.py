@@ -330,7 +330,8 @@ class Scheduler:
                 seq.draft_paused or seq.prefill_pending):
             return 0
         n = len(seq.drafts)
-        reachable = min(self._draft_limit(seq), seq.remaining, seq.draft_until() - len(seq.committed))
+        # (The drafter's lookahead always reaches past the draft limit: policies.lookahead > γ.)
+        reachable = min(self._draft_limit(seq), seq.remaining)
         k = drafts_worth_waiting_for(seq.acceptance.alpha, n, reachable, self.verify_cost,
                                      self.patience.draft_step_s.value or 0.0,
                                      self.patience.round_overhead_s.value or 0.0, len(seq.committed) - seq.target_len)

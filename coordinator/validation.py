@@ -21,8 +21,6 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_DRAFT_TOKENS = 64
-# Below this, logits / temperature overflows float32 (inf → NaN probabilities) and the result is
-# greedy anyway; such requests are refused rather than allowed to break the workers' sampling.
 CHAT_ROLES = ("system", "user", "assistant")
 
 _MODES = {

@@ -37,12 +37,14 @@ def register(subparsers) -> None:
 
 
 def _grace_seconds(text: str) -> float:
+    from coordinator.config import MAX_GRACE_PERIOD_S
+
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0.0 <= value <= 3600.0:  # the bounds the config file accepts (coordinator/config.py)
-        raise argparse.ArgumentTypeError(f"{text}: must be between 0 and 3600 seconds")
+    if not 0.0 <= value <= MAX_GRACE_PERIOD_S:  # the bounds the config file accepts
+        raise argparse.ArgumentTypeError(f"{text}: must be between 0 and {MAX_GRACE_PERIOD_S:g} seconds")
     return value
 
 
