@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from cluster.placement import PlacementError, create_placement_group, plan_placement
 from cluster.runtime import NAMESPACE
+from draft_worker.proposer import DraftMethod, DraftSpec
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class WorkerPair:
 def launch_pair(
     model: str,
     target_path: str,
-    draft_path: str | None,
+    draft: DraftSpec | str | None,
     *,
     device: str = "auto",
     dtype: str = "auto",
@@ -67,13 +68,16 @@ def launch_pair(
             f"actor {actor_name(role, model)!r} already exists in Ray namespace {NAMESPACE!r}: another duospec "
             f"serve is running this model on the cluster; stop it or serve under another model name"
         )
+    if isinstance(draft, str):  # a draft checkpoint path: the model drafter
+        draft = DraftSpec(DraftMethod.MODEL, path=draft)
     use_gpu = {"cpu": False, "cuda": True}.get(device)
-    plan = plan_placement(ray.nodes(), use_gpu=use_gpu)
+    plan = plan_placement(ray.nodes(), use_gpu=use_gpu, draft_needs_gpu=draft is not None and draft.method.needs_model)
     log.info("placing %s: %s", model, plan.description)
     group = create_placement_group(plan, name=f"duospec-{model}", timeout_s=placement_timeout_s)
     handles = {}
-    for index, (role, cls, path) in enumerate((("draft", DraftWorker, draft_path), ("target", TargetWorker, target_path))):
-        if path is None:
+    roles = (("draft", DraftWorker, (draft, target_path)), ("target", TargetWorker, (target_path,)))
+    for index, (role, cls, args) in enumerate(roles):
+        if role == "draft" and draft is None:
             continue
         handles[role] = (
             ray.remote(cls)
@@ -86,7 +90,7 @@ def launch_pair(
                 max_concurrency=4,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
             )
-            .remote(path, device=device, dtype=dtype, max_slots=max_slots)
+            .remote(*args, device=device, dtype=dtype, max_slots=max_slots)
         )
     pair = WorkerPair(model, handles["target"], handles.get("draft"), group, {}, None)
     try:

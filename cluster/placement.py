@@ -4,6 +4,8 @@
     >= 2 nodes with >= 1 GPU     → STRICT_SPREAD: one bundle per node
     no GPUs at all (CPU cluster) → two {CPU: 1} bundles; each actor uses one torch thread
     exactly one GPU              → error: the pair needs two (or run both on CPU)
+    a model-free drafter (ngram) → the target's {GPU: 1} bundle plus a {CPU: 1} draft bundle, packed:
+                                   one GPU anywhere is enough
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ class PlacementPlan:
     description: str
 
 
-def plan_placement(nodes: list[dict], *, use_gpu: bool | None = None) -> PlacementPlan:
-    """Pure: decides the placement from `ray.nodes()`-style dicts (Alive, Resources)."""
+def plan_placement(nodes: list[dict], *, use_gpu: bool | None = None, draft_needs_gpu: bool = True) -> PlacementPlan:
+    """Pure: decides the placement from `ray.nodes()`-style dicts (Alive, Resources).
+    `draft_needs_gpu=False`: the drafter loads no model (n-gram); only the target asks for a GPU."""
     alive = [n for n in nodes if n.get("Alive", n.get("alive", True))]
     gpus_per_node = [int(n.get("Resources", {}).get("GPU", 0)) for n in alive]
     total = sum(gpus_per_node)
@@ -32,6 +35,15 @@ def plan_placement(nodes: list[dict], *, use_gpu: bool | None = None) -> Placeme
         use_gpu = total > 0
     if not use_gpu:
         return PlacementPlan("PACK", ({"CPU": 1}, {"CPU": 1}), False, "CPU only: two 1-CPU actors")
+    if not draft_needs_gpu:
+        if total < 1:
+            raise PlacementError(
+                f"the target needs a GPU, but the cluster has none across {len(alive)} node(s); add a GPU "
+                f"node, or set `device: cpu` in the model config"
+            )
+        return PlacementPlan(
+            "PACK", ({"CPU": 1}, {"GPU": 1, "CPU": 1}), True, "target on one GPU, model-free drafter on a CPU"
+        )
     if any(g >= 2 for g in gpus_per_node):
         return PlacementPlan(
             "PACK", ({"GPU": 1, "CPU": 1}, {"GPU": 1, "CPU": 1}), True, "one node, two GPUs (one each)"

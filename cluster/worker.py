@@ -27,12 +27,10 @@ class GrpcModelWorker:
     def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", max_slots: int = 16):
         import torch
 
-        from duospec.engine import load_model
-
         torch.set_num_threads(torch_threads_for_actor())
         self.model_path = model_path
         self.device = resolve_device(device)
-        self.runner = load_model(model_path, device=self.device, dtype=dtype, max_slots=max_slots)
+        self.runner = self._load(model_path, device=self.device, dtype=dtype, max_slots=max_slots)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"duospec-{self.role}"),
             options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
@@ -42,6 +40,12 @@ class GrpcModelWorker:
         self.port = self.server.add_insecure_port(f"{host}:0")
         self._endpoint = f"{host}:{self.port}"
         self.server.start()
+
+    def _load(self, model_path: str, **kwargs):
+        """The worker's ModelRunner (None for a worker without a model)."""
+        from duospec.engine import load_model
+
+        return load_model(model_path, **kwargs)
 
     def _serve(self, server) -> None:
         raise NotImplementedError
@@ -61,8 +65,8 @@ class GrpcModelWorker:
             "device": self.device,
             "pid": os.getpid(),
             "model_path": self.model_path,
-            "free_slots": self.runner.free_slots,
-            "max_slots": self.runner.max_slots,
+            "free_slots": self.runner.free_slots if self.runner is not None else None,
+            "max_slots": self.runner.max_slots if self.runner is not None else None,
         }
 
     def health(self) -> bool:

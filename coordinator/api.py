@@ -94,12 +94,18 @@ GenerationEvent = TokensEvent | FinishEvent
 class ModelInfo:
     name: str
     target_path: str
-    draft_path: str | None
+    draft_path: str | None  # the draft checkpoint, if the drafter loads one of its own
     vocab_size: int  # tokenizer vocabulary (ids must be < this)
     max_context: int  # prompt + new tokens must fit
     eos_token_id: int | None
+    draft_method: str | None = None  # "model", "layers", "ngram"; None = no drafter (mode off only)
     draft_node_id: str = ""  # Ray node of the draft actor ("" in-process / no draft)
     target_node_id: str = ""  # Ray node of the target actor
+
+
+    @property
+    def has_draft(self) -> bool:
+        return self.draft_method is not None
 
 
 class Coordinator(Protocol):

@@ -8,7 +8,11 @@
     models:
       - name: python-tiny                    # first model = default
         target: /opt/duospec/models/target
-        draft: /opt/duospec/models/draft     # optional; no draft -> only mode off
+        draft: /opt/duospec/models/draft     # optional; no draft -> only mode off. Or a mapping:
+                                             #   {method: model, path: DIR}
+                                             #   {method: layers, layers: K, path: DIR?}  target's first K layers
+                                             #   {method: ngram, min_ngram: 2, max_ngram: 8, max_proposal: 16,
+                                             #    pool: tenant|sequence, pool_tokens: 200000, max_pools: 256}
         device: auto                         # auto|cpu|cuda
         dtype: auto                          # auto|float32|bfloat16|float16
         max_batch_size: 8
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.api import SpeculationMode
+from draft_worker.proposer import POOL_SCOPES, DraftMethod, DraftSpec, NgramOptions
 
 DEVICES = ("auto", "cpu", "cuda")
 MAX_GRACE_PERIOD_S = 3600.0  # server.grace_period_s and `duospec serve --grace-period`
@@ -69,11 +74,16 @@ class SpeculationDefaults:
 class ModelConfig:
     name: str
     target: str
-    draft: str | None = None
+    # What drafts: a DraftSpec; a plain path (str) is read as {method: model, path: ...}
+    draft: DraftSpec | str | None = None
     device: str = "auto"
     dtype: str = "auto"
     max_batch_size: int = 8
     speculation: SpeculationDefaults = field(default_factory=SpeculationDefaults)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.draft, str):
+            object.__setattr__(self, "draft", DraftSpec(DraftMethod.MODEL, path=self.draft))
 
 
 @dataclass(frozen=True)
@@ -157,7 +167,7 @@ def _parse_model(f: "_Fields", base_dir: pathlib.Path) -> ModelConfig:
             "(it names Ray actors duospec-target-<name>)"
         )
     target = f.get("target", str, required=True)
-    draft = f.get("draft", str, default=None)
+    draft = _parse_draft(f, base_dir, _resolve_model_path(target, base_dir))
     spec_fields = f.section("speculation", required=False)
     spec = SpeculationDefaults()
     if spec_fields is not None:
@@ -178,7 +188,7 @@ def _parse_model(f: "_Fields", base_dir: pathlib.Path) -> ModelConfig:
     model = ModelConfig(
         name=name,
         target=_resolve_model_path(target, base_dir),
-        draft=_resolve_model_path(draft, base_dir) if draft else None,
+        draft=draft,
         device=f.choice("device", DEVICES, default="auto"),
         dtype=f.choice("dtype", DTYPES, default="auto"),
         max_batch_size=f.int_in("max_batch_size", 1, 4096, default=8),
@@ -186,6 +196,90 @@ def _parse_model(f: "_Fields", base_dir: pathlib.Path) -> ModelConfig:
     )
     f.reject_unknown()
     return model
+
+
+_DRAFT_KEYS = {
+    DraftMethod.MODEL: ("path",),
+    DraftMethod.LAYERS: ("layers", "path"),
+    DraftMethod.NGRAM: ("min_ngram", "max_ngram", "max_proposal", "pool", "pool_tokens", "max_pools"),
+}
+
+
+def _parse_draft(f: "_Fields", base_dir: pathlib.Path, target: str) -> DraftSpec | None:
+    """`draft:` as a checkpoint path (the model drafter) or a mapping with `method:`."""
+    raw = f.get("draft", (str, dict), default=None)
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        return DraftSpec(DraftMethod.MODEL, path=_resolve_model_path(raw, base_dir))
+    d = f.section("draft")
+    methods = [m.value for m in DraftMethod]
+    method_name = d.get("method", str, required=True)
+    if method_name not in methods:
+        raise ConfigError(f"{d.where('method')}: {method_name!r} is not a drafting method; use one of {', '.join(methods)}")
+    method = DraftMethod(method_name)
+    for key in d.raw:
+        if key != "method" and key not in _DRAFT_KEYS[method]:
+            hint = " (the n-gram drafter needs no checkpoint; remove it)" if key == "path" else ""
+            raise ConfigError(
+                f"{d.where(key)}: not an option of method {method.value}{hint}; its options: "
+                f"{', '.join(_DRAFT_KEYS[method])}"
+            )
+    if method is DraftMethod.MODEL:
+        return DraftSpec(method, path=_resolve_model_path(d.get("path", str, required=True), base_dir))
+    if method is DraftMethod.LAYERS:
+        layers = d.int_in("layers", 1, 1 << 16, default=0) if "layers" in d.raw else None
+        if layers is None:
+            raise ConfigError(f"{d.where('layers')}: missing; how many of the target's first layers draft (e.g. 4)")
+        total = _local_layer_count(target)
+        path = d.get("path", str, default=None)
+        if total is not None and path is None and layers >= total:
+            raise ConfigError(
+                f"{d.where('layers')}: {layers}, but the target has {total} layers; a shallow draft uses fewer "
+                f"(e.g. layers: {max(1, total // 2)})"
+            )
+        return DraftSpec(method, path=_resolve_model_path(path, base_dir) if path else None, layers=layers)
+    n = NgramOptions()
+    options = NgramOptions(
+        min_ngram=d.int_in("min_ngram", 1, 64, default=n.min_ngram),
+        max_ngram=d.int_in("max_ngram", 1, 64, default=n.max_ngram),
+        max_proposal=d.int_in("max_proposal", 1, 256, default=n.max_proposal),
+        pool=d.choice("pool", POOL_SCOPES, default=n.pool),
+        pool_tokens=d.int_in("pool_tokens", 1, 1 << 30, default=n.pool_tokens),
+        max_pools=d.int_in("max_pools", 1, 1 << 20, default=n.max_pools),
+    )
+    if options.min_ngram > options.max_ngram:
+        raise ConfigError(
+            f"{d.where('min_ngram')}: {options.min_ngram} is above max_ngram {options.max_ngram}; lower it"
+        )
+    return DraftSpec(method, ngram=options)
+
+
+def draft_from_flag(value: str, path: str | None) -> DraftSpec:
+    """`--draft-method model|ngram|layers:K` (bench and CLI) as a DraftSpec; `path` is the draft
+    checkpoint of the model method. ValueError names the flag and the fix."""
+    name, _, arg = value.partition(":")
+    if name == "model" and not arg:
+        if not path:
+            raise ValueError("--draft-method model needs a draft checkpoint: pass --draft DIR (or --models DIR)")
+        return DraftSpec(DraftMethod.MODEL, path=path)
+    if name == "ngram" and not arg:
+        return DraftSpec(DraftMethod.NGRAM)
+    if name == "layers" and arg.isdigit() and int(arg) >= 1:
+        return DraftSpec(DraftMethod.LAYERS, layers=int(arg))
+    raise ValueError(f"--draft-method {value!r}: use model, ngram or layers:K (K >= 1, e.g. layers:2)")
+
+
+def _local_layer_count(target: str) -> int | None:
+    """The target's num_hidden_layers when it is a local checkpoint (None for a hub id)."""
+    import json
+
+    config = pathlib.Path(target) / "config.json"
+    try:
+        value = json.loads(config.read_text()).get("num_hidden_layers")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) else None
 
 
 def _read_mapping(path: pathlib.Path) -> Any:
@@ -263,7 +357,10 @@ class _Fields:
             return default
         value = self.raw[key]
         if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-            expected = kind.__name__ if isinstance(kind, type) else "number"
+            if isinstance(kind, type):
+                expected = kind.__name__
+            else:
+                expected = "number" if set(kind) == {int, float} else " or ".join(k.__name__ for k in kind)
             raise ConfigError(f"{self.where(key)}: expected {expected}, got {type(value).__name__} {value!r}")
         return value
 

@@ -10,12 +10,14 @@ from coordinator.links import LocalDraftLink, LocalTargetLink
 from coordinator.models import model_info
 from coordinator.router import ModelEntry, ModelRouter, scheduler_config
 from coordinator.scheduler import Scheduler
+from cluster.worker import resolve_device
 from draft_worker.drafter import Drafter
+from draft_worker.methods import build_proposer
+from draft_worker.proposer import DraftMethod, DraftSpec, Proposer
 from target_worker.verifier import Verifier
 
 
 def load_runner(path: str, model_config, max_slots: int):
-    from cluster.worker import resolve_device
     from duospec.engine import load_model
 
     return load_model(
@@ -29,26 +31,33 @@ def load_runner(path: str, model_config, max_slots: int):
 class LocalCoordinator(ModelRouter):
     def __init__(self, models: list, *, runners: dict | None = None):
         """`models`: coordinator.config.ModelConfig list. `runners` ({name: (target, draft)}) lets
-        tests and benchmarks pass already-loaded ModelRunners."""
+        tests and benchmarks pass already-loaded ModelRunners (draft: a ModelRunner, a Proposer or None)."""
         super().__init__()
         for config in models:
             info = model_info(config)
+            spec = getattr(config, "draft", None)
             preloaded = (runners or {}).get(config.name)
             if preloaded is None:  # load now: health turns SERVING only once the models are in memory
                 max_slots = scheduler_config(config).max_sequences
-                preloaded = (
-                    load_runner(info.target_path, config, max_slots),
-                    load_runner(info.draft_path, config, max_slots) if info.draft_path else None,
-                )
+                proposer = None
+                if spec is not None:
+                    proposer = build_proposer(spec, info.target_path, device=resolve_device(config.device),
+                                              dtype=config.dtype, max_slots=max_slots)
+                preloaded = (load_runner(info.target_path, config, max_slots), proposer)
+            else:
+                target_runner, draft = preloaded
+                if draft is not None and not isinstance(draft, Proposer):
+                    draft = build_proposer(spec or DraftSpec(DraftMethod.MODEL), info.target_path, runner=draft)
+                preloaded = (target_runner, draft)
             self.add_model(ModelEntry(info, config, self._opener(info, config, preloaded)))
 
     @staticmethod
     def _opener(info, config, preloaded):
         async def open_scheduler() -> Scheduler:
             sched_config = scheduler_config(config)
-            target_runner, draft_runner = preloaded
+            target_runner, proposer = preloaded
             target = LocalTargetLink(Verifier(target_runner))
-            draft = LocalDraftLink(Drafter(draft_runner)) if draft_runner is not None else None
+            draft = LocalDraftLink(Drafter(proposer)) if proposer is not None else None
             scheduler = Scheduler(info, target, draft, sched_config)
             scheduler.workers = (target, draft)
             await scheduler.start()
@@ -69,8 +78,5 @@ class LocalCoordinator(ModelRouter):
                 "free_slots": target.verifier.runner.free_slots,
             }
             if draft is not None:
-                out[name]["draft"] = {
-                    "live_sequences": len(draft.loop.drafter.sequences),
-                    "free_slots": draft.loop.drafter.runner.free_slots,
-                }
+                out[name]["draft"] = draft.loop.drafter.stats()
         return out

@@ -44,12 +44,22 @@ def model_info(model_config, max_context: int | None = None) -> ModelInfo:
     from duospec.engine import CheckpointError
 
     target = str(model_config.target)
-    draft = str(model_config.draft) if getattr(model_config, "draft", None) else None
+    spec = getattr(model_config, "draft", None)
+    draft = spec.checkpoint(target) if spec is not None else None
+    if draft == target:  # the target's own first layers: same tokenizer and context by construction
+        draft = None
     for path in filter(None, (target, draft)):
         if not (pathlib.Path(path) / "config.json").is_file():
             raise CheckpointError(f"{path}: not a checkpoint directory (no config.json)")
     check_pair(target, draft)
     target_cfg = AutoConfig.from_pretrained(target)
+    if spec is not None and spec.layers is not None and spec.path is None:
+        total = int(getattr(target_cfg, "num_hidden_layers", 0) or 0)
+        if not 1 <= spec.layers < total:
+            raise ModelPairError(
+                f"draft: layers {spec.layers}, but the target {target} has {total} layers; a shallow draft "
+                f"uses fewer (e.g. layers: {max(1, total // 2)})"
+            )
     tokenizer = _tokenizer(target)
     context = _max_context(target_cfg)
     if draft is not None:
@@ -64,6 +74,7 @@ def model_info(model_config, max_context: int | None = None) -> ModelInfo:
         name=model_config.name,
         target_path=target,
         draft_path=draft,
+        draft_method=spec.method.value if spec is not None else None,
         vocab_size=min(len(tokenizer), int(target_cfg.vocab_size)),
         max_context=context,
         eos_token_id=eos,

@@ -111,7 +111,7 @@ def start_pipeline(models: list, *, ray_address: str | None = None, placement_ti
             pair = launch_pair(
                 config.name,
                 str(config.target),
-                str(config.draft) if getattr(config, "draft", None) else None,
+                getattr(config, "draft", None),
                 device=getattr(config, "device", "auto"),
                 dtype=getattr(config, "dtype", "auto"),
                 max_slots=scheduler_config(config).max_sequences,

@@ -74,7 +74,7 @@ class ModelRouter:
         default_mode = getattr(spec, "mode", SpeculationMode.PEARL)
         max_draft = request.max_draft_tokens or getattr(spec, "max_draft_tokens", 4)
         mode = request.mode or default_mode
-        if entry.info.draft_path is None:
+        if not entry.info.has_draft:
             mode = SpeculationMode.OFF
         return SpeculationPolicy(
             mode=mode,

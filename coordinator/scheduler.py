@@ -204,6 +204,8 @@ class Scheduler:
                 tail=seq.committed,
                 draft_until=seq.draft_until(),
                 sampling=sampling_to_proto(seq.request.sampling),
+                pool=seq.request.tenant,
+                committed_len=len(seq.committed),
             )
         )
 
@@ -245,8 +247,9 @@ class Scheduler:
             self._dispatch()
 
     def _on_draft_batch(self, batch: pb.DraftChunkBatch) -> None:
-        if batch.chunks and batch.busy_seconds > 0:  # merged messages carry several steps per chunk
-            self.patience.draft_step_s.observe(batch.busy_seconds / max(len(c.tokens) for c in batch.chunks))
+        longest = max((len(c.tokens) for c in batch.chunks), default=0)
+        if longest and batch.busy_seconds > 0:  # merged messages carry several steps per chunk
+            self.patience.draft_step_s.observe(batch.busy_seconds / longest)
         self.draft_times.busy_s += batch.busy_seconds
         self.draft_times.idle_s += batch.idle_seconds
         self.draft_times.messages += 1
@@ -270,7 +273,8 @@ class Scheduler:
             if chunk.epoch != seq.epoch or seq.draft_paused:  # an aborted branch, or drafted before a pause
                 seq.stats.wasted_draft_tokens += len(chunk.tokens)
                 continue
-            if not seq.add_drafts(chunk.start_pos, chunk.tokens, chunk.draft_probs):
+            exhausted = chunk.outlook == pb.DRAFT_OUTLOOK_EXHAUSTED
+            if not seq.add_drafts(chunk.start_pos, chunk.tokens, chunk.draft_probs, exhausted):
                 log.warning("seq %d: draft chunk at %d, expected %d; resyncing", seq.seq_id, chunk.start_pos,
                             seq.next_draft_pos)
                 seq.stats.wasted_draft_tokens += len(chunk.tokens) + len(seq.drafts)
@@ -320,14 +324,14 @@ class Scheduler:
         return limit
 
     def _ready(self, seq: Sequence) -> bool:
-        if seq.uses_draft and (seq.draft_paused or self._draft_limit(seq) == 0):
-            return True  # backed off to target-only under load
+        if seq.uses_draft and (seq.draft_paused or seq.draft_exhausted or self._draft_limit(seq) == 0):
+            return True  # backed off to target-only under load, or the drafter has nothing more for now
         return seq.policy.ready(len(seq.drafts), seq.remaining, seq.uses_draft, seq.prefill_pending)
 
     def _drafts_to_wait_for(self, seq: Sequence) -> int:
         """Pearl patience (coordinator/patience.py): more drafts worth waiting for before verifying."""
         if not (seq.uses_draft and seq.policy.adaptive and seq.policy.mode is SpeculationMode.PEARL) or (
-                seq.draft_paused or seq.prefill_pending):
+                seq.draft_paused or seq.draft_exhausted or seq.prefill_pending):
             return 0
         n = len(seq.drafts)
         # (The drafter's lookahead always reaches past the draft limit: policies.lookahead > γ.)
@@ -382,7 +386,10 @@ class Scheduler:
 
     def _verify_item(self, seq: Sequence) -> pb.VerifyItem:
         k = min(seq.policy.verify_count(len(seq.drafts), seq.remaining), self._draft_limit(seq)) if seq.uses_draft else 0
-        bonus = pb.BONUS_POLICY_SKIP if self._prefill_only(seq, k) else seq.policy.bonus(seq.greedy, seq.uses_draft)
+        # Past an exhausted chunk no draft will come: the bonus is the only way on. Which positions
+        # those are depends on the sequence's tokens alone (draft_worker/proposer.py), not on timing.
+        drafting = seq.uses_draft and not (seq.draft_exhausted and k == len(seq.drafts))
+        bonus = pb.BONUS_POLICY_SKIP if self._prefill_only(seq, k) else seq.policy.bonus(seq.greedy, drafting)
         tokens, probs = seq.take_verify_chunk(k)
         return pb.VerifyItem(
             seq_id=seq.seq_id,
@@ -505,9 +512,14 @@ class Scheduler:
             self._advance(seq)
 
     def _advance(self, seq: Sequence) -> None:
+        seq.draft_exhausted = False  # the drafter knows more now: it may find more to propose
         self._draft_command(
             pb.DraftCommand(
-                seq_id=seq.seq_id, epoch=seq.epoch, kind=pb.DRAFT_COMMAND_KIND_ADVANCE, draft_until=seq.draft_until()
+                seq_id=seq.seq_id,
+                epoch=seq.epoch,
+                kind=pb.DRAFT_COMMAND_KIND_ADVANCE,
+                draft_until=seq.draft_until(),
+                committed_len=len(seq.committed),
             )
         )
 
@@ -522,6 +534,7 @@ class Scheduler:
                 start_pos=start,
                 tail=seq.committed[start:],
                 draft_until=seq.draft_until(),
+                committed_len=len(seq.committed),
             )
         )
 

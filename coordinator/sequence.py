@@ -46,6 +46,9 @@ class Sequence:
     draft_fed_len: int = 0  # the drafter's KV cache holds valid tokens for positions < this
     draft_started: bool = False
     draft_paused: bool = False  # backed off to target-only under load: the drafter is told to stop
+    # The drafter said it has nothing more until its next command (DRAFT_OUTLOOK_EXHAUSTED): verify
+    # what has arrived instead of waiting for more.
+    draft_exhausted: bool = False
     target_len: int = 0  # the target's KV cache holds committed[:target_len]
     round_start: int = 0  # position of the first draft of the current round (after start/abort)
     finish_reason: FinishReason | None = None
@@ -102,13 +105,15 @@ class Sequence:
         return ids
 
     # -- transitions ------------------------------------------------------------------------------
-    def add_drafts(self, start_pos: int, tokens, probs) -> bool:
+    def add_drafts(self, start_pos: int, tokens, probs, exhausted: bool = False) -> bool:
         """Appends a draft chunk of the current epoch; False if it does not continue the drafts."""
         if start_pos != self.next_draft_pos:
             return False
         self.drafts.extend(tokens)
         self.draft_probs.extend(probs)
-        self.draft_fed_len = start_pos + len(tokens) - 1  # drafting position P needed P-1 fed
+        if tokens:
+            self.draft_fed_len = start_pos + len(tokens) - 1  # drafting position P needed P-1 fed
+        self.draft_exhausted = exhausted
         return True
 
     def drop_drafts(self) -> int:
@@ -160,6 +165,7 @@ class Sequence:
         """After an abort: drafts are gone (a verdict still in flight is now stale and will be
         dropped); returns where the drafter's cache stops matching the committed prefix."""
         self.epoch += 1
+        self.draft_exhausted = False
         self.drafts, self.draft_probs = [], []
         self.verify_tokens, self.verify_probs = None, []
         self.draft_fed_len = min(self.draft_fed_len, len(self.committed) - 1)

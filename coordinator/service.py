@@ -277,11 +277,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         return self.registry.authenticate(authorization)
 
     def _card(self, m: ModelInfo) -> pb.ModelCard:
-        mode = self.default_modes.get(m.name, SpeculationMode.PEARL) if m.draft_path else SpeculationMode.OFF
+        mode = self.default_modes.get(m.name, SpeculationMode.PEARL) if m.has_draft else SpeculationMode.OFF
         return pb.ModelCard(
             name=m.name, target=m.target_path, draft=m.draft_path or "", vocab_size=m.vocab_size,
             max_context=m.max_context, default_mode=_MODE_TO_PB[mode],
-            target_node_id=m.target_node_id, draft_node_id=m.draft_node_id,
+            target_node_id=m.target_node_id, draft_node_id=m.draft_node_id, draft_method=m.draft_method or "",
         )
 
     def _update_queue_gauges(self) -> None:

@@ -182,13 +182,13 @@ def _sampling(sp: pb.SamplingParams) -> SamplingParams:
 
 def _speculation(sp: pb.SpeculationParams, info: ModelInfo, default_mode: SpeculationMode):
     if sp.mode == pb.SPECULATION_MODE_UNSPECIFIED:
-        mode = default_mode if info.draft_path else SpeculationMode.OFF
+        mode = default_mode if info.has_draft else SpeculationMode.OFF
     elif sp.mode in _MODES:
         mode = _MODES[sp.mode]
     else:
         raise invalid("speculation.mode", f"unknown value {sp.mode}; use PEARL, VANILLA or OFF")
-    if mode is not SpeculationMode.OFF and not info.draft_path:
-        raise invalid("speculation.mode", f"model {info.name!r} has no draft model; use OFF or leave it unset")
+    if mode is not SpeculationMode.OFF and not info.has_draft:
+        raise invalid("speculation.mode", f"model {info.name!r} has no drafter; use OFF or leave it unset")
     if sp.max_draft_tokens > MAX_DRAFT_TOKENS:
         raise invalid("speculation.max_draft_tokens", f"{sp.max_draft_tokens}; use at most {MAX_DRAFT_TOKENS}")
     return mode, (sp.max_draft_tokens or None)

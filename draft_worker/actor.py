@@ -1,9 +1,12 @@
-"""The DraftWorker Ray actor: the draft model plus its DraftService gRPC endpoint."""
+"""The DraftWorker Ray actor: a drafting method (draft_worker/methods.py) plus its DraftService gRPC
+endpoint. Only the model methods load a checkpoint (and ask for a GPU); the n-gram drafter needs none."""
 
 from __future__ import annotations
 
 from cluster.worker import GrpcModelWorker
 from draft_worker.drafter import Drafter
+from draft_worker.methods import build_proposer, load_draft_runner
+from draft_worker.proposer import DraftSpec
 from draft_worker.service import DraftServicer
 from duospec.internal.v1 import pearl_pb2_grpc as pb_grpc
 
@@ -11,9 +14,22 @@ from duospec.internal.v1 import pearl_pb2_grpc as pb_grpc
 class DraftWorker(GrpcModelWorker):
     role = "draft"
 
+    def __init__(self, spec: DraftSpec, target_path: str, **kwargs):
+        self.spec = spec
+        self.target_path = target_path
+        super().__init__(spec.checkpoint(target_path) or "", **kwargs)
+
+    def _load(self, model_path: str, **kwargs):
+        if not self.spec.method.needs_model:
+            return None
+        return load_draft_runner(self.spec, self.target_path, **kwargs)
+
     def _serve(self, server) -> None:
-        self.drafter = Drafter(self.runner)
+        self.drafter = Drafter(build_proposer(self.spec, self.target_path, runner=self.runner))
         pb_grpc.add_DraftServiceServicer_to_server(DraftServicer(self.drafter), server)
+
+    def info(self) -> dict:
+        return {**super().info(), "draft_method": self.spec.method.value}
 
     def stats(self) -> dict:
         return {**self.info(), **self.drafter.stats()}

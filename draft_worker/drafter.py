@@ -1,59 +1,26 @@
-"""The drafter's model loop: per-sequence KV state and continuous, batched drafting.
+"""The drafter: per-sequence PEARL state and continuous, batched drafting through a Proposer.
 
 The drafter holds no scheduling policy. Each sequence has a lookahead bound (`draft_until`, an
-absolute position) set by the coordinator; every `step()` drafts one token for every sequence below
-its bound, in one ragged batched forward. An abort (RESET) takes effect at the next step: the slot is
-rolled back by the engine when the next chunk starts at an earlier position.
-
-Sampling: the drafter samples from exactly the q it sends (`qcodec.draft_sample` decodes its own
-16-bit q before sampling), keyed by (seed, position, DRAFT) so re-drafting a position after an
-abort is deterministic.
+absolute position) set by the coordinator; every `step()` asks the proposer (draft_worker/proposer.py)
+for the next tokens of every sequence below its bound and turns the answers into chunks. A RESET
+(abort + rollback) truncates the sequence's tokens and takes effect at the next step. The protocol
+is the same whatever proposes the tokens: a model (one token per step), or n-gram matching (several
+at once, or nothing: an EXHAUSTED chunk tells the coordinator not to wait).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from duospec.engine import ModelRunner, SlotChunk
+from draft_worker.proposer import DraftState, Proposer
 from duospec.internal.sampling_wire import sampling_from_proto
 from duospec.internal.v1 import pearl_pb2 as pb
-from duospec.qcodec import draft_sample
-from duospec.sampling import SamplingParams
-
-
-@dataclass
-class DraftSequence:
-    slot: int
-    epoch: int
-    sampling: SamplingParams
-    feed_pos: int  # position of to_feed[0]; everything before it is in the KV cache
-    to_feed: list[int]  # tokens known but not yet fed (the tail, then the last drafted token)
-    draft_until: int  # draft positions < draft_until only
-    tokens_drafted: int = 0
-
-    @property
-    def next_pos(self) -> int:
-        """The position the next drafted token will occupy."""
-        return self.feed_pos + len(self.to_feed)
-
-    @property
-    def may_draft(self) -> bool:
-        return self.next_pos < self.draft_until
-
-
-@dataclass
-class DrafterStats:
-    steps: int = 0
-    tokens: int = 0
-    sequences: dict = field(default_factory=dict)
 
 
 class Drafter:
-    """Draft model state for every live sequence; `apply` commands, then `step` to draft."""
+    """Draft state for every live sequence; `apply` commands, then `step` to draft."""
 
-    def __init__(self, runner: ModelRunner):
-        self.runner = runner
-        self.sequences: dict[int, DraftSequence] = {}
+    def __init__(self, proposer: Proposer):
+        self.proposer = proposer
+        self.sequences: dict[int, DraftState] = {}
         self.steps = 0
         self.tokens_drafted = 0
 
@@ -64,16 +31,24 @@ class Drafter:
             self._start(cmd)
         elif kind == pb.DRAFT_COMMAND_KIND_RESET:
             seq = self.sequences.get(cmd.seq_id)
-            if seq is None:  # e.g. the drafter restarted: a reset carries everything needed to start
+            if seq is None:  # e.g. the drafter restarted: the coordinator sees no chunks and goes on
                 return
+            if cmd.start_pos > len(seq.tokens):
+                raise ValueError(
+                    f"sequence {cmd.seq_id}: RESET to position {cmd.start_pos} but only {len(seq.tokens)} are known"
+                )
+            self.proposer.rewind(seq, cmd.start_pos)
             seq.epoch = cmd.epoch
-            seq.feed_pos = cmd.start_pos
-            seq.to_feed = list(cmd.tail)
+            seq.tokens[cmd.start_pos :] = cmd.tail
             seq.draft_until = cmd.draft_until
+            seq.exhausted = False
+            self._verified(seq, cmd.committed_len or len(seq.tokens))
         elif kind == pb.DRAFT_COMMAND_KIND_ADVANCE:
             seq = self.sequences.get(cmd.seq_id)
             if seq is not None and cmd.epoch == seq.epoch:
                 seq.draft_until = cmd.draft_until
+                seq.exhausted = False
+                self._verified(seq, cmd.committed_len)
         elif kind == pb.DRAFT_COMMAND_KIND_RELEASE:
             self.release(cmd.seq_id)
         else:
@@ -82,26 +57,35 @@ class Drafter:
     def _start(self, cmd: pb.DraftCommand) -> None:
         if cmd.seq_id in self.sequences:
             self.release(cmd.seq_id)
-        if not cmd.tail:
-            raise ValueError(f"sequence {cmd.seq_id}: START needs at least one token to feed")
-        slot = self.runner.allocate_slot()
-        self.sequences[cmd.seq_id] = DraftSequence(
-            slot=slot,
+        if not cmd.tail or cmd.start_pos != 0:
+            raise ValueError(f"sequence {cmd.seq_id}: START needs the whole prompt (start_pos 0, >= 1 token)")
+        seq = DraftState(
+            seq_id=cmd.seq_id,
             epoch=cmd.epoch,
             sampling=sampling_from_proto(cmd.sampling),
-            feed_pos=cmd.start_pos,
-            to_feed=list(cmd.tail),
+            tokens=list(cmd.tail),
+            committed_len=min(cmd.committed_len or len(cmd.tail), len(cmd.tail)),
             draft_until=cmd.draft_until,
+            pool=cmd.pool,
         )
+        self.proposer.open(seq)  # may raise SlotsExhausted: the loop reports the sequence as failed
+        self.sequences[cmd.seq_id] = seq
+
+    def _verified(self, seq: DraftState, committed_len: int) -> None:
+        # Only what this drafter holds can be verified text; an old coordinator sends 0 (unknown).
+        committed_len = min(committed_len, len(seq.tokens))
+        if committed_len > seq.committed_len:
+            seq.committed_len = committed_len
+            self.proposer.observe(seq)
 
     def release(self, seq_id: int) -> None:
         seq = self.sequences.pop(seq_id, None)
         if seq is not None:
-            self.runner.free_slot(seq.slot)
+            self.proposer.close(seq)
 
     def drop_drafting(self) -> list[int]:
         """Releases every sequence that was about to draft (after a failed step); returns their ids."""
-        ids = [seq_id for seq_id, seq in self.sequences.items() if seq.may_draft]
+        ids = [seq_id for seq_id, seq in self.sequences.items() if self._may_draft(seq)]
         for seq_id in ids:
             self.release(seq_id)
         return ids
@@ -111,44 +95,56 @@ class Drafter:
             self.release(seq_id)
 
     # -- drafting -------------------------------------------------------------------------------
+    @staticmethod
+    def _may_draft(seq: DraftState) -> bool:
+        return not seq.exhausted and seq.next_pos < seq.draft_until
+
     def has_work(self) -> bool:
-        return any(seq.may_draft for seq in self.sequences.values())
+        return any(self._may_draft(seq) for seq in self.sequences.values())
 
     def step(self) -> list[pb.DraftChunk]:
-        """Drafts one token for every sequence below its bound; returns one chunk per sequence."""
-        active = [(seq_id, seq) for seq_id, seq in self.sequences.items() if seq.may_draft]
+        """Proposes for every sequence below its bound; returns one chunk per such sequence."""
+        active = [seq for seq in self.sequences.values() if self._may_draft(seq)]
         if not active:
             return []
-        # Clip to the model's context: a sequence at the end of the context stops drafting.
-        max_pos = self.runner.max_context
-        active = [(i, s) for i, s in active if s.next_pos < max_pos]
-        if not active:
-            return []
-        logits = self.runner.forward_last([SlotChunk(s.slot, s.feed_pos, s.to_feed) for _, s in active])
         chunks = []
-        for row, (seq_id, seq) in enumerate(active):
-            pos = seq.next_pos
-            token, q = draft_sample(logits[row], seq.sampling, pos)
-            chunks.append(
-                pb.DraftChunk(
-                    seq_id=seq_id,
-                    epoch=seq.epoch,
-                    start_pos=pos,
-                    tokens=[token],
-                    draft_probs=[q.to_bytes()] if q is not None else [],
-                )
-            )
-            seq.feed_pos = pos  # everything before the new token is now in the cache
-            seq.to_feed = [token]
-            seq.tokens_drafted += 1
+        limit = self.proposer.max_context
+        at_end = [seq for seq in active if limit is not None and seq.next_pos >= limit]
+        for seq in at_end:  # the end of the draft model's context: nothing more, never an error
+            seq.exhausted = True
+            chunks.append(self._chunk(seq, seq.next_pos, [], [], exhausted=True))
+        active = [seq for seq in active if not seq.exhausted]
+        if active:
+            ends = [seq.draft_until if limit is None else min(seq.draft_until, limit) for seq in active]
+            budgets = [end - seq.next_pos for seq, end in zip(active, ends)]
+            proposals = self.proposer.propose(active, budgets)
+            for seq, budget, proposal in zip(active, budgets, proposals):
+                tokens = proposal.tokens[:budget]
+                start = seq.next_pos
+                seq.tokens.extend(tokens)
+                seq.tokens_drafted += len(tokens)
+                self.tokens_drafted += len(tokens)
+                seq.exhausted = proposal.exhausted or not tokens
+                chunks.append(self._chunk(seq, start, tokens, proposal.probs[: len(tokens)], seq.exhausted))
         self.steps += 1
-        self.tokens_drafted += len(chunks)
         return chunks
+
+    @staticmethod
+    def _chunk(seq: DraftState, start: int, tokens, probs, exhausted: bool) -> pb.DraftChunk:
+        return pb.DraftChunk(
+            seq_id=seq.seq_id,
+            epoch=seq.epoch,
+            start_pos=start,
+            tokens=tokens,
+            draft_probs=[q.to_bytes() for q in probs],
+            outlook=pb.DRAFT_OUTLOOK_EXHAUSTED if exhausted else pb.DRAFT_OUTLOOK_MORE,
+        )
 
     def stats(self) -> dict:
         return {
+            "method": self.proposer.method.value,
             "live_sequences": len(self.sequences),
-            "free_slots": self.runner.free_slots,
             "steps": self.steps,
             "tokens_drafted": self.tokens_drafted,
+            **self.proposer.stats(),
         }

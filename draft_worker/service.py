@@ -102,7 +102,8 @@ class DraftLoop:
 
 def merge_batches(batches: list[pb.DraftChunkBatch]) -> pb.DraftChunkBatch:
     """Coalesces batches that queued up while the stream was busy into one message: consecutive chunks
-    of a sequence in the same epoch become one multi-token chunk (fewer, larger gRPC messages)."""
+    of a sequence in the same epoch become one multi-token chunk (fewer, larger gRPC messages) whose
+    outlook is its last part's."""
     if len(batches) == 1:
         return batches[0]
     merged = pb.DraftChunkBatch()
@@ -117,10 +118,11 @@ def merge_batches(batches: list[pb.DraftChunkBatch]) -> pb.DraftChunkBatch:
                 prev is not None
                 and prev.epoch == chunk.epoch
                 and prev.start_pos + len(prev.tokens) == chunk.start_pos
-                and bool(prev.draft_probs) == bool(chunk.draft_probs)
+                and (not chunk.tokens or not prev.tokens or bool(prev.draft_probs) == bool(chunk.draft_probs))
             ):
                 prev.tokens.extend(chunk.tokens)
                 prev.draft_probs.extend(chunk.draft_probs)
+                prev.outlook = chunk.outlook  # what follows the merged chunk is what follows its last part
             else:
                 merged.chunks.append(chunk)
                 last[chunk.seq_id] = merged.chunks[-1]

@@ -21,6 +21,8 @@ from coordinator.links import LocalDraftLink, LocalTargetLink
 from coordinator.router import ModelEntry, ModelRouter
 from coordinator.scheduler import Scheduler, SchedulerConfig
 from draft_worker.drafter import Drafter
+from draft_worker.model_proposer import ModelProposer
+from draft_worker.proposer import Proposer
 from duospec.sampling import SamplingParams
 from target_worker.verifier import Verifier
 
@@ -35,17 +37,27 @@ class DecodeResult:
     stats: SpecStats
 
 
+def as_proposer(draft) -> Proposer | None:
+    """`draft` as a Proposer: a LoadedCheckpoint drafts as a model; a Proposer is used as it is."""
+    if draft is None or isinstance(draft, Proposer):
+        return draft
+    return ModelProposer(draft.runner)
+
+
 def _router(target, draft, *, gamma: int, max_lookahead: int, max_batch_size: int, adaptive=False) -> ModelRouter:
-    """A one-model router over already-loaded checkpoints (duospec.engine.LoadedCheckpoint)."""
+    """A one-model router over an already-loaded target (duospec.engine.LoadedCheckpoint) and a draft
+    (a LoadedCheckpoint: the model drafter; or any Proposer, e.g. NgramProposer)."""
     runner = target.runner
-    context = runner.max_context if draft is None else min(runner.max_context, draft.runner.max_context)
+    proposer = as_proposer(draft)
+    limits = [runner.max_context] + ([proposer.max_context] if proposer is not None and proposer.max_context else [])
     info = ModelInfo(
         name="in-process",
         target_path=str(target.path),
-        draft_path=str(draft.path) if draft is not None else None,
+        draft_path=str(draft.path) if hasattr(draft, "path") else None,
         vocab_size=min(len(target.tokenizer), runner.vocab_size),
-        max_context=context,
+        max_context=min(limits),
         eos_token_id=target.tokenizer.eos_token_id,
+        draft_method=proposer.method.value if proposer is not None else None,
     )
     config = types.SimpleNamespace(
         speculation=types.SimpleNamespace(
@@ -55,7 +67,7 @@ def _router(target, draft, *, gamma: int, max_lookahead: int, max_batch_size: in
     sched_config = SchedulerConfig(max_batch_size=max_batch_size, max_sequences=min(runner.max_slots, 64))
 
     async def open_scheduler() -> Scheduler:
-        draft_link = LocalDraftLink(Drafter(draft.runner)) if draft is not None else None
+        draft_link = LocalDraftLink(Drafter(proposer)) if proposer is not None else None
         scheduler = Scheduler(info, LocalTargetLink(Verifier(runner)), draft_link, sched_config)
         await scheduler.start()
         return scheduler

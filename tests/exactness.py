@@ -49,3 +49,19 @@ def assert_greedy_equal(model, prompt_ids, got: list[int], want: list[int]) -> N
             f"not a near-tie): got {got[first:first + 5]}..., want {want[first:first + 5]}..."
         )
     raise AssertionError(f"length differs: got {len(got)} tokens, want {len(want)}")
+
+
+def chi_square_pvalue(joint: dict, counts, n: int) -> float:
+    """p-value of observed outcome `counts` (n draws) against exact probabilities `joint`; cells with
+    fewer than 5 expected draws are merged (the chi-square approximation needs it)."""
+    import numpy as np
+    from scipy import stats
+
+    cells = sorted(joint)
+    expected = np.array([joint[c] for c in cells]) * n
+    observed = np.array([counts.get(c, 0) for c in cells])
+    small = expected < 5
+    if small.any():
+        expected = np.append(expected[~small], expected[small].sum())
+        observed = np.append(observed[~small], observed[small].sum())
+    return float(stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue)

@@ -83,3 +83,51 @@ def test_unknown_suffix_and_missing_file(tmp_path):
         load_serve_config(tmp_path / "c.json")
     with pytest.raises(ConfigError, match="no such file"):
         load_serve_config(tmp_path / "missing.yaml")
+
+
+def _draft_config(draft, target="t"):
+    return {"models": [{"name": "m", "target": str(target), "draft": draft}]}
+
+
+def test_draft_as_a_path_or_a_mapping(tmp_path):
+    from draft_worker.proposer import DraftMethod, DraftSpec, NgramOptions
+
+    (tmp_path / "d").mkdir()
+    model = parse_serve_config(_draft_config("d"), base_dir=tmp_path).models[0]
+    assert model.draft == DraftSpec(DraftMethod.MODEL, path=str(tmp_path / "d"))
+    assert model.speculation.mode is SpeculationMode.PEARL
+    model = parse_serve_config(_draft_config({"method": "model", "path": "d"}), base_dir=tmp_path).models[0]
+    assert model.draft == DraftSpec(DraftMethod.MODEL, path=str(tmp_path / "d"))
+    model = parse_serve_config(_draft_config({"method": "ngram", "max_ngram": 5, "pool": "sequence"})).models[0]
+    assert model.draft == DraftSpec(DraftMethod.NGRAM, ngram=NgramOptions(max_ngram=5, pool="sequence"))
+    model = parse_serve_config(_draft_config({"method": "layers", "layers": 2})).models[0]
+    assert model.draft == DraftSpec(DraftMethod.LAYERS, layers=2)
+    assert model.draft.checkpoint("/m/target") == "/m/target"
+    assert ModelConfig(name="m", target="t", draft="/d").draft == DraftSpec(DraftMethod.MODEL, path="/d")
+
+
+@pytest.mark.parametrize("draft, where, fix", [
+    ({"method": "medusa-ish"}, "draft.method", "use one of model, layers, ngram"),
+    ({"path": "d"}, "draft.method", "missing"),
+    ({"method": "ngram", "path": "d"}, "draft.path", "needs no checkpoint"),
+    ({"method": "ngram", "min_ngram": 5, "max_ngram": 3}, "draft.min_ngram", "above max_ngram"),
+    ({"method": "ngram", "pool": "everyone"}, "draft.pool", "tenant, sequence"),
+    ({"method": "model"}, "draft.path", "missing"),
+    ({"method": "layers"}, "draft.layers", "missing"),
+    ({"method": "layers", "layers": 0}, "draft.layers", "out of range"),
+    ({"method": "layers", "layers": 2, "max_ngram": 3}, "draft.max_ngram", "not an option of method layers"),
+    (7, "draft", "expected str or dict"),
+])
+def test_bad_draft_names_the_field_and_the_fix(draft, where, fix):
+    with pytest.raises(ConfigError) as info:
+        parse_serve_config(_draft_config(draft), source="c.yaml")
+    assert f"c.yaml: models[0].{where}" in str(info.value) and fix in str(info.value)
+
+
+def test_layers_must_be_fewer_than_the_targets(tmp_path):
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text('{"num_hidden_layers": 4}')
+    for layers in (4, 9):
+        with pytest.raises(ConfigError, match=r"draft.layers: .*the target has 4 layers.*layers: 2"):
+            parse_serve_config(_draft_config({"method": "layers", "layers": layers}, tmp_path / "target"))
+    assert parse_serve_config(_draft_config({"method": "layers", "layers": 3}, tmp_path / "target")).models[0].draft

@@ -7,14 +7,13 @@ import collections
 import numpy as np
 import pytest
 import torch
-from scipy import stats as scipy_stats
 from transformers import AutoModelForCausalLM
 
 from coordinator.api import FinishEvent, FinishReason, SpeculationMode
 from duospec.decoding import _request, autoregressive, stream_events, stream_text, vanilla_speculative
 from duospec.engine import load_checkpoint
 from duospec.sampling import SamplingParams, probs_from_logits
-from exactness import assert_greedy_equal, hf_greedy
+from exactness import assert_greedy_equal, chi_square_pvalue, hf_greedy
 from tiny_models import make_tiny_checkpoint
 
 N_PROMPTS, N_NEW = 20, 64
@@ -106,15 +105,7 @@ def test_sampled_speculation_follows_target_distribution(pair, mode):
     results = stream_events(target, draft, requests, gamma=2, max_batch_size=16)
     counts = collections.Counter(tuple(_tokens(results[r.request_id])) for r in requests)
     assert set(counts) <= set(joint), f"tokens outside the target's top-k support: {set(counts) - set(joint)}"
-    cells = sorted(joint)
-    expected = np.array([joint[c] for c in cells]) * n
-    observed = np.array([counts.get(c, 0) for c in cells])
-    # Merge cells too small for the chi-square approximation.
-    small = expected < 5
-    if small.any():
-        expected = np.append(expected[~small], expected[small].sum())
-        observed = np.append(observed[~small], observed[small].sum())
-    p_value = scipy_stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue
+    p_value = chi_square_pvalue(joint, counts, n)
     assert p_value > 1e-3, f"{mode}: sampled output does not follow p (chi-square p={p_value:.2e})"
 
 

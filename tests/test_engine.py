@@ -268,3 +268,24 @@ def test_packed_linear_can_be_switched_off(monkeypatch):
         assert not llama._packed_linear_works()
     finally:
         llama._packed_linear_works.cache_clear()
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2-tied", "mistral-window"])
+def test_shallow_layers_match_transformers_truncated(ckpt_dirs, sequences, name):
+    """`num_layers=K` (the `layers` drafter) = the target's first K layers + its final norm and head."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from duospec.engine.loader import shallow_config
+
+    path = ckpt_dirs[name]
+    config = shallow_config(str(path), AutoConfig.from_pretrained(path), 1)
+    reference = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = reference(sequences[:1]).logits[0]
+    runner = load_model(path, device="cpu", dtype="float32", max_slots=1, num_layers=1)
+    assert len(runner.layers) == 1 and runner.config.num_hidden_layers == 1
+    slot = runner.allocate_slot()
+    got = runner.forward([chunk(slot, sequences[0], 0, SEQ_LEN)])[0]
+    assert_close(got, want, f"{name} first layer")
+    with pytest.raises(Exception, match=r"1 <= layers < 2"):
+        load_model(path, device="cpu", max_slots=1, num_layers=2)

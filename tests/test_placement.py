@@ -65,3 +65,11 @@ def test_actors_land_on_different_nodes_and_gpus(tmp_path):
     assert one["draft"]["gpu_ids"] != one["target"]["gpu_ids"]
     short = results["one_gpu"]
     assert short["error"] and "GPU" in short["error"] and short["seconds"] < 10
+
+
+def test_plan_model_free_drafter_needs_only_the_targets_gpu():
+    plan = plan_placement([_node(1)], draft_needs_gpu=False)
+    draft, target = plan.bundles
+    assert plan.uses_gpu and target["GPU"] == 1 and "GPU" not in draft
+    with pytest.raises(PlacementError, match="the target needs a GPU"):
+        plan_placement([_node(0)], use_gpu=True, draft_needs_gpu=False)

@@ -128,8 +128,36 @@ def _gpt2_target(root: Path) -> Path:
     return root
 
 
+def test_distill_init_layers_fine_tunes_the_targets_first_layers(target_dir, data_dir, tmp_path):
+    """`--init-layers K`: the draft starts as the target's first K layers and serves as a layers drafter."""
+    from transformers import AutoModelForCausalLM
+
+    from draft_worker.methods import build_proposer
+    from draft_worker.proposer import DraftMethod, DraftSpec
+    from duospec.decoding import autoregressive, decode
+    from duospec.engine import load_checkpoint
+
+    out = tmp_path / "shallow"
+    assert _distill(target_dir, data_dir, out, "--init-layers", "1", "--steps", "0") == 2  # --steps < 1 refused
+    assert _distill(target_dir, data_dir, out, "--init-layers", "1", "--steps", "2", "--lr", "1e-9") == 0
+    draft = AutoModelForCausalLM.from_pretrained(str(out)).float()
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir))
+    assert draft.config.num_hidden_layers == 1 and draft.config.hidden_size == target.config.hidden_size
+    # Nearly no learning rate: still the target's own first layer (up to the float16 export).
+    torch.testing.assert_close(draft.model.layers[0].mlp.down_proj.weight,
+                               target.model.layers[0].mlp.down_proj.weight, atol=2e-3, rtol=1e-2)
+    assert _checkpoint_step(out) == 2
+    spec = DraftSpec(DraftMethod.LAYERS, layers=1, path=str(out))
+    ckpt = load_checkpoint(target_dir, device="cpu", dtype="float32", max_slots=2)
+    prompt = [5, 6, 7, 8]
+    result = decode(ckpt, build_proposer(spec, str(target_dir), device="cpu", max_slots=2), prompt,
+                    max_new_tokens=24, mode="vanilla", ignore_eos=True)
+    assert result.token_ids == autoregressive(ckpt, prompt, max_new_tokens=24, ignore_eos=True).token_ids
+    assert result.stats.drafted_tokens > 0
+
+
 @pytest.mark.parametrize("case", ["unsupported_arch", "missing_data", "empty_dir", "binary_file",
-                                  "bad_shape", "foreign_model_in_out"])
+                                  "bad_shape", "foreign_model_in_out", "too_many_init_layers"])
 def test_bad_input_fails_before_training(case, target_dir, data_dir, tmp_path, capsys):
     target, data, out, extra = target_dir, data_dir, tmp_path / "out", []
     if case == "unsupported_arch":
@@ -148,6 +176,9 @@ def test_bad_input_fails_before_training(case, target_dir, data_dir, tmp_path, c
     elif case == "bad_shape":
         extra = ["--draft-hidden", "30"]
         expected = "must give an even whole head size"
+    elif case == "too_many_init_layers":
+        extra = ["--init-layers", "2"]
+        expected = "1 <= --init-layers < 2"
     else:
         shutil.copytree(target_dir, out)
         expected = "already holds a model that `duospec distill` did not write"

@@ -25,7 +25,7 @@ WARMUP_TOKENS = 8
 @dataclass
 class BenchConfig:
     target: str
-    draft: str
+    draft: str  # the draft checkpoint (method model); "" for a method that loads none of its own
     out: pathlib.Path
     prompts: pathlib.Path | None = None  # None: benchmarks/prompts/prompts.jsonl
     prompt_limit: int | None = None  # first N prompts only
@@ -44,6 +44,7 @@ class BenchConfig:
     progress: bool = True
     simulate: str | None = None  # a duospec.bench.simulate scenario: replayed tokens, slept forward times
     acceptance: float | None = None  # with simulate: a synthetic drafter with this per-token acceptance
+    draft_method: str = "model"  # model | ngram | layers:K (coordinator.config.draft_from_flag)
 
     def validate(self) -> None:
         unknown = [m for m in self.modes if m not in ALL_MODES]
@@ -66,9 +67,16 @@ class BenchConfig:
                 raise ValueError("--simulate runs our modes only (off, vanilla, pearl); --modes names none of them")
         if self.acceptance is not None and self.simulate is None:
             raise ValueError("--acceptance goes with --simulate (it replaces the draft's choices in the replay)")
+        from coordinator.config import draft_from_flag
+
+        spec = draft_from_flag(self.draft_method, self.draft or None)
+        if self.simulate is not None and self.draft_method != "model":
+            raise ValueError(f"--simulate replays a draft model's choices; drop --draft-method {self.draft_method} "
+                             "(or benchmark it without --simulate)")
         if any(c < 1 for c in self.concurrency):
             raise ValueError(f"--concurrency {list(self.concurrency)}: stream counts must be >= 1")
-        for role in ("target", "draft"):
+        roles = ("target", "draft") if spec.method.value == "model" else ("target",)
+        for role in roles:
             if not (pathlib.Path(getattr(self, role)) / "config.json").is_file():
                 raise FileNotFoundError(f"--{role} {getattr(self, role)}: no checkpoint there (config.json); "
                                         "pass --models DIR holding target/ and draft/, or --target and --draft")
@@ -155,7 +163,7 @@ def run_bench(config: BenchConfig) -> dict:
     config.validate()
     torch.set_num_threads(1)  # one thread per model: the draft and target threads each get one core
     hf_logging.disable_progress_bar()  # per-checkpoint "Loading weights" bars would break up ours
-    pair = BenchPair(str(config.target), str(config.draft), config.device)
+    pair = BenchPair(str(config.target), str(config.draft), config.device, config.draft_method)
     prompt_path = config.prompts or DEFAULT_PROMPTS
     prompts = encode_prompts(load_tokenizer(pair.target), load_prompts(prompt_path, config.prompt_limit),
                              config.max_prompt_tokens)

@@ -19,8 +19,14 @@ MODEL_NAME = "bench"
 @dataclass(frozen=True)
 class BenchPair:
     target: str
-    draft: str
+    draft: str  # the draft checkpoint ("" when the method loads none of its own)
     device: str = "cpu"
+    draft_method: str = "model"  # --draft-method: model | ngram | layers:K
+
+    def draft_spec(self):
+        from coordinator.config import draft_from_flag
+
+        return draft_from_flag(self.draft_method, self.draft or None)
 
 
 @dataclass(frozen=True)
@@ -33,7 +39,7 @@ def model_config(pair: BenchPair, gamma: int, max_lookahead: int):
     from coordinator.api import SpeculationMode
     from coordinator.config import ModelConfig, SpeculationDefaults
 
-    return ModelConfig(name=MODEL_NAME, target=pair.target, draft=pair.draft, device=pair.device,
+    return ModelConfig(name=MODEL_NAME, target=pair.target, draft=pair.draft_spec(), device=pair.device,
                        speculation=SpeculationDefaults(SpeculationMode.PEARL, gamma, max_lookahead))
 
 
@@ -96,16 +102,29 @@ def open_local_coordinator(pair: BenchPair, gamma: int, max_lookahead: int):
 
 
 class HFGenerate:
-    """transformers `generate` on the same checkpoints (the baselines users already have)."""
+    """transformers `generate` on the same checkpoints (the baselines users already have). `hf-assisted`
+    is assisted generation with the same drafter: the draft model as `assistant_model`, the target's
+    first K layers as one (layers:K), or prompt lookup decoding (`prompt_lookup_num_tokens`, ngram)."""
 
     def __init__(self, pair: BenchPair):
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from draft_worker.proposer import DraftMethod
+        from duospec.engine.loader import shallow_config
 
         self.torch = torch
         self.device = torch.device(pair.device)
         self.target = AutoModelForCausalLM.from_pretrained(pair.target, dtype=torch.float32).to(self.device).eval()
-        self.draft = AutoModelForCausalLM.from_pretrained(pair.draft, dtype=torch.float32).to(self.device).eval()
+        spec = pair.draft_spec()
+        self.prompt_lookup = spec.method is DraftMethod.NGRAM
+        self.draft = None
+        if spec.method is not DraftMethod.NGRAM:
+            kwargs = {}
+            if spec.method is DraftMethod.LAYERS and spec.path is None:
+                kwargs["config"] = shallow_config(pair.target, AutoConfig.from_pretrained(pair.target), spec.layers)
+            source = spec.checkpoint(pair.target)
+            self.draft = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **kwargs).to(self.device).eval()
 
     def _config(self, max_new_tokens: int, gamma: int | None):
         from transformers import GenerationConfig
@@ -113,7 +132,7 @@ class HFGenerate:
         # eos_token_id=None: never stop early, like ignore_eos in our requests.
         config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
                                   pad_token_id=self.target.config.pad_token_id or 0)
-        if gamma is not None:
+        if gamma is not None and not self.prompt_lookup:
             config.num_assistant_tokens = gamma
             config.num_assistant_tokens_schedule = "constant"  # a fixed γ, like our vanilla mode
             config.assistant_confidence_threshold = 0.0  # no early stop inside a draft round
@@ -122,7 +141,9 @@ class HFGenerate:
     def generate(self, prompt: EncodedPrompt, max_new_tokens: int, gamma: int | None) -> RequestRecord:
         torch = self.torch
         ids = torch.tensor([prompt.token_ids], device=self.device)
-        kwargs = {"assistant_model": self.draft} if gamma is not None else {}
+        kwargs = {}
+        if gamma is not None:
+            kwargs = {"prompt_lookup_num_tokens": gamma} if self.prompt_lookup else {"assistant_model": self.draft}
         started = time.perf_counter()
         with torch.no_grad():
             out = self.target.generate(ids, attention_mask=torch.ones_like(ids),

@@ -61,7 +61,8 @@ def render_markdown(report: dict) -> str:
                   f"{simulation['cost_ratio_1_token']}×. Not simulated (they cannot replay): "
                   f"{', '.join(simulation['modes_not_simulated']) or 'none'}.", ""]
     lines += [
-             f"Models: {cfg['models_label'] or 'unlabelled'} (target `{cfg['target']}`, draft `{cfg['draft']}`).  ",
+             f"Models: {cfg['models_label'] or 'unlabelled'} (target `{cfg['target']}`, drafter {cfg.get('draft_method', 'model')} "
+             f"`{cfg['draft'] or '-'}`).  ",
              f"Hardware: {hw['processor']}, {hw['cpu_count']} cores, device {hw['device']}"
              f"{', ' + hw['gpu'] if hw['gpu'] else ''}, one torch thread per model.  ",
              f"Prompts: {setup['prompts']} from `{setup['prompts_file']}`; greedy, {cfg['max_new_tokens']} new "

@@ -30,6 +30,9 @@ def register(subparsers) -> None:
                    help="folder holding target/ and draft/ (default: the bundled pair, $DUOSPEC_MODELS or models/)")
     p.add_argument("--target", type=pathlib.Path, help="target checkpoint (with --draft, instead of --models)")
     p.add_argument("--draft", type=pathlib.Path, help="draft checkpoint (with --target)")
+    p.add_argument("--draft-method", default="model", metavar="METHOD",
+                   help="what drafts: model (the draft checkpoint, default), ngram (model-free: matches in the "
+                        "prompt and output; no draft needed) or layers:K (the target's first K layers)")
     p.add_argument("--models-label", default="", help="what the models are, printed in the report")
     p.add_argument("--prompts", type=pathlib.Path, help="JSONL prompt set (default benchmarks/prompts/prompts.jsonl)")
     p.add_argument("--limit-prompts", type=int, help="use only the first N prompts")
@@ -56,7 +59,12 @@ def register(subparsers) -> None:
     p.set_defaults(func=run_bench_command)
 
 
-def resolve_pair(args: argparse.Namespace) -> tuple[pathlib.Path, pathlib.Path]:
+def resolve_pair(args: argparse.Namespace) -> tuple[pathlib.Path, pathlib.Path | None]:
+    needs_draft = getattr(args, "draft_method", "model") == "model"
+    if args.target is not None and args.draft is None and not needs_draft:
+        if args.models is not None:
+            raise ValueError("pass either --models DIR or --target, not both")
+        return args.target, None
     if (args.target is None) != (args.draft is None):
         raise ValueError("--target and --draft go together; pass both, or --models DIR")
     if args.target is not None:
@@ -75,13 +83,13 @@ def run_bench_command(args: argparse.Namespace) -> int:
     try:
         target, draft = resolve_pair(args)
         config = BenchConfig(
-            target=str(target), draft=str(draft), out=args.out, prompts=args.prompts, prompt_limit=args.limit_prompts,
+            target=str(target), draft=str(draft) if draft is not None else "", out=args.out, prompts=args.prompts, prompt_limit=args.limit_prompts,
             max_new_tokens=args.max_new_tokens, repeats=args.repeats, modes=tuple(args.modes),
             skip_server=args.skip_server, concurrency=args.concurrency, sweep_requests_per_stream=args.sweep_requests,
             device=args.device, gamma=args.gamma, ray_address=args.address,
             models_label=args.models_label or ("bundled pair" if args.models is None and args.target is None else ""),
             progress=not args.no_progress, simulate=args.simulate,
-            acceptance=args.acceptance,
+            acceptance=args.acceptance, draft_method=args.draft_method,
         )
         config.validate()
     except (ValueError, FileNotFoundError) as exc:

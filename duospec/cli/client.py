@@ -125,10 +125,10 @@ def models_command(args) -> int:
     if args.json:
         print(json.dumps([dataclasses.asdict(card) for card in cards], indent=2))
         return 0
-    header = ("NAME", "MODE", "VOCAB", "CONTEXT", "TARGET", "DRAFT", "TARGET NODE", "DRAFT NODE")
+    header = ("NAME", "MODE", "VOCAB", "CONTEXT", "DRAFTER", "TARGET", "DRAFT", "TARGET NODE", "DRAFT NODE")
     rows = [header] + [
-        (c.name, c.default_mode, str(c.vocab_size), str(c.max_context), c.target, c.draft or "-",
-         c.target_node_id or "-", c.draft_node_id or "-")
+        (c.name, c.default_mode, str(c.vocab_size), str(c.max_context), c.draft_method or "-", c.target,
+         c.draft or "-", c.target_node_id or "-", c.draft_node_id or "-")
         for c in cards
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

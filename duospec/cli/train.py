@@ -68,6 +68,10 @@ def _register_distill(subparsers) -> None:
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="auto = cuda when available (bf16 autocast there), else cpu")
+    parser.add_argument("--init-layers", type=int, metavar="K",
+                        help="start from the target's first K layers (+ its final norm and LM head) instead of a "
+                             "fresh draft; the shape options do not apply. Serve the result as "
+                             "{method: layers, layers: K, path: OUT}")
     parser.add_argument("--seed", type=int, default=0, help="draft init and batch order (default 0)")
     parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                         help="continue from OUT's checkpoint if it belongs to the same run (default)")

@@ -7,6 +7,7 @@ where the machine has network; never in tests).
 
 from __future__ import annotations
 
+import copy
 import logging
 import pathlib
 from dataclasses import dataclass
@@ -108,12 +109,15 @@ def _max_context(ref: str, config, max_context: int | None) -> int:
 
 
 def load_model(path: str | pathlib.Path, *, device: str | torch.device = "cpu", dtype: str | torch.dtype = "auto",
-               max_slots: int = 16, max_context: int | None = None, backend: str = "auto") -> ModelRunner:
+               max_slots: int = 16, max_context: int | None = None, backend: str = "auto",
+               num_layers: int | None = None) -> ModelRunner:
     """Load a causal LM checkpoint into a ``ModelRunner``.
 
     backend: "lean" = duospec's slot-cache forward (Llama/Qwen2/Mistral; error otherwise), "hf" =
     the transformers model one sequence at a time, "auto" = lean where supported, else hf.
     max_context: positions per slot; default min(max_position_embeddings, 4096).
+    num_layers: keep only the first K decoder layers (plus the final norm and LM head): the
+    shallow-layer draft of a target (only those layers' weights are loaded).
     A directory holding ``replay.json`` loads a ``ReplayRunner`` (benchmark simulation; see replay.py).
     """
     if backend not in BACKENDS:
@@ -122,6 +126,8 @@ def load_model(path: str | pathlib.Path, *, device: str | torch.device = "cpu", 
     dev = _resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     config = _load_config(ref)
+    if num_layers is not None:
+        config = shallow_config(ref, config, num_layers)
     context = _max_context(ref, config, max_context)
     if max_slots < 1:
         raise CheckpointError(f"max_slots={max_slots}: must be >= 1")
@@ -136,7 +142,7 @@ def load_model(path: str | pathlib.Path, *, device: str | torch.device = "cpu", 
     use_lean = backend == "lean" or (backend == "auto" and reason is None)
     if backend == "auto" and reason is not None:
         log.info("%s: using the transformers fallback backend (%s)", ref, reason)
-    model = _load_hf_model(ref, torch_dtype)
+    model = _load_hf_model(ref, torch_dtype, config if num_layers is not None else None)
     if use_lean:
         runner: ModelRunner = LeanLlamaRunner(model.config, model.state_dict(), device=dev, dtype=torch_dtype,
                                               max_slots=max_slots, max_context=context)
@@ -147,11 +153,29 @@ def load_model(path: str | pathlib.Path, *, device: str | torch.device = "cpu", 
     return HFRunner(model.to(dev), max_slots=max_slots, max_context=context)
 
 
-def _load_hf_model(ref: str, dtype: torch.dtype):
+def shallow_config(ref: str, config, num_layers: int):
+    """A copy of ``config`` with only the first ``num_layers`` decoder layers."""
+    total = getattr(config, "num_hidden_layers", None)
+    if total is None:
+        raise CheckpointError(f"{ref}: the config has no num_hidden_layers; a shallow-layer draft needs a decoder LM")
+    if not 1 <= num_layers < total:
+        raise CheckpointError(
+            f"{ref}: a shallow-layer draft of {num_layers} layers needs 1 <= layers < {total} (the target's "
+            f"layer count); pick fewer layers"
+        )
+    shallow = copy.deepcopy(config)
+    shallow.num_hidden_layers = num_layers
+    if isinstance(getattr(shallow, "layer_types", None), list):  # per-layer attention kinds (Qwen2, Gemma)
+        shallow.layer_types = shallow.layer_types[:num_layers]
+    return shallow
+
+
+def _load_hf_model(ref: str, dtype: torch.dtype, config=None):
     from transformers import AutoModelForCausalLM
 
+    kwargs = {"config": config} if config is not None else {}
     try:
-        return AutoModelForCausalLM.from_pretrained(ref, dtype=dtype)
+        return AutoModelForCausalLM.from_pretrained(ref, dtype=dtype, **kwargs)
     except Exception as exc:  # corrupt or mismatched weights surface as many exception types
         raise CheckpointError(f"{ref}: transformers cannot load the weights: {exc}") from exc
 

@@ -69,6 +69,7 @@ class ModelCard:
     default_mode: str
     target_node_id: str
     draft_node_id: str
+    draft_method: str = ""  # "model", "layers", "ngram"; "" = no drafter
 
 
 def _enum_name(enum_type, value: int, prefix: str) -> str:
@@ -217,6 +218,7 @@ def model_card_from_proto(card: pb.ModelCard) -> ModelCard:
         default_mode=_enum_name(pb.SpeculationMode, card.default_mode, "SPECULATION_MODE_"),
         target_node_id=card.target_node_id,
         draft_node_id=card.draft_node_id,
+        draft_method=card.draft_method,
     )
 
 

@@ -45,6 +45,9 @@ class DistillOptions:
     device: str = "auto"
     seed: int = 0
     resume: bool = True
+    # K: the draft starts as the target's first K layers (+ its final norm and LM head) and keeps that
+    # shape (--draft-layers/--draft-hidden/--draft-heads do not apply): the `layers` drafter, fine-tuned
+    init_layers: int | None = None
 
     @classmethod
     def from_args(cls, args) -> DistillOptions:
@@ -52,12 +55,14 @@ class DistillOptions:
                    draft_layers=args.draft_layers, draft_hidden=args.draft_hidden,
                    draft_heads=args.draft_heads, steps=args.steps, batch_size=args.batch_size,
                    seq_len=args.seq_len, lr=args.lr, device=args.device, seed=args.seed,
-                   resume=args.resume)
+                   resume=args.resume, init_layers=getattr(args, "init_layers", None))
 
     def validate(self) -> None:
         for name in ("draft_layers", "draft_hidden", "draft_heads", "steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise DistillError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.init_layers is not None and self.init_layers < 1:
+            raise DistillError(f"--init-layers must be >= 1, got {self.init_layers}")
         if self.lr <= 0:
             raise DistillError(f"--lr must be positive, got {self.lr}")
         head_dim, rest = divmod(self.draft_hidden, self.draft_heads)
@@ -89,7 +94,16 @@ def load_target_config(target: Path):
 
 
 def draft_config_for(target_config, options: DistillOptions):
-    """A LlamaConfig sharing the target's vocabulary, special ids, positions and RoPE."""
+    """A LlamaConfig sharing the target's vocabulary, special ids, positions and RoPE; with
+    --init-layers K, the target's own config cut to K layers."""
+    if options.init_layers is not None:
+        from duospec.engine import CheckpointError
+        from duospec.engine.loader import shallow_config
+
+        try:
+            return shallow_config(f"--target {options.target}", target_config, options.init_layers)
+        except CheckpointError as err:
+            raise DistillError(str(err).replace("layers <", "--init-layers <")) from None
     shape = ModelShape(hidden=options.draft_hidden, layers=options.draft_layers, heads=options.draft_heads,
                        kv_heads=options.draft_heads, intermediate=_intermediate_for(options.draft_hidden))
     return llama_config(
@@ -233,10 +247,14 @@ def distill(options: DistillOptions) -> Path:
     log(f"data: {len(files)} files, {len(source.tokens)} training tokens, "
         f"{sum(b.numel() for b in heldout)} held-out window tokens")
 
-    # 3. Models: the frozen target (bf16 on GPU), a fresh draft.
+    # 3. Models: the frozen target (bf16 on GPU); a fresh draft, or the target's first layers.
     target_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = AutoModelForCausalLM.from_pretrained(str(options.target), dtype=target_dtype).to(device)
-    draft = build_model(draft_config, seed=options.seed).to(device)
+    if options.init_layers is not None:
+        draft = AutoModelForCausalLM.from_pretrained(str(options.target), config=draft_config,
+                                                     dtype=torch.float32).to(device)
+    else:
+        draft = build_model(draft_config, seed=options.seed).to(device)
     log(f"target {count_parameters(target):,} params ({target_config.model_type}), "
         f"draft {count_parameters(draft):,} params, device {device}")
 

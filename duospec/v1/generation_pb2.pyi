@@ -148,7 +148,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelCard(_message.Message):
-    __slots__ = ("name", "target", "draft", "vocab_size", "max_context", "default_mode", "target_node_id", "draft_node_id")
+    __slots__ = ("name", "target", "draft", "vocab_size", "max_context", "default_mode", "target_node_id", "draft_node_id", "draft_method")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,7 @@ class ModelCard(_message.Message):
     DEFAULT_MODE_FIELD_NUMBER: _ClassVar[int]
     TARGET_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_METHOD_FIELD_NUMBER: _ClassVar[int]
     name: str
     target: str
     draft: str
@@ -165,7 +166,8 @@ class ModelCard(_message.Message):
     default_mode: SpeculationMode
     target_node_id: str
     draft_node_id: str
-    def __init__(self, name: _Optional[str] = ..., target: _Optional[str] = ..., draft: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., default_mode: _Optional[_Union[SpeculationMode, str]] = ..., target_node_id: _Optional[str] = ..., draft_node_id: _Optional[str] = ...) -> None: ...
+    draft_method: str
+    def __init__(self, name: _Optional[str] = ..., target: _Optional[str] = ..., draft: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., default_mode: _Optional[_Union[SpeculationMode, str]] = ..., target_node_id: _Optional[str] = ..., draft_node_id: _Optional[str] = ..., draft_method: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

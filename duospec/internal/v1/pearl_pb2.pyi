@@ -15,6 +15,12 @@ class DraftCommandKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DRAFT_COMMAND_KIND_ADVANCE: _ClassVar[DraftCommandKind]
     DRAFT_COMMAND_KIND_RELEASE: _ClassVar[DraftCommandKind]
 
+class DraftOutlook(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DRAFT_OUTLOOK_UNSPECIFIED: _ClassVar[DraftOutlook]
+    DRAFT_OUTLOOK_MORE: _ClassVar[DraftOutlook]
+    DRAFT_OUTLOOK_EXHAUSTED: _ClassVar[DraftOutlook]
+
 class BonusPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     BONUS_POLICY_UNSPECIFIED: _ClassVar[BonusPolicy]
@@ -39,6 +45,9 @@ DRAFT_COMMAND_KIND_START: DraftCommandKind
 DRAFT_COMMAND_KIND_RESET: DraftCommandKind
 DRAFT_COMMAND_KIND_ADVANCE: DraftCommandKind
 DRAFT_COMMAND_KIND_RELEASE: DraftCommandKind
+DRAFT_OUTLOOK_UNSPECIFIED: DraftOutlook
+DRAFT_OUTLOOK_MORE: DraftOutlook
+DRAFT_OUTLOOK_EXHAUSTED: DraftOutlook
 BONUS_POLICY_UNSPECIFIED: BonusPolicy
 BONUS_POLICY_SAMPLE: BonusPolicy
 BONUS_POLICY_SKIP: BonusPolicy
@@ -64,7 +73,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class DraftCommand(_message.Message):
-    __slots__ = ("seq_id", "epoch", "kind", "start_pos", "tail", "draft_until", "sampling")
+    __slots__ = ("seq_id", "epoch", "kind", "start_pos", "tail", "draft_until", "sampling", "pool", "committed_len")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +81,8 @@ class DraftCommand(_message.Message):
     TAIL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_UNTIL_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     epoch: int
     kind: DraftCommandKind
@@ -79,7 +90,9 @@ class DraftCommand(_message.Message):
     tail: _containers.RepeatedScalarFieldContainer[int]
     draft_until: int
     sampling: Sampling
-    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., kind: _Optional[_Union[DraftCommandKind, str]] = ..., start_pos: _Optional[int] = ..., tail: _Optional[_Iterable[int]] = ..., draft_until: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+    pool: str
+    committed_len: int
+    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., kind: _Optional[_Union[DraftCommandKind, str]] = ..., start_pos: _Optional[int] = ..., tail: _Optional[_Iterable[int]] = ..., draft_until: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., pool: _Optional[str] = ..., committed_len: _Optional[int] = ...) -> None: ...
 
 class DraftControl(_message.Message):
     __slots__ = ("commands",)
@@ -88,18 +101,20 @@ class DraftControl(_message.Message):
     def __init__(self, commands: _Optional[_Iterable[_Union[DraftCommand, _Mapping]]] = ...) -> None: ...
 
 class DraftChunk(_message.Message):
-    __slots__ = ("seq_id", "epoch", "start_pos", "tokens", "draft_probs")
+    __slots__ = ("seq_id", "epoch", "start_pos", "tokens", "draft_probs", "outlook")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    OUTLOOK_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     epoch: int
     start_pos: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., start_pos: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    outlook: DraftOutlook
+    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., start_pos: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[bytes]] = ..., outlook: _Optional[_Union[DraftOutlook, str]] = ...) -> None: ...
 
 class DraftChunkBatch(_message.Message):
     __slots__ = ("chunks", "busy_seconds", "idle_seconds", "failed_seq_ids")

@@ -1,0 +1,60 @@
+"""Drafting with a model: a small draft checkpoint, or the target's own first K layers.
+
+One token per step for every drafting sequence, in one ragged batched forward (the drafter's
+`step` is called again at once while any sequence is below its bound). Each sequence holds a KV slot;
+`fed` counts the positions of `tokens` already in it, so a step feeds only what is new (after a
+RESET: the committed tail; otherwise the previously drafted token).
+
+Sampling: the proposer samples from exactly the q it sends (`qcodec.draft_sample` decodes its own
+16-bit q before sampling), keyed by (seed, position, DRAFT), so re-drafting a position after an abort
+draws the same token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from draft_worker.proposer import DraftMethod, DraftState, Proposal, Proposer
+from duospec.engine import ModelRunner, SlotChunk
+from duospec.qcodec import draft_sample
+
+
+@dataclass
+class _SlotState:
+    slot: int
+    fed: int = 0  # tokens[:fed] are in the slot's KV cache
+
+
+class ModelProposer(Proposer):
+    def __init__(self, runner: ModelRunner, method: DraftMethod = DraftMethod.MODEL):
+        self.runner = runner
+        self.method = method
+        self.max_context = runner.max_context
+
+    def open(self, seq: DraftState) -> None:
+        seq.proposer_state = _SlotState(self.runner.allocate_slot())
+
+    def rewind(self, seq: DraftState, length: int) -> None:
+        state: _SlotState = seq.proposer_state
+        state.fed = min(state.fed, length)  # the next forward starts there and overwrites the rest
+
+    def close(self, seq: DraftState) -> None:
+        state: _SlotState | None = seq.proposer_state
+        if state is not None:
+            self.runner.free_slot(state.slot)
+            seq.proposer_state = None
+
+    def propose(self, seqs: list[DraftState], budgets: list[int]) -> list[Proposal]:
+        states: list[_SlotState] = [seq.proposer_state for seq in seqs]
+        logits = self.runner.forward_last(
+            [SlotChunk(state.slot, state.fed, seq.tokens[state.fed :]) for seq, state in zip(seqs, states)]
+        )
+        proposals = []
+        for row, (seq, state) in enumerate(zip(seqs, states)):
+            token, q = draft_sample(logits[row], seq.sampling, seq.next_pos)
+            state.fed = seq.next_pos  # everything before the new token is now cached
+            proposals.append(Proposal([token], [q] if q is not None else []))
+        return proposals
+
+    def stats(self) -> dict:
+        return {"free_slots": self.runner.free_slots}

@@ -1,0 +1,161 @@
+"""The proposer interface: the one thing a drafting method implements.
+
+The drafter (draft_worker/drafter.py) owns the PEARL side of the protocol for every sequence — epochs,
+the lookahead bound, rollback on RESET, chunks on the wire, failure handling — and asks a `Proposer`
+only this: *given what each of these sequences holds, which tokens come next?* Each drafting method
+is one file behind this contract (in the spirit of transformers' candidate generators):
+
+    model_proposer.py   a small draft model, or the target's own first K layers (one token per step)
+    ngram_proposer.py   model-free: the longest suffix match in the sequence's own text and in the
+                        same tenant's recent text (many tokens per step, no accelerator)
+
+Contract, per step (`propose`), for each sequence that may draft:
+
+    seq.tokens[:seq.committed_len]   verified tokens (prompt + committed)
+    seq.tokens[seq.committed_len:]   this drafter's earlier proposals not yet verified
+    budget                           how many more positions it may fill (>= 1)
+
+and it returns a `Proposal` of 1..budget tokens (with their q when sampling), or no tokens and
+``exhausted=True`` when it has nothing to offer until the sequence changes (the coordinator then
+verifies what it has instead of waiting). The drafter appends the tokens to ``seq.tokens``.
+
+What a proposer proposes at a position (and whether it proposes anything) must depend only on
+``seq.tokens`` before it and the request's seeded sampling — never on how steps and commands happened
+to interleave. The coordinator relies on it for sampled requests: after an exhausted chunk it takes
+the target's bonus token, and that must happen at the same positions in every run.
+
+Lifecycle: `open` when a sequence starts (allocate a KV slot), `rewind` when a RESET replaces
+``tokens[length:]`` (drop cached state past it), `observe` when more of the sequence is verified
+(learn: the n-gram index grows), `close` when it is released (free the slot; give the verified text to
+the tenant's pool).
+
+Where this is going (DESIGN.md §3b): a tree proposal is a `Proposal` with a parent index per token
+(a chain is parents ``[-1, 0, 1, ...]``); hedges for the speculation cache are proposals keyed by a
+hypothetical verify outcome (position, token). Both extend `Proposal` and `propose`; the drafter loop
+and the protocol around it stay as they are.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # this module is read by the config loader: no torch at import time
+    from duospec.qcodec import DraftProbs
+    from duospec.sampling import SamplingParams
+
+
+class DraftMethod(str, enum.Enum):
+    """How draft tokens are made (`models[].draft.method` in the serve config)."""
+
+    MODEL = "model"  # a separate small checkpoint with the target's tokenizer
+    LAYERS = "layers"  # the target's first K layers + its final norm and LM head (self-speculation)
+    NGRAM = "ngram"  # model-free: suffix matches in the sequence's and the tenant's recent text
+
+    @property
+    def needs_model(self) -> bool:
+        return self is not DraftMethod.NGRAM
+
+
+POOL_SCOPES = ("tenant", "sequence")
+
+
+@dataclass(frozen=True)
+class NgramOptions:
+    """`models[].draft` options of the n-gram drafter (validated in coordinator/config.py)."""
+
+    min_ngram: int = 2  # shortest context that may predict (shorter matches are mostly noise)
+    max_ngram: int = 8  # longest context matched
+    max_proposal: int = 16  # tokens proposed per step (the lookahead bound also applies)
+    pool: str = "tenant"  # "tenant": also match the tenant's recent sequences; "sequence": its own text only
+    pool_tokens: int = 200_000  # per tenant pool; the oldest sequences are evicted past it
+    max_pools: int = 256  # tenants with a pool; the least recently used is evicted past it
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """What drafts for a model: `models[].draft` in the serve config, typed."""
+
+    method: DraftMethod
+    # model: the draft checkpoint (required); layers: a fine-tuned shallow draft (optional)
+    path: str | None = None
+    layers: int | None = None  # layers: K, the target's first K layers
+    ngram: NgramOptions = field(default_factory=NgramOptions)
+
+    def checkpoint(self, target_path: str) -> str | None:
+        """The checkpoint the draft worker loads (None: no model)."""
+        if self.method is DraftMethod.MODEL:
+            return self.path
+        if self.method is DraftMethod.LAYERS:
+            return self.path or target_path
+        return None
+
+    def describe(self) -> str:
+        if self.method is DraftMethod.LAYERS:
+            return f"layers:{self.layers}" + (f" ({self.path})" if self.path else "")
+        if self.method is DraftMethod.MODEL:
+            return f"model ({self.path})"
+        return f"ngram ({self.ngram.min_ngram}-{self.ngram.max_ngram}, pool {self.ngram.pool})"
+
+
+@dataclass
+class DraftState:
+    """The drafter's state of one sequence. Owned by the Drafter; proposers read it and keep their own
+    per-sequence data in `proposer_state`."""
+
+    seq_id: int
+    epoch: int
+    sampling: SamplingParams
+    # [n] every token this drafter knows, by position: verified ones, then its own unverified proposals
+    tokens: list[int]
+    committed_len: int  # tokens[:committed_len] are verified
+    draft_until: int  # draft positions < draft_until only (the coordinator's lookahead bound)
+    pool: str = ""  # the tenant's n-gram pool key ("" = none)
+    exhausted: bool = False  # the proposer has nothing more until the next command
+    tokens_drafted: int = 0
+    proposer_state: object = None
+
+    @property
+    def next_pos(self) -> int:
+        """The position the next drafted token will occupy."""
+        return len(self.tokens)
+
+
+@dataclass
+class Proposal:
+    # [n] proposed tokens at positions seq.next_pos, seq.next_pos + 1, ...
+    tokens: list[int] = field(default_factory=list)
+    # [n] the q each token was drawn from; empty when greedy
+    probs: list[DraftProbs] = field(default_factory=list)
+    # True: nothing more until the sequence changes (a RESET or ADVANCE); required when tokens is empty
+    exhausted: bool = False
+
+
+class Proposer(abc.ABC):
+    """A drafting method. Methods are called from the drafter's one thread, never concurrently."""
+
+    method: DraftMethod
+    # Positions a sequence may reach (the draft model's context); None = no limit of its own.
+    max_context: int | None = None
+
+    def open(self, seq: DraftState) -> None:
+        """A new sequence (its prompt is in `seq.tokens`). Raises SlotsExhausted when it cannot hold
+        one more; the drafter then drops that sequence (it goes on target-only)."""
+
+    def rewind(self, seq: DraftState, length: int) -> None:
+        """`seq.tokens[length:]` is about to be replaced (an abort); forget what was built on it."""
+
+    def observe(self, seq: DraftState) -> None:
+        """`seq.committed_len` grew: more of the sequence is verified."""
+
+    def close(self, seq: DraftState) -> None:
+        """The sequence is finished or cancelled."""
+
+    @abc.abstractmethod
+    def propose(self, seqs: list[DraftState], budgets: list[int]) -> list[Proposal]:
+        """One proposal per sequence (same order); `budgets[i] >= 1` caps `len(proposal.tokens)`."""
+
+    def stats(self) -> dict:
+        return {}
