@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from cluster.placement import PlacementError, create_placement_group, plan_placement
 from cluster.runtime import NAMESPACE
+from cluster.secret import new_deployment_secret
 from draft_worker.proposer import DraftMethod, DraftSpec
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,7 @@ class WorkerPair:
     placement_group: object
     target_info: dict
     draft_info: dict | None
+    deployment_secret: str  # what every internal stream to these workers must carry (cluster/secret.py)
 
     def shutdown(self) -> None:
         import ray
@@ -52,7 +54,9 @@ def launch_pair(
     placement_timeout_s: float = 30.0,
     load_timeout_s: float = 300.0,
     max_restarts: int = 4,
+    deployment_secret: str | None = None,
 ) -> WorkerPair:
+    """Places and starts the pair; `deployment_secret` (default: a new one) authenticates the streams."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -68,6 +72,7 @@ def launch_pair(
             f"actor {actor_name(role, model)!r} already exists in Ray namespace {NAMESPACE!r}: another duospec "
             f"serve is running this model on the cluster; stop it or serve under another model name"
         )
+    deployment_secret = deployment_secret or new_deployment_secret()
     if isinstance(draft, str):  # a draft checkpoint path: the model drafter
         draft = DraftSpec(DraftMethod.MODEL, path=draft)
     use_gpu = {"cpu": False, "cuda": True}.get(device)
@@ -90,9 +95,9 @@ def launch_pair(
                 max_concurrency=4,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
             )
-            .remote(*args, device=device, dtype=dtype, max_slots=max_slots)
+            .remote(*args, deployment_secret=deployment_secret, device=device, dtype=dtype, max_slots=max_slots)
         )
-    pair = WorkerPair(model, handles["target"], handles.get("draft"), group, {}, None)
+    pair = WorkerPair(model, handles["target"], handles.get("draft"), group, {}, None, deployment_secret)
     try:
         infos = ray.get([h.info.remote() for h in handles.values()], timeout=load_timeout_s)
     except Exception as exc:

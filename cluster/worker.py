@@ -9,6 +9,7 @@ from concurrent import futures
 import grpc
 
 from cluster.runtime import node_ip, torch_threads_for_actor
+from cluster.secret import DeploymentSecretInterceptor
 
 
 def resolve_device(device: str) -> str:
@@ -24,7 +25,8 @@ class GrpcModelWorker:
 
     role = "worker"
 
-    def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "auto", max_slots: int = 16):
+    def __init__(self, model_path: str, *, deployment_secret: str, device: str = "auto", dtype: str = "auto",
+                 max_slots: int = 16):
         import torch
 
         torch.set_num_threads(torch_threads_for_actor())
@@ -33,6 +35,7 @@ class GrpcModelWorker:
         self.runner = self._load(model_path, device=self.device, dtype=dtype, max_slots=max_slots)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"duospec-{self.role}"),
+            interceptors=[DeploymentSecretInterceptor(deployment_secret)],
             options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
         )
         self._serve(self.server)

@@ -12,6 +12,7 @@ import threading
 
 import grpc
 
+from cluster.secret import call_metadata
 from draft_worker.drafter import Drafter
 from draft_worker.service import DraftLoop
 from duospec.internal.v1 import pearl_pb2_grpc as pb_grpc
@@ -107,17 +108,18 @@ def failed_batch(batch, exc: Exception):
 class GrpcStreamLink:
     """A bidirectional gRPC stream (DraftService.Draft or TargetService.Verify) to a worker actor."""
 
-    def __init__(self, endpoint: str, method: str):
+    def __init__(self, endpoint: str, method: str, secret: str):
         self.endpoint = endpoint
         self.channel = grpc.aio.insecure_channel(
             endpoint,
             options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
         )
         self.outbox: asyncio.Queue = asyncio.Queue()
+        metadata = call_metadata(secret)
         if method == "draft":
-            self.call = pb_grpc.DraftServiceStub(self.channel).Draft(self._requests())
+            self.call = pb_grpc.DraftServiceStub(self.channel).Draft(self._requests(), metadata=metadata)
         elif method == "verify":
-            self.call = pb_grpc.TargetServiceStub(self.channel).Verify(self._requests())
+            self.call = pb_grpc.TargetServiceStub(self.channel).Verify(self._requests(), metadata=metadata)
         else:
             raise ValueError(f"unknown stream {method!r}")
 

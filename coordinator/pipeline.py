@@ -13,6 +13,7 @@ import logging
 
 from cluster.actors import WorkerPair, launch_pair
 from cluster.runtime import connect
+from cluster.secret import new_deployment_secret
 from coordinator.links import GrpcStreamLink, wait_for_channel
 from coordinator.models import model_info
 from coordinator.router import ModelEntry, ModelRouter, scheduler_config
@@ -38,8 +39,9 @@ class PipelineCoordinator(ModelRouter):
 
         async def open_scheduler() -> Scheduler:
             await wait_for_channel(pair.target_info["endpoint"], timeout=30)
-            target = GrpcStreamLink(pair.target_info["endpoint"], "verify")
-            draft = GrpcStreamLink(pair.draft_info["endpoint"], "draft") if pair.draft_info else None
+            secret = pair.deployment_secret
+            target = GrpcStreamLink(pair.target_info["endpoint"], "verify", secret)
+            draft = GrpcStreamLink(pair.draft_info["endpoint"], "draft", secret) if pair.draft_info else None
             scheduler = Scheduler(
                 info,
                 target,
@@ -91,7 +93,7 @@ def _reconnector(pair: WorkerPair, role: str, timeout_s: float):
                 info = await asyncio.wait_for(handle.info.remote(), max(1.0, min(10.0, deadline - loop.time())))
                 await wait_for_channel(info["endpoint"], timeout=max(1.0, deadline - loop.time()))
                 setattr(pair, f"{role}_info", info)
-                return GrpcStreamLink(info["endpoint"], method)
+                return GrpcStreamLink(info["endpoint"], method, pair.deployment_secret)
             except Exception as exc:  # still restarting
                 last_error = exc
                 await asyncio.sleep(0.5)
@@ -105,6 +107,7 @@ def start_pipeline(models: list, *, ray_address: str | None = None, placement_ti
     Raises ClusterUnavailable / PlacementError / CheckpointError with a clear message."""
     connect(ray_address)
     coordinator = PipelineCoordinator()
+    secret = new_deployment_secret()  # one per deployment: every pair's streams carry it
     try:
         for config in models:
             model_info(config)  # fail on a bad checkpoint or tokenizer mismatch before placing anything
@@ -116,6 +119,7 @@ def start_pipeline(models: list, *, ray_address: str | None = None, placement_ti
                 dtype=getattr(config, "dtype", "auto"),
                 max_slots=scheduler_config(config).max_sequences,
                 placement_timeout_s=placement_timeout_s,
+                deployment_secret=secret,
             )
             coordinator.add_pair(config, pair)
     except BaseException:

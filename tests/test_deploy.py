@@ -28,7 +28,8 @@ KUBERAY = DEPLOY / "kuberay"
 CLUSTER_CONFIGS = ("cluster.yaml", "cluster.local.yaml")
 CRD_KINDS = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml",
              "RayService": "ray.io_rayservices.yaml"}
-CORE_KINDS = ("Service", "Secret", "ConfigMap", "PersistentVolumeClaim")
+CORE_KINDS = ("Service", "Secret", "ConfigMap", "PersistentVolumeClaim", "NetworkPolicy")
+API_VERSIONS = {"NetworkPolicy": "networking.k8s.io/v1"}  # the rest are core v1
 
 
 def load_yaml(path: pathlib.Path):
@@ -155,7 +156,9 @@ DNS_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z
 def core_kind_errors(doc: dict) -> list[str]:
     """Required fields of the core kinds we ship (what `kubectl apply` would refuse without)."""
     kind, spec = doc["kind"], doc.get("spec") or {}
-    errors = [] if doc.get("apiVersion") == "v1" else [f"apiVersion: {doc.get('apiVersion')!r}, expected 'v1'"]
+    api_version = API_VERSIONS.get(kind, "v1")
+    errors = [] if doc.get("apiVersion") == api_version else [
+        f"apiVersion: {doc.get('apiVersion')!r}, expected {api_version!r}"]
     if kind == "Service":
         ports = spec.get("ports") or []
         if not ports:
@@ -181,6 +184,17 @@ def core_kind_errors(doc: dict) -> list[str]:
                 base64.b64decode(value, validate=True)
             except ValueError:
                 errors.append(f"data.{key}: Secret data must be base64 (or use stringData)")
+    elif kind == "NetworkPolicy":
+        if not isinstance(spec.get("podSelector"), dict):
+            errors.append("spec.podSelector: missing (use {} for every pod)")
+        if not set(spec.get("policyTypes") or ()) <= {"Ingress", "Egress"}:
+            errors.append(f"spec.policyTypes: {spec.get('policyTypes')!r}; use Ingress and/or Egress")
+        for i, rule in enumerate(spec.get("ingress") or []):
+            if set(rule) - {"from", "ports"}:
+                errors.append(f"spec.ingress[{i}]: unknown keys {sorted(set(rule) - {'from', 'ports'})}")
+            for j, port in enumerate(rule.get("ports") or []):
+                if not isinstance(port.get("port"), int) or port.get("protocol", "TCP") not in ("TCP", "UDP", "SCTP"):
+                    errors.append(f"spec.ingress[{i}].ports[{j}]: {port!r} is not a port rule")
     elif kind == "PersistentVolumeClaim":
         if not spec.get("accessModes"):
             errors.append("spec.accessModes: missing")
@@ -511,3 +525,32 @@ def test_head_command_starts_ray_without_block_then_execs_serve(tmp_path):
     assert ray_argv == ["start", "--head", '--resources={"duospec": 1}', "--num-gpus=0"]
     serve_argv = (tmp_path / "duospec.argv").read_text().splitlines()
     assert serve_argv[0] == "serve" and flag_values(serve_argv[1:]) == head_serve_flags()
+
+
+def test_kuberay_exposes_only_the_api_and_metrics_beyond_the_raycluster():
+    """The dashboard (job submission runs code), GCS and the workers' data-plane ports are reachable
+    only from the RayCluster's own pods; from elsewhere only gRPC 50051 and metrics 9400 (head)."""
+    cluster = the_doc("RayCluster")["metadata"]["name"]
+    policies = [d for _, d in kuberay_docs() if d.get("kind") == "NetworkPolicy"]
+    own_pods = {"podSelector": {"matchLabels": {"ray.io/cluster": cluster}}}
+    opened_to_outside: dict[str, set] = {}
+    for policy in policies:
+        spec = policy["spec"]
+        assert "Ingress" in spec["policyTypes"]
+        selected = spec["podSelector"]["matchLabels"]
+        assert selected.get("ray.io/cluster") == cluster, policy["metadata"]["name"]
+        for rule in spec.get("ingress", []):
+            if rule.get("from") == [own_pods]:
+                continue  # the pods of this RayCluster talk to each other freely
+            assert "from" not in rule or rule["from"], "an empty from would admit everyone"
+            ports = {p["port"] for p in rule.get("ports", [])}
+            assert ports, f"{policy['metadata']['name']}: a rule open to other pods must name its ports"
+            opened_to_outside.setdefault(selected.get("ray.io/node-type", "all"), set()).update(ports)
+    assert opened_to_outside == {"head": {50051, 9400}}
+    assert any(p["spec"]["podSelector"]["matchLabels"] == {"ray.io/cluster": cluster} for p in policies), \
+        "every pod of the RayCluster must be covered by a policy"
+    service = next(d for _, d in kuberay_docs() if d.get("kind") == "Service")
+    assert service["spec"].get("type", "ClusterIP") == "ClusterIP" and {p["port"] for p in service["spec"]["ports"]} \
+        == {50051, 9400}
+    head_service = cluster_head_service = the_doc("RayCluster")["spec"]["headGroupSpec"]["headService"]["spec"]
+    assert cluster_head_service.get("clusterIP") == "None" and head_service.get("type", "ClusterIP") == "ClusterIP"

@@ -1,7 +1,8 @@
 """Every drafting method keeps the target's output: in-process, through the Ray actors, through the server.
 
 Methods: `ngram` (model-free), `layers` (the target's first layer of two, untrained as a draft) and
-`model` (covered by test_pipeline / test_decoding with a random draft). The prompts mix random tokens
+`model` (a random-weight draft; through the actors and in-process it is covered by test_pipeline and
+test_decoding, through the server here). The prompts mix random tokens
 (the n-gram drafter mostly finds nothing: the EXHAUSTED path) with repeated phrases (it proposes, the
 target accepts some and rejects some).
 """
@@ -173,17 +174,19 @@ def test_greedy_through_actors_matches_target_alone(ray_session, loop, target_di
 
 
 # -- through the gRPC server ----------------------------------------------------------------------------
-async def test_greedy_through_the_server_for_each_method(target_dir, hf_target):
+async def test_greedy_through_the_server_for_each_method(target_dir, hf_target, tmp_path):
     from coordinator.local import LocalCoordinator
     from duospec.v1 import generation_pb2 as pb
     from test_server_support import collect, running_server
 
-    configs = [_config(f"tiny-{m}", target_dir, spec) for m, spec in SPECS.items()]
+    random_draft = make_tiny_checkpoint(tmp_path / "draft", "llama", seed=12, hidden_size=32, num_layers=1)
+    specs = {**SPECS, "model": DraftSpec(DraftMethod.MODEL, path=str(random_draft))}
+    configs = [_config(f"tiny-{m}", target_dir, spec) for m, spec in specs.items()]
     async with running_server(LocalCoordinator(configs)) as h:
         cards = {c.name: c for c in (await h.stub.ListModels(pb.ListModelsRequest())).models}
-        assert {name: c.draft_method for name, c in cards.items()} == {"tiny-ngram": "ngram", "tiny-layers": "layers"}
+        assert {name: c.draft_method for name, c in cards.items()} == {f"tiny-{m}": m for m in specs}
         prompts = _prompts(seed=8)
-        for method in SPECS:
+        for method in specs:
             for mode in (pb.SPECULATION_MODE_PEARL, pb.SPECULATION_MODE_VANILLA):
                 drafted = 0
                 for prompt in prompts:

@@ -93,6 +93,36 @@ def test_abort_bounds_wasted_drafting(pipeline, loop):
         assert r.stats.wasted_draft_tokens <= r.stats.rejections * (LOOKAHEAD + 1)
 
 
+def test_workers_refuse_streams_without_the_deployment_secret(pipeline, loop, hf_target):
+    """A stranger (or a coordinator of an old deployment) on a worker port gets UNAUTHENTICATED and
+    changes nothing: a request in flight at the same time finishes with the exact output."""
+    import asyncio
+
+    import grpc
+
+    from cluster.secret import METADATA_KEY
+    from duospec.internal.v1 import pearl_pb2 as ipb
+    from duospec.internal.v1 import pearl_pb2_grpc as ipb_grpc
+
+    prompt = _prompts(1, seed=21)[0]
+    live = asyncio.run_coroutine_threadsafe(run_all(pipeline, [request(prompt, 200)]), loop.loop)
+    pair = pipeline.pairs["tiny"]
+    calls = {
+        "verify": lambda ch, md: ipb_grpc.TargetServiceStub(ch).Verify(iter([ipb.VerifyBatch(batch_id=1)]), metadata=md),
+        "draft": lambda ch, md: ipb_grpc.DraftServiceStub(ch).Draft(iter([ipb.DraftControl()]), metadata=md),
+    }
+    endpoints = {"verify": pair.target_info["endpoint"], "draft": pair.draft_info["endpoint"]}
+    for name, call in calls.items():
+        with grpc.insecure_channel(endpoints[name]) as channel:
+            for metadata in (None, ((METADATA_KEY, "a-previous-deployment"),)):
+                with pytest.raises(grpc.RpcError) as info:
+                    list(call(channel, metadata))
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, (name, metadata)
+    (result,) = live.result(120)
+    assert result.finish.finish_reason is FinishReason.LENGTH
+    assert_greedy_equal(hf_target, prompt, result.tokens, hf_greedy(hf_target, prompt, 200))
+
+
 def test_prompt_longer_than_context_is_rejected_at_once(pipeline, loop):
     info = pipeline.models()[0]
     with pytest.raises(InvalidRequest, match="context"):
