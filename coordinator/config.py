@@ -257,16 +257,19 @@ def _parse_draft(f: "_Fields", base_dir: pathlib.Path, target: str) -> DraftSpec
 
 def draft_from_flag(value: str, path: str | None) -> DraftSpec:
     """`--draft-method model|ngram|layers:K` (bench and CLI) as a DraftSpec; `path` is the draft
-    checkpoint of the model method. ValueError names the flag and the fix."""
+    checkpoint (model: required; layers: a fine-tuned shallow draft, optional; ngram: none).
+    ValueError names the flag and the fix."""
     name, _, arg = value.partition(":")
     if name == "model" and not arg:
         if not path:
             raise ValueError("--draft-method model needs a draft checkpoint: pass --draft DIR (or --models DIR)")
         return DraftSpec(DraftMethod.MODEL, path=path)
     if name == "ngram" and not arg:
+        if path:
+            raise ValueError("--draft-method ngram loads no draft checkpoint; drop --draft")
         return DraftSpec(DraftMethod.NGRAM)
     if name == "layers" and arg.isdigit() and int(arg) >= 1:
-        return DraftSpec(DraftMethod.LAYERS, layers=int(arg))
+        return DraftSpec(DraftMethod.LAYERS, layers=int(arg), path=path or None)
     raise ValueError(f"--draft-method {value!r}: use model, ngram or layers:K (K >= 1, e.g. layers:2)")
 
 

@@ -4,12 +4,15 @@ run of the command on tiny random models (in-process only)."""
 from __future__ import annotations
 
 import json
+import pathlib
 
 import pytest
 
 from duospec.bench import arithmetic as ar
 from duospec.bench.records import RequestRecord, Run, WorkerWindow, window
 from duospec.bench.summary import add_ideal_bound, exactness, mode_summary
+
+GROUNDED = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "grounded.jsonl"
 
 
 def test_median_odd_and_even():
@@ -101,15 +104,17 @@ def test_worker_window_treats_unopened_scheduler_as_zero():
     assert (w.target_busy_s, w.target_rounds, w.draft_busy_s) == (1.5, 30, 0.5)
 
 
-def _bench_smoke(tmp_path, *extra: str):
+def _bench_smoke(tmp_path, *extra: str, draft_model: bool = True):
     """`duospec bench` on two tiny random-weight checkpoints, in-process, 2 prompts x 8 tokens."""
     from duospec.cli import main
     from tests.tiny_models import make_tiny_checkpoint
 
     target = make_tiny_checkpoint(tmp_path / "target", "llama", seed=0)
-    draft = make_tiny_checkpoint(tmp_path / "draft", "llama", seed=1, num_layers=1)
+    pair = ["--target", str(target)]
+    if draft_model:
+        pair += ["--draft", str(make_tiny_checkpoint(tmp_path / "draft", "llama", seed=1, num_layers=1))]
     out = tmp_path / "out"
-    code = main(["bench", "--target", str(target), "--draft", str(draft), "--skip-server", "--repeats", "1",
+    code = main(["bench", *pair, "--skip-server", "--repeats", "1",
                  "--max-new-tokens", "8", "--limit-prompts", "2", "--out", str(out), "--no-progress", *extra])
     assert code == 0
     return out
@@ -130,6 +135,27 @@ def test_bench_command_smoke_in_process(tmp_path):
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("method", ["ngram", "layers:1"])
+def test_bench_runs_every_drafting_method(tmp_path, method):
+    out = _bench_smoke(tmp_path, "--draft-method", method, "--prompts", str(GROUNDED), draft_model=False)
+    report = json.loads((out / "results.json").read_text())
+    assert report["setup"]["config"]["draft_method"] == method
+    modes = report["paths"]["in-process"]["modes"]
+    assert set(modes) == {"off", "hf", "hf-assisted", "vanilla", "pearl"}  # hf-assisted: prompt lookup for ngram
+    assert report["exactness"]["all_identical"] and modes["pearl"]["tokens_per_s"] > 0
+    assert f"drafter {method}" in (out / "results.md").read_text()
+
+
+def test_bench_draft_method_errors(tmp_path, capsys):
+    from duospec.cli import main
+
+    for argv, message in ((["--draft-method", "beam"], "use model, ngram or layers:K"),
+                          (["--draft-method", "ngram", "--draft", str(tmp_path)], "loads no draft checkpoint"),
+                          (["--draft-method", "ngram", "--simulate", "devices"], "--simulate replays a draft model")):
+        assert main(["bench", "--target", str(tmp_path), *argv]) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_bench_command_rejects_half_a_pair(tmp_path, capsys):
     from duospec.cli import main
 
@@ -138,17 +164,25 @@ def test_bench_command_rejects_half_a_pair(tmp_path, capsys):
 
 
 def test_committed_prompt_set_is_held_out_and_documented_kinds():
-    from duospec.bench.prompts import KINDS, load_prompts
+    from duospec.bench.prompts import GROUNDED_HEADER, KINDS, load_prompts
     from duospec.training.corpus import is_heldout
 
     prompts = load_prompts()
-    assert {p.kind for p in prompts} == set(KINDS)
-    assert len({p.id for p in prompts}) == len(prompts)
-    for p in prompts:
-        if p.kind == "heldout-snippet":
+    grounded = load_prompts(GROUNDED)
+    assert {p.kind for p in prompts} | {p.kind for p in grounded} == set(KINDS)
+    assert {p.kind for p in grounded} == {"grounded"}
+    for prompt_set in (prompts, grounded):
+        assert len({p.id for p in prompt_set}) == len(prompt_set)
+    for p in prompts + grounded:
+        if p.kind in ("heldout-snippet", "grounded"):
             path, line = p.source.rsplit(":", 1)
             assert is_heldout(path), f"{p.id}: {path} is in the training split"
-            assert p.text.lstrip().startswith(("def ", "async def ")) and int(line) > 0
+            assert int(line) > 0
+        if p.kind == "heldout-snippet":
+            assert p.text.lstrip().startswith(("def ", "async def "))
+        if p.kind == "grounded":  # the quoted function, then its first lines again
+            quoted, restated = p.text.split(GROUNDED_HEADER)
+            assert quoted.startswith(f"# {path}\n") and restated.splitlines()[0] in quoted
 
 
 def test_load_prompts_names_the_bad_line(tmp_path):

@@ -32,7 +32,8 @@ def register(subparsers) -> None:
     p.add_argument("--draft", type=pathlib.Path, help="draft checkpoint (with --target)")
     p.add_argument("--draft-method", default="model", metavar="METHOD",
                    help="what drafts: model (the draft checkpoint, default), ngram (model-free: matches in the "
-                        "prompt and output; no draft needed) or layers:K (the target's first K layers)")
+                        "prompt and output; no draft needed) or layers:K (the target's first K layers; with "
+                        "--draft DIR a fine-tuned shallow draft from `duospec distill --init-layers K`)")
     p.add_argument("--models-label", default="", help="what the models are, printed in the report")
     p.add_argument("--prompts", type=pathlib.Path, help="JSONL prompt set (default benchmarks/prompts/prompts.jsonl)")
     p.add_argument("--limit-prompts", type=int, help="use only the first N prompts")
@@ -60,11 +61,13 @@ def register(subparsers) -> None:
 
 
 def resolve_pair(args: argparse.Namespace) -> tuple[pathlib.Path, pathlib.Path | None]:
-    needs_draft = getattr(args, "draft_method", "model") == "model"
-    if args.target is not None and args.draft is None and not needs_draft:
-        if args.models is not None:
+    """(target, draft checkpoint); the draft is None for a method that needs none (ngram; layers
+    without a fine-tuned --draft)."""
+    if getattr(args, "draft_method", "model") != "model":
+        if args.target is not None and args.models is not None:
             raise ValueError("pass either --models DIR or --target, not both")
-        return args.target, None
+        root = args.models or pathlib.Path(os.environ.get("DUOSPEC_MODELS", REPO_ROOT / "models"))
+        return args.target or root / "target", args.draft
     if (args.target is None) != (args.draft is None):
         raise ValueError("--target and --draft go together; pass both, or --models DIR")
     if args.target is not None:
