@@ -149,3 +149,23 @@ async def wait_for_channel(endpoint: str, timeout: float) -> None:
             await asyncio.wait_for(channel.channel_ready(), timeout)
         except asyncio.TimeoutError:
             raise ConnectionError(f"worker gRPC endpoint {endpoint} did not answer within {timeout:.0f} s") from None
+
+
+async def close_quietly(link) -> None:
+    """Closes a link that is being replaced; a dead one may fail to close."""
+    try:
+        await link.close()
+    except Exception:  # a dead link may fail to close; it is being replaced anyway
+        pass
+
+
+def verify_error(error):
+    """The CoordinatorError a VerifyError from the target stands for."""
+    from coordinator.api import CoordinatorError, InvalidRequest, Overloaded
+    from duospec.internal.v1 import pearl_pb2 as pb
+
+    if error.kind == pb.VERIFY_ERROR_KIND_SLOTS_EXHAUSTED:
+        return Overloaded(f"the target has no free KV slot: {error.message}; retry shortly")
+    if error.kind == pb.VERIFY_ERROR_KIND_CONTEXT_OVERFLOW:
+        return InvalidRequest(error.message)
+    return CoordinatorError(f"target rejected the sequence: {error.message}", code="INTERNAL")

@@ -33,6 +33,8 @@ from coordinator.api import (
     TokensEvent,
     Unavailable,
 )
+from coordinator.guard import GoodputGuard
+from coordinator.links import close_quietly, verify_error
 from coordinator.patience import Patience
 from coordinator.policies import SpeculationPolicy
 from coordinator.sequence import DraftAction, Sequence
@@ -119,6 +121,7 @@ class Scheduler:
         # Adaptive draft length for pearl sequences (coordinator/adaptive.py).
         self.verify_cost = VerifyCostModel()
         self.pearl_draft_length: int | None = None  # None: not measured yet, use each policy's max
+        self.guard = GoodputGuard()  # speculate only while it beats the target alone (coordinator/guard.py)
         self.patience = Patience(wake=self._dispatch)
         self.closed = False
         # Worker failures: a lost stream is reopened on the restarted actor through these.
@@ -233,7 +236,7 @@ class Scheduler:
                 log.error("drafter did not come back (%s); serving target-only", exc)
                 return
             old, self.draft = self.draft, link
-            await _close_quietly(old)
+            await close_quietly(old)
             self._draft_up = True
             self.draft_restarts += 1
             log.info("drafter reconnected; new requests speculate again")
@@ -319,9 +322,18 @@ class Scheduler:
         """Most drafts to verify for `seq` now: the policy's cap, lowered by the adaptive length in pearl.
         Sampling keeps k >= 1: a timing-dependent switch to the bonus rule would change seeded output."""
         limit = seq.policy.max_draft_tokens
-        if seq.policy.adaptive and seq.policy.mode is SpeculationMode.PEARL and self.pearl_draft_length is not None:
-            limit = min(limit, max(self.pearl_draft_length, 0 if seq.greedy else 1))
+        if seq.policy.adaptive and seq.policy.mode is SpeculationMode.PEARL:
+            if seq.greedy and not self.guard.speculating:
+                return 0
+            if self.pearl_draft_length is not None:
+                limit = min(limit, max(self.pearl_draft_length, 0 if seq.greedy else 1))
         return limit
+
+    @staticmethod
+    def _guarded(seq: Sequence) -> bool:
+        """Whether the goodput guard may switch this sequence's speculation off (greedy adaptive pearl;
+        coordinator/guard.py says why sampled requests are not)."""
+        return seq.policy.uses_draft and seq.policy.adaptive and seq.policy.mode is SpeculationMode.PEARL and seq.greedy
 
     def _ready(self, seq: Sequence) -> bool:
         if seq.uses_draft and (seq.draft_paused or seq.draft_exhausted or self._draft_limit(seq) == 0):
@@ -433,7 +445,7 @@ class Scheduler:
             self._target_lost()
             return False
         old, self.target = self.target, link
-        await _close_quietly(old)
+        await close_quietly(old)
         self._target_up = True
         self.target_restarts += 1
         log.info("target reconnected; re-prefilling %d live sequences", len(self.sequences))
@@ -463,8 +475,10 @@ class Scheduler:
             for error in batch.errors:
                 seq = self.sequences.get(error.seq_id)
                 if seq is not None:
-                    self._fail(seq, _verify_error(error))
+                    self._fail(seq, verify_error(error))
             answered = {v.seq_id for v in batch.verdicts} | {e.seq_id for e in batch.errors}
+            guarded = [s for s in self.sequences.values() if self._guarded(s)]
+            committed_guarded = 0
             for verdict in batch.verdicts:
                 seq = self.sequences.get(verdict.seq_id)
                 if seq is None or seq.finish_reason is not None:
@@ -472,7 +486,10 @@ class Scheduler:
                 if verdict.epoch != seq.epoch:  # aborted while it was being verified
                     seq.forget_verify()
                     continue
-                self._apply_verdict(seq, verdict)
+                kept = self._apply_verdict(seq, verdict)
+                committed_guarded += kept if self._guarded(seq) else 0
+            if guarded:
+                self.guard.observe_round(committed_guarded, len(guarded))
             for seq_id in set(inflight.seq_ids) - answered:
                 if (seq := self.sequences.get(seq_id)) is not None:
                     seq.forget_verify()
@@ -486,7 +503,8 @@ class Scheduler:
             self._deferring = False
         self._dispatch()
 
-    def _apply_verdict(self, seq: Sequence, verdict: pb.Verdict) -> None:
+    def _apply_verdict(self, seq: Sequence, verdict: pb.Verdict) -> int:
+        """Commits a verdict and tells the drafter what it needs; returns the tokens committed."""
         k = len(seq.verify_tokens or ())
         rejected = verdict.kind == pb.NEXT_TOKEN_KIND_RECOVERED and verdict.n_accepted < k
         next_token = verdict.next_token if verdict.kind != pb.NEXT_TOKEN_KIND_NONE else None
@@ -498,7 +516,7 @@ class Scheduler:
         if seq.finish_reason is not None:
             self._finish(seq, seq.finish_reason)
         elif action is DraftAction.NONE:
-            return
+            pass
         elif self._draft_limit(seq) == 0:  # load-aware back-off: stop the drafter, go target-only
             if not seq.draft_paused:
                 seq.pause_drafting()
@@ -508,8 +526,9 @@ class Scheduler:
         elif seq.draft_paused or action is DraftAction.ABORT:  # resuming needs a catch-up reset too
             seq.draft_paused = False
             self._abort(seq)
-        else:
+        elif kept:  # (nothing committed, e.g. a prefill-only round: the drafter has nothing new to hear)
             self._advance(seq)
+        return len(kept)
 
     def _advance(self, seq: Sequence) -> None:
         seq.draft_exhausted = False  # the drafter knows more now: it may find more to propose
@@ -579,6 +598,7 @@ class Scheduler:
                 "verify_cost_s": dict(zip(("fixed", "per_token"), self.verify_cost.coefficients())),
             },
             "pearl_draft_length": self.pearl_draft_length,
+            "guard": self.guard.stats(),
             "patience": {"holds": self.patience.holds, "draft_step_s": self.patience.draft_step_s.value,
                          "round_overhead_s": self.patience.round_overhead_s.value},
             "draft": {
@@ -590,19 +610,3 @@ class Scheduler:
             },
         }
 
-
-async def _close_quietly(link) -> None:
-    try:
-        await link.close()
-    except Exception:  # a dead link may fail to close; it is being replaced anyway
-        pass
-
-
-def _verify_error(error: pb.VerifyError) -> CoordinatorError:
-    from coordinator.api import InvalidRequest, Overloaded
-
-    if error.kind == pb.VERIFY_ERROR_KIND_SLOTS_EXHAUSTED:
-        return Overloaded(f"the target has no free KV slot: {error.message}; retry shortly")
-    if error.kind == pb.VERIFY_ERROR_KIND_CONTEXT_OVERFLOW:
-        return InvalidRequest(error.message)
-    return CoordinatorError(f"target rejected the sequence: {error.message}", code="INTERNAL")

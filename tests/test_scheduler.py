@@ -234,3 +234,51 @@ async def test_pearl_patience_waits_for_a_fuller_chunk_then_a_stalled_drafter_is
     assert len(target.sent) == batches + 2 and list(target.sent[-1].items[0].draft_tokens) == [20]
     assert scheduler.stats()["patience"]["holds"] == 2
     await scheduler.close()
+
+
+def _exhausted(scheduler, seq, pos, tokens=()):
+    chunk = pb.DraftChunk(seq_id=seq.seq_id, epoch=seq.epoch, start_pos=pos, tokens=list(tokens),
+                          outlook=pb.DRAFT_OUTLOOK_EXHAUSTED)
+    scheduler._on_draft_batch(pb.DraftChunkBatch(chunks=[chunk]))
+
+
+async def test_vanilla_verifies_an_exhausted_chunk_without_waiting_for_gamma():
+    """The n-gram drafter ran out of matches after two tokens: vanilla must not wait for γ = 4."""
+    scheduler, target, draft, policy = _scheduler(SpeculationMode.VANILLA)
+    seq = scheduler._add(_request(), policy)
+    _chunks(scheduler, seq, 3, [10])
+    assert not target.sent  # one draft: vanilla waits for γ
+    _exhausted(scheduler, seq, 4, [11])
+    assert list(target.sent[-1].items[0].draft_tokens) == [10, 11]
+    assert target.sent[-1].items[0].bonus == pb.BONUS_POLICY_SAMPLE
+    _verdict(scheduler, target, seq, 2, pb.NEXT_TOKEN_KIND_BONUS, 12)
+    assert seq.committed == [1, 2, 3, 10, 11, 12] and not seq.draft_exhausted  # the RESET asks again
+    reset = [c for m in draft.sent for c in m.commands if c.kind == pb.DRAFT_COMMAND_KIND_RESET][-1]
+    assert (reset.start_pos, list(reset.tail), reset.committed_len) == (4, [11, 12], 6)
+
+
+async def test_sampled_pearl_takes_the_bonus_after_an_exhausted_chunk():
+    """Pearl declines the bonus for sampled requests while drafts may still come; past an exhausted
+    chunk none will, so the bonus is taken (otherwise the sequence would never move on)."""
+    scheduler, target, draft, policy = _scheduler()
+    sampled = SamplingParams(temperature=1.0, seed=3)
+    seq = scheduler._add(_request(sampling=sampled), policy)
+    _exhausted(scheduler, seq, 3)  # no match on the prompt
+    prefill = target.sent[-1].items[0]
+    assert list(prefill.draft_tokens) == [] and prefill.bonus == pb.BONUS_POLICY_SKIP  # prefill only
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_NONE)
+    step = target.sent[-1].items[0]
+    assert list(step.draft_tokens) == [] and step.bonus == pb.BONUS_POLICY_SAMPLE
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_BONUS, 42)
+    assert seq.committed == [1, 2, 3, 42]
+    # With drafts still coming (not exhausted), the bonus is declined as before.
+    _chunks(scheduler, seq, 4, [7])
+    assert target.sent[-1].items[0].bonus == pb.BONUS_POLICY_SKIP
+
+
+async def test_an_exhausted_marker_from_an_old_epoch_is_ignored():
+    scheduler, target, draft, policy = _scheduler(SpeculationMode.VANILLA)
+    seq = scheduler._add(_request(), policy)
+    old = pb.DraftChunk(seq_id=seq.seq_id, epoch=seq.epoch + 5, start_pos=3, outlook=pb.DRAFT_OUTLOOK_EXHAUSTED)
+    scheduler._on_draft_batch(pb.DraftChunkBatch(chunks=[old]))
+    assert not seq.draft_exhausted and not target.sent

@@ -36,6 +36,14 @@ class WorkerWindow:
     target_busy_s: float = 0.0
     target_rounds: int = 0
     draft_busy_s: float = 0.0
+    # verify rounds the goodput guard (coordinator/guard.py) ran speculating / target-only
+    guard_speculated_rounds: int = 0
+    guard_target_only_rounds: int = 0
+
+    @property
+    def speculated_share(self) -> float | None:
+        total = self.guard_speculated_rounds + self.guard_target_only_rounds
+        return self.guard_speculated_rounds / total if total else None
 
 
 @dataclass
@@ -92,8 +100,13 @@ def window(before: dict, after: dict, model: str) -> WorkerWindow:
     def figure(snapshot: dict, role: str, key: str) -> float:
         return float(snapshot.get("models", {}).get(model, {}).get(role, {}).get(key, 0.0))
 
+    def delta(role: str, key: str) -> float:
+        return figure(after, role, key) - figure(before, role, key)
+
     return WorkerWindow(
-        target_busy_s=figure(after, "target", "busy_s") - figure(before, "target", "busy_s"),
-        target_rounds=int(figure(after, "target", "batches") - figure(before, "target", "batches")),
-        draft_busy_s=figure(after, "draft", "busy_s") - figure(before, "draft", "busy_s"),
+        target_busy_s=delta("target", "busy_s"),
+        target_rounds=int(delta("target", "batches")),
+        draft_busy_s=delta("draft", "busy_s"),
+        guard_speculated_rounds=int(delta("guard", "speculated_rounds")),
+        guard_target_only_rounds=int(delta("guard", "target_only_rounds")),
     )

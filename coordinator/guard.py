@@ -1,0 +1,145 @@
+"""The goodput guard: speculate only while it commits more tokens per second than the target alone.
+
+The adaptive draft length (coordinator/adaptive.py) works from a cost model of the target's verify
+forward; it cannot see what the model leaves out: a drafter that shares the target's device or CPU
+cores, the hop to the drafter after every rejection, a draft that agrees only sometimes. The guard
+does not model: it measures. Time is cut into windows of `window_rounds` verify rounds; each window
+runs in one state — SPECULATE, or TARGET_ONLY (the drafters are paused, the target decodes alone) —
+and yields its goodput, committed tokens per second of wall time. Goodput is kept per state and per
+load bucket (how many sequences are live), since batching changes both. The guard runs the better
+state and, now and then, one window of the other (a probe): the context may have changed (a draft
+that starts agreeing on a repetitive stretch, load going down). Probes are spaced out exponentially
+while they confirm the choice (`probe_every` .. `max_probe_every` windows), so the time spent in the
+worse state stays a small, bounded share.
+
+Which sequences it governs is the scheduler's business: greedy pearl sequences with `adaptive` on.
+Sampled requests keep speculating — a switch that depends on timing would decide some positions by
+the target's own draw instead of the accept/reject rule, and seeded output must not depend on
+timing. `vanilla` stays the fixed baseline.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+class GuardState(enum.Enum):
+    SPECULATE = "speculate"
+    TARGET_ONLY = "target_only"
+
+    @property
+    def other(self) -> "GuardState":
+        return GuardState.TARGET_ONLY if self is GuardState.SPECULATE else GuardState.SPECULATE
+
+
+def load_bucket(live_sequences: int) -> int:
+    """1, 2, 3-4, 5-8, 9-16, ...: windows are compared only within a bucket."""
+    return max(0, live_sequences - 1).bit_length()
+
+
+@dataclass
+class _Window:
+    state: GuardState
+    bucket: int
+    started_at: float | None = None  # set after the settle rounds
+    rounds: int = 0
+    tokens: int = 0
+    settle_left: int = 0
+
+
+@dataclass
+class GoodputGuard:
+    window_rounds: int = 16  # verify rounds per measurement window
+    settle_rounds: int = 2  # rounds not measured after a switch (drafters restart, caches refill)
+    probe_every: int = 4  # windows in the preferred state before the first probe of the other
+    max_probe_every: int = 32
+    decay: float = 0.5  # weight of a bucket's older goodput when a new window comes in
+    clock: Callable[[], float] = time.monotonic
+    state: GuardState = GuardState.SPECULATE
+    # {(state, bucket): committed tokens per second}
+    goodput: dict = field(default_factory=dict)
+    rounds: dict = field(default_factory=lambda: {s: 0 for s in GuardState})  # verify rounds run in each state
+    switches: int = 0
+    _window: _Window | None = None
+    _since_probe: int = 0
+    _interval: int = 0
+    _probing: bool = False
+
+    def __post_init__(self) -> None:
+        self._interval = self.probe_every
+
+    @property
+    def speculating(self) -> bool:
+        return self.state is GuardState.SPECULATE
+
+    def observe_round(self, committed_tokens: int, live_sequences: int) -> None:
+        """One verify round came back having committed `committed_tokens` for the governed sequences,
+        with `live_sequences` of them live."""
+        self.rounds[self.state] += 1
+        if live_sequences <= 0:
+            self._window = None  # idle: a window must not span a gap between requests
+            return
+        bucket = load_bucket(live_sequences)
+        w = self._window
+        if w is None or w.bucket != bucket or w.state is not self.state:
+            w = self._window = _Window(self.state, bucket, settle_left=self.settle_rounds)
+        if w.settle_left > 0:  # this round's time began before the window's state was in force
+            w.settle_left -= 1
+            if w.settle_left == 0:
+                w.started_at = self.clock()
+            return
+        if w.started_at is None:
+            w.started_at = self.clock()
+            return
+        w.rounds += 1
+        w.tokens += committed_tokens
+        if w.rounds >= self.window_rounds:
+            elapsed = self.clock() - w.started_at
+            if elapsed > 0:
+                self._close_window(w, w.tokens / elapsed)
+            self._window = None
+
+    def _close_window(self, w: _Window, rate: float) -> None:
+        key = (w.state, w.bucket)
+        old = self.goodput.get(key)
+        self.goodput[key] = rate if old is None else self.decay * old + (1 - self.decay) * rate
+        mine, theirs = self.goodput.get(key), self.goodput.get((w.state.other, w.bucket))
+        if self._probing:  # the probe's verdict: stay (it won) or go back
+            self._probing = False
+            if theirs is not None and theirs >= mine:
+                self._interval = min(self._interval * 2, self.max_probe_every)  # the choice holds
+                self._switch(w.state.other)
+            else:
+                self._interval = self.probe_every  # the probed state is better now: keep it
+            return
+        if theirs is None or theirs > mine:  # never measured here, or it was better last time
+            if theirs is not None:
+                self._interval = self.probe_every
+            self._probing = theirs is None
+            self._switch(w.state.other)
+            return
+        self._since_probe += 1
+        if self._since_probe >= self._interval:
+            self._probing = True
+            self._switch(w.state.other)
+
+    def _switch(self, state: GuardState) -> None:
+        self._since_probe = 0
+        if state is not self.state:
+            self.state = state
+            self.switches += 1
+
+    def stats(self) -> dict:
+        total = sum(self.rounds.values())
+        return {
+            "state": self.state.value,
+            "speculated_share": self.rounds[GuardState.SPECULATE] / total if total else 1.0,
+            "speculated_rounds": self.rounds[GuardState.SPECULATE],
+            "target_only_rounds": self.rounds[GuardState.TARGET_ONLY],
+            "switches": self.switches,
+            "goodput": {f"{s.value}@{1 << b if b else 1}": round(r, 1) for (s, b), r in sorted(
+                self.goodput.items(), key=lambda kv: (kv[0][1], kv[0][0].value))},
+        }

@@ -1,0 +1,206 @@
+"""The goodput guard: speculation off when it does not pay, back on when it does; output unchanged.
+
+Pure tests drive `GoodputGuard` with a fake clock; the scenario tests drive the real `Scheduler` with
+fake links and a fake clock: a drafter that never agrees, then one that agrees every time.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.api import GenerationRequest, ModelInfo, SpeculationMode, TokensEvent
+from coordinator.guard import GoodputGuard, GuardState, load_bucket
+from coordinator.policies import SpeculationPolicy
+from coordinator.scheduler import Scheduler, SchedulerConfig
+from duospec.internal.v1 import pearl_pb2 as pb
+from duospec.sampling import SamplingParams
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def _run(guard, clock, rounds, seconds_per_token, tokens_per_round, live=1):
+    """`rounds` verify rounds at the given goodput for each state; returns rounds spent speculating."""
+    speculated = 0
+    for _ in range(rounds):
+        state = guard.state
+        tokens = tokens_per_round[state]
+        clock.now += tokens * seconds_per_token[state]
+        speculated += state is GuardState.SPECULATE
+        guard.observe_round(tokens, live)
+    return speculated
+
+
+SLOW_DRAFT = {GuardState.SPECULATE: 1 / 80, GuardState.TARGET_ONLY: 1 / 100}  # seconds per token
+GOOD_DRAFT = {GuardState.SPECULATE: 1 / 250, GuardState.TARGET_ONLY: 1 / 100}
+TOKENS = {GuardState.SPECULATE: 2, GuardState.TARGET_ONLY: 1}
+
+
+def test_load_buckets():
+    assert [load_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [0, 1, 2, 2, 3, 3, 4, 4, 5]
+
+
+def test_a_losing_draft_is_switched_off_within_two_windows_and_probed_rarely():
+    clock = FakeClock()
+    guard = GoodputGuard(clock=clock)
+    per_window = guard.window_rounds + guard.settle_rounds
+    _run(guard, clock, 2 * per_window, SLOW_DRAFT, TOKENS)
+    assert guard.state is GuardState.TARGET_ONLY
+    speculated = _run(guard, clock, 200 * per_window, SLOW_DRAFT, TOKENS)
+    # Probes back off exponentially while they lose: a small share of the time goes to them.
+    assert speculated / (200 * per_window) < 0.08
+    assert guard.stats()["goodput"]["speculate@1"] < guard.stats()["goodput"]["target_only@1"]
+
+
+def test_a_draft_that_becomes_good_is_switched_back_on():
+    clock = FakeClock()
+    guard = GoodputGuard(clock=clock)
+    per_window = guard.window_rounds + guard.settle_rounds
+    _run(guard, clock, 20 * per_window, SLOW_DRAFT, TOKENS)
+    assert guard.state is GuardState.TARGET_ONLY
+    # At most the current probe interval (<= max_probe_every windows) passes before the next probe.
+    _run(guard, clock, (guard.max_probe_every + 3) * per_window, GOOD_DRAFT, TOKENS)
+    assert guard.state is GuardState.SPECULATE
+    speculated = _run(guard, clock, 40 * per_window, GOOD_DRAFT, TOKENS)
+    assert speculated > 0.85 * 40 * per_window
+
+
+def test_a_winning_draft_keeps_speculating():
+    clock = FakeClock()
+    guard = GoodputGuard(clock=clock)
+    per_window = guard.window_rounds + guard.settle_rounds
+    speculated = _run(guard, clock, 100 * per_window, GOOD_DRAFT, TOKENS)
+    assert guard.state is GuardState.SPECULATE and speculated > 0.9 * 100 * per_window
+
+
+def test_windows_compare_like_with_like_load_and_never_span_idle_time():
+    clock = FakeClock()
+    guard = GoodputGuard(clock=clock)
+    per_window = guard.window_rounds + guard.settle_rounds
+    _run(guard, clock, 2 * per_window, SLOW_DRAFT, TOKENS, live=1)
+    assert guard.state is GuardState.TARGET_ONLY
+    _run(guard, clock, 2 * per_window, GOOD_DRAFT, TOKENS, live=8)  # another load: measured afresh
+    assert ("target_only", 3) in {(s.value, b) for s, b in guard.goodput}
+    before = dict(guard.goodput)
+    for _ in range(5):
+        guard.observe_round(2, 1)
+    guard.observe_round(0, 0)  # nothing live: the open window is dropped
+    clock.now += 3600  # an idle hour between requests must not count against anyone
+    _run(guard, clock, per_window - 1, GOOD_DRAFT, TOKENS, live=1)
+    assert guard.goodput == before
+
+
+# -- through the scheduler ------------------------------------------------------------------------------
+def _target_token(pos: int) -> int:
+    return 10 + pos % 50
+
+
+def _scheduler(clock):
+    info = ModelInfo(name="m", target_path="t", draft_path="d", vocab_size=100, max_context=4096, eos_token_id=None,
+                     draft_method="model")
+    target, draft = _Recorder(), _Recorder()
+    scheduler = Scheduler(info, target, draft, SchedulerConfig())
+    scheduler.guard.clock = clock
+    return scheduler, target, draft
+
+
+class _Recorder:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, message):
+        self.sent.append(message)
+
+    async def responses(self):
+        return
+        yield
+
+    async def close(self):
+        pass
+
+
+def _drive(scheduler, target, seq, clock, rounds, draft_agrees: bool):
+    """Plays drafter and target for `rounds` verify rounds: a speculating round costs 3 ms, a
+    target-only one 2 ms (so a draft that never agrees loses, one that always agrees wins)."""
+    for _ in range(rounds):
+        if seq.uses_draft and not seq.draft_paused and not seq.drafts:
+            pos = seq.next_draft_pos
+            tokens = [_target_token(p) + (0 if draft_agrees else 1) for p in range(pos, min(pos + 4, seq.draft_until()))]
+            if tokens:
+                scheduler._on_draft_batch(pb.DraftChunkBatch(chunks=[
+                    pb.DraftChunk(seq_id=seq.seq_id, epoch=seq.epoch, start_pos=pos, tokens=tokens)]))
+        assert scheduler.inflight is not None, "the target should be busy"
+        item = target.sent[-1].items[0]
+        start = item.start_pos + len(item.context)
+        drafts = list(item.draft_tokens)
+        accepted = next((i for i, t in enumerate(drafts) if t != _target_token(start + i)), len(drafts))
+        kind = pb.NEXT_TOKEN_KIND_RECOVERED if accepted < len(drafts) else pb.NEXT_TOKEN_KIND_BONUS
+        clock.now += 0.003 if drafts else 0.002
+        # forward_seconds=0: the verify cost model stays unfitted, so only the guard decides here
+        scheduler._on_verdict_batch(pb.VerdictBatch(batch_id=target.sent[-1].batch_id, verdicts=[pb.Verdict(
+            seq_id=seq.seq_id, epoch=item.epoch, n_accepted=accepted, kind=kind,
+            next_token=_target_token(start + accepted))]))
+
+
+async def test_guard_turns_a_never_agreeing_draft_off_and_a_good_one_back_on_exactly():
+    clock = FakeClock()
+    scheduler, target, draft = _scheduler(clock)
+    policy = SpeculationPolicy(mode=SpeculationMode.PEARL, max_draft_tokens=4, max_lookahead=9, adaptive=True)
+    prompt = (1, 2, 3)
+    seq = scheduler._add(GenerationRequest(request_id="r", prompt_token_ids=prompt, max_new_tokens=100_000,
+                                           sampling=SamplingParams()), policy)
+    per_window = scheduler.guard.window_rounds + scheduler.guard.settle_rounds
+    _drive(scheduler, target, seq, clock, 2 * per_window + 2, draft_agrees=False)
+    assert scheduler.guard.state is GuardState.TARGET_ONLY and seq.draft_paused
+    assert scheduler._draft_limit(seq) == 0
+    last = [c for m in draft.sent for c in m.commands if c.seq_id == seq.seq_id][-1]
+    assert last.draft_until <= len(seq.committed)  # the drafter was told to stop drafting
+    drafted_while_off = seq.stats.drafted_tokens
+    _drive(scheduler, target, seq, clock, 3 * per_window, draft_agrees=False)
+    assert seq.stats.drafted_tokens == drafted_while_off  # no probe yet: nothing drafted
+    _drive(scheduler, target, seq, clock, (scheduler.guard.max_probe_every + 3) * per_window, draft_agrees=True)
+    assert scheduler.guard.state is GuardState.SPECULATE and not seq.draft_paused
+    accepted_before = seq.stats.accepted_tokens
+    _drive(scheduler, target, seq, clock, per_window, draft_agrees=True)
+    assert seq.stats.accepted_tokens > accepted_before + 3 * per_window  # ~4 per round
+    committed = seq.committed[len(prompt):]
+    assert committed == [_target_token(len(prompt) + i) for i in range(len(committed))]  # the target's, always
+    streamed = []
+    while not seq.events.empty():
+        event = seq.events.get_nowait()
+        if isinstance(event, TokensEvent):
+            streamed.extend(event.token_ids)
+    assert streamed == committed
+    assert 0 < scheduler.stats()["guard"]["speculated_share"] < 1
+
+
+async def test_sampled_and_vanilla_sequences_are_never_switched_off():
+    clock = FakeClock()
+    scheduler, target, draft = _scheduler(clock)
+    scheduler.guard.state = GuardState.TARGET_ONLY
+    for mode, sampling in ((SpeculationMode.PEARL, SamplingParams(temperature=1.0, seed=1)),
+                           (SpeculationMode.VANILLA, SamplingParams())):
+        policy = SpeculationPolicy(mode=mode, max_draft_tokens=4, max_lookahead=9, adaptive=True)
+        seq = scheduler._add(GenerationRequest(request_id=f"r-{mode.value}", prompt_token_ids=(1, 2),
+                                               max_new_tokens=8, sampling=sampling), policy)
+        assert scheduler._draft_limit(seq) == 4 and not scheduler._guarded(seq)
+    greedy = scheduler._add(GenerationRequest(request_id="g", prompt_token_ids=(1, 2), max_new_tokens=8,
+                                              sampling=SamplingParams()),
+                            SpeculationPolicy(mode=SpeculationMode.PEARL, max_draft_tokens=4, max_lookahead=9))
+    assert scheduler._guarded(greedy) and scheduler._draft_limit(greedy) == 0
+
+
+@pytest.mark.parametrize("adaptive", [False])
+async def test_adaptive_off_turns_the_guard_off(adaptive):
+    clock = FakeClock()
+    scheduler, _, _ = _scheduler(clock)
+    scheduler.guard.state = GuardState.TARGET_ONLY
+    policy = SpeculationPolicy(mode=SpeculationMode.PEARL, max_draft_tokens=4, max_lookahead=9, adaptive=adaptive)
+    seq = scheduler._add(GenerationRequest(request_id="r", prompt_token_ids=(1, 2), max_new_tokens=8,
+                                           sampling=SamplingParams()), policy)
+    assert scheduler._draft_limit(seq) == 4
