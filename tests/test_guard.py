@@ -14,6 +14,7 @@ from coordinator.policies import SpeculationPolicy
 from coordinator.scheduler import Scheduler, SchedulerConfig
 from duospec.internal.v1 import pearl_pb2 as pb
 from duospec.sampling import SamplingParams
+from test_scheduler import FakeLink
 
 
 class FakeClock:
@@ -41,14 +42,19 @@ GOOD_DRAFT = {GuardState.SPECULATE: 1 / 250, GuardState.TARGET_ONLY: 1 / 100}
 TOKENS = {GuardState.SPECULATE: 2, GuardState.TARGET_ONLY: 1}
 
 
+def _guard():
+    """A guard on a fake clock, and the rounds one of its windows takes (settling included)."""
+    clock = FakeClock()
+    guard = GoodputGuard(clock=clock)
+    return guard, clock, guard.window_rounds + guard.settle_rounds
+
+
 def test_load_buckets():
     assert [load_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [0, 1, 2, 2, 3, 3, 4, 4, 5]
 
 
 def test_a_losing_draft_is_switched_off_within_two_windows_and_probed_rarely():
-    clock = FakeClock()
-    guard = GoodputGuard(clock=clock)
-    per_window = guard.window_rounds + guard.settle_rounds
+    guard, clock, per_window = _guard()
     _run(guard, clock, 2 * per_window, SLOW_DRAFT, TOKENS)
     assert guard.state is GuardState.TARGET_ONLY
     speculated = _run(guard, clock, 200 * per_window, SLOW_DRAFT, TOKENS)
@@ -58,9 +64,7 @@ def test_a_losing_draft_is_switched_off_within_two_windows_and_probed_rarely():
 
 
 def test_a_draft_that_becomes_good_is_switched_back_on():
-    clock = FakeClock()
-    guard = GoodputGuard(clock=clock)
-    per_window = guard.window_rounds + guard.settle_rounds
+    guard, clock, per_window = _guard()
     _run(guard, clock, 20 * per_window, SLOW_DRAFT, TOKENS)
     assert guard.state is GuardState.TARGET_ONLY
     # At most the current probe interval (<= max_probe_every windows) passes before the next probe.
@@ -71,17 +75,13 @@ def test_a_draft_that_becomes_good_is_switched_back_on():
 
 
 def test_a_winning_draft_keeps_speculating():
-    clock = FakeClock()
-    guard = GoodputGuard(clock=clock)
-    per_window = guard.window_rounds + guard.settle_rounds
+    guard, clock, per_window = _guard()
     speculated = _run(guard, clock, 100 * per_window, GOOD_DRAFT, TOKENS)
     assert guard.state is GuardState.SPECULATE and speculated > 0.9 * 100 * per_window
 
 
 def test_windows_compare_like_with_like_load_and_never_span_idle_time():
-    clock = FakeClock()
-    guard = GoodputGuard(clock=clock)
-    per_window = guard.window_rounds + guard.settle_rounds
+    guard, clock, per_window = _guard()
     _run(guard, clock, 2 * per_window, SLOW_DRAFT, TOKENS, live=1)
     assert guard.state is GuardState.TARGET_ONLY
     _run(guard, clock, 2 * per_window, GOOD_DRAFT, TOKENS, live=8)  # another load: measured afresh
@@ -103,25 +103,10 @@ def _target_token(pos: int) -> int:
 def _scheduler(clock):
     info = ModelInfo(name="m", target_path="t", draft_path="d", vocab_size=100, max_context=4096, eos_token_id=None,
                      draft_method="model")
-    target, draft = _Recorder(), _Recorder()
+    target, draft = FakeLink(), FakeLink()
     scheduler = Scheduler(info, target, draft, SchedulerConfig())
     scheduler.guard.clock = clock
     return scheduler, target, draft
-
-
-class _Recorder:
-    def __init__(self):
-        self.sent = []
-
-    def send(self, message):
-        self.sent.append(message)
-
-    async def responses(self):
-        return
-        yield
-
-    async def close(self):
-        pass
 
 
 def _drive(scheduler, target, seq, clock, rounds, draft_agrees: bool):
