@@ -80,6 +80,12 @@ class AcceptanceTracker:
     accepted: float = 2.0  # a mildly optimistic prior: start by speculating
     rejected: float = 1.0
 
+    @classmethod
+    def with_prior(cls, alpha: float, weight: float = 3.0) -> "AcceptanceTracker":
+        """A tracker starting at `alpha`, held with the weight of the default prior."""
+        alpha = min(max(alpha, 0.0), 1.0)
+        return cls(accepted=weight * alpha, rejected=weight * (1.0 - alpha))
+
     def observe(self, n_accepted: int, n_rejected: int) -> None:
         self.accepted = self.decay * self.accepted + n_accepted
         self.rejected = self.decay * self.rejected + n_rejected

@@ -44,26 +44,32 @@ def load_bucket(live_sequences: int) -> int:
 class _Window:
     state: GuardState
     bucket: int
-    started_at: float | None = None  # set after the settle rounds
     rounds: int = 0
     tokens: int = 0
+    seconds: float = 0.0  # busy wall time of its rounds (idle gaps between requests excluded)
     settle_left: int = 0
 
 
 @dataclass
 class GoodputGuard:
-    window_rounds: int = 16  # verify rounds per measurement window
+    window_rounds: int = 16  # a measurement window has at least this many verify rounds ...
+    window_s: float = 0.25  # ... and lasts at least this long (shorter ones are mostly noise)
     settle_rounds: int = 2  # rounds not measured after a switch (drafters restart, caches refill)
     probe_every: int = 4  # windows in the preferred state before the first probe of the other
     max_probe_every: int = 32
     decay: float = 0.5  # weight of a bucket's older goodput when a new window comes in
+    # A state must beat the other by this much to take over: when both are alike (e.g. the adaptive
+    # length already stopped drafting) noise must not flip them back and forth.
+    margin: float = 0.03
     clock: Callable[[], float] = time.monotonic
     state: GuardState = GuardState.SPECULATE
     # {(state, bucket): committed tokens per second}
     goodput: dict = field(default_factory=dict)
     rounds: dict = field(default_factory=lambda: {s: 0 for s in GuardState})  # verify rounds run in each state
+    drafted_rounds: int = 0  # of those, rounds that verified drafts (speculation actually happened)
     switches: int = 0
     _window: _Window | None = None
+    _last_at: float | None = None  # when the previous round ended (or work arrived after idling)
     _since_probe: int = 0
     _interval: int = 0
     _probing: bool = False
@@ -75,31 +81,32 @@ class GoodputGuard:
     def speculating(self) -> bool:
         return self.state is GuardState.SPECULATE
 
-    def observe_round(self, committed_tokens: int, live_sequences: int) -> None:
+    def work_arrived(self) -> None:
+        """A sequence arrived while none was live: time starts counting again from now."""
+        self._last_at = self.clock()
+
+    def observe_round(self, committed_tokens: int, live_sequences: int, drafted: bool = False) -> None:
         """One verify round came back having committed `committed_tokens` for the governed sequences,
-        with `live_sequences` of them live."""
+        with `live_sequences` of them live (before the round's verdicts were applied); `drafted`: it
+        verified draft tokens. A round's time runs from the previous round (or the arrival of work)
+        to now: what speculation makes the target wait for counts, idle time does not."""
+        now = self.clock()
+        seconds = now - self._last_at if self._last_at is not None else None
+        self._last_at = now
         self.rounds[self.state] += 1
-        if live_sequences <= 0:
-            self._window = None  # idle: a window must not span a gap between requests
-            return
+        self.drafted_rounds += drafted
         bucket = load_bucket(live_sequences)
         w = self._window
         if w is None or w.bucket != bucket or w.state is not self.state:
             w = self._window = _Window(self.state, bucket, settle_left=self.settle_rounds)
-        if w.settle_left > 0:  # this round's time began before the window's state was in force
-            w.settle_left -= 1
-            if w.settle_left == 0:
-                w.started_at = self.clock()
-            return
-        if w.started_at is None:
-            w.started_at = self.clock()
+        if w.settle_left > 0 or seconds is None:  # began before the window's state was in force
+            w.settle_left = max(0, w.settle_left - 1)
             return
         w.rounds += 1
         w.tokens += committed_tokens
-        if w.rounds >= self.window_rounds:
-            elapsed = self.clock() - w.started_at
-            if elapsed > 0:
-                self._close_window(w, w.tokens / elapsed)
+        w.seconds += seconds
+        if w.rounds >= self.window_rounds and w.seconds >= self.window_s:
+            self._close_window(w, w.tokens / w.seconds)
             self._window = None
 
     def _close_window(self, w: _Window, rate: float) -> None:
@@ -107,15 +114,15 @@ class GoodputGuard:
         old = self.goodput.get(key)
         self.goodput[key] = rate if old is None else self.decay * old + (1 - self.decay) * rate
         mine, theirs = self.goodput.get(key), self.goodput.get((w.state.other, w.bucket))
-        if self._probing:  # the probe's verdict: stay (it won) or go back
+        if self._probing:  # the probe's verdict: stay (it won clearly) or go back
             self._probing = False
-            if theirs is not None and theirs >= mine:
+            if theirs is not None and mine <= theirs * (1 + self.margin):
                 self._interval = min(self._interval * 2, self.max_probe_every)  # the choice holds
                 self._switch(w.state.other)
             else:
                 self._interval = self.probe_every  # the probed state is better now: keep it
             return
-        if theirs is None or theirs > mine:  # never measured here, or it was better last time
+        if theirs is None or theirs > mine * (1 + self.margin):  # unmeasured here, or clearly better
             if theirs is not None:
                 self._interval = self.probe_every
             self._probing = theirs is None
@@ -136,9 +143,9 @@ class GoodputGuard:
         total = sum(self.rounds.values())
         return {
             "state": self.state.value,
-            "speculated_share": self.rounds[GuardState.SPECULATE] / total if total else 1.0,
-            "speculated_rounds": self.rounds[GuardState.SPECULATE],
-            "target_only_rounds": self.rounds[GuardState.TARGET_ONLY],
+            "speculating_share": self.rounds[GuardState.SPECULATE] / total if total else 1.0,
+            "rounds": total,
+            "drafted_rounds": self.drafted_rounds,  # rounds that verified drafts, in either state
             "switches": self.switches,
             "goodput": {f"{s.value}@{1 << b if b else 1}": round(r, 1) for (s, b), r in sorted(
                 self.goodput.items(), key=lambda kv: (kv[0][1], kv[0][0].value))},

@@ -10,7 +10,9 @@ Everything runs on one asyncio loop, so sequence state needs no locks. The targe
 whenever a verdict batch comes back, the next batch goes out with whatever drafts have arrived (one
 token is enough in pearl: that is pre-verify), while the drafter keeps drafting past the chunk under
 verification (post-verify). A rejection bumps the sequence's epoch; chunks and verdicts with an old
-epoch are dropped. The mode only changes the policy object (coordinator/policies.py).
+epoch are dropped. The mode only changes the policy object (coordinator/policies.py). How much to
+speculate: coordinator/adaptive.py (draft length), patience.py (waiting for a fuller chunk),
+guard.py (speculating at all); what happens when a worker's stream breaks: recovery.py.
 """
 
 from __future__ import annotations
@@ -22,7 +24,13 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Protocol
 
-from coordinator.adaptive import VerifyCostModel, best_draft_length, drafts_worth_waiting_for
+from coordinator.adaptive import (
+    AcceptanceTracker,
+    Ewma,
+    VerifyCostModel,
+    best_draft_length,
+    drafts_worth_waiting_for,
+)
 from coordinator.api import (
     CoordinatorError,
     SpeculationMode,
@@ -34,8 +42,9 @@ from coordinator.api import (
     Unavailable,
 )
 from coordinator.guard import GoodputGuard
-from coordinator.links import close_quietly, verify_error
+from coordinator.links import verify_error
 from coordinator.patience import Patience
+from coordinator.recovery import WorkerRecovery
 from coordinator.policies import SpeculationPolicy
 from coordinator.sequence import DraftAction, Sequence
 from duospec.internal.sampling_wire import sampling_to_proto
@@ -90,7 +99,7 @@ class SchedulerConfig:
     stats_window: list = field(default_factory=list)
 
 
-class Scheduler:
+class Scheduler(WorkerRecovery):
     def __init__(
         self,
         info: ModelInfo,
@@ -122,6 +131,9 @@ class Scheduler:
         self.verify_cost = VerifyCostModel()
         self.pearl_draft_length: int | None = None  # None: not measured yet, use each policy's max
         self.guard = GoodputGuard()  # speculate only while it beats the target alone (coordinator/guard.py)
+        # Acceptance of this model's drafts lately: a new sequence's prior (a poor drafter is not
+        # trusted afresh by every request, a good one speculates from the first round).
+        self.recent_acceptance = Ewma(decay=0.95)
         self.patience = Patience(wake=self._dispatch)
         self.closed = False
         # Worker failures: a lost stream is reopened on the restarted actor through these.
@@ -186,10 +198,17 @@ class Scheduler:
             draft_alive=use_draft,
         )
         seq.round_start = seq.prompt_len
+        if self.recent_acceptance.value is not None:
+            seq.acceptance = AcceptanceTracker.with_prior(self.recent_acceptance.value)
         # A tenant (re)joining starts at the least-served active tenant's virtual time: no catch-up burst.
         others = [self._vtime.get(s.request.tenant, 0.0) for s in self.sequences.values()]
         self._vtime[request.tenant] = max(self._vtime.get(request.tenant, 0.0), min(others, default=0.0))
+        if self._guarded(seq) and not any(self._guarded(s) for s in self.sequences.values()):
+            self.guard.work_arrived()
         if use_draft:
+            # Target-only by the guard: the drafter holds the sequence but neither prefills nor drafts
+            # until speculation resumes (then a RESET feeds it everything).
+            seq.draft_paused = self._draft_limit(seq) == 0
             self._start_draft(seq)
         self.sequences[seq.seq_id] = seq
         self._dispatch()
@@ -213,42 +232,6 @@ class Scheduler:
         )
 
     # -- drafts in -----------------------------------------------------------------------------
-    async def _read_draft(self) -> None:
-        """Reads draft chunks; when the stream breaks, live sequences go on target-only and the link is
-        reopened on the restarted drafter for later requests."""
-        while not self.closed:
-            try:
-                async for batch in self.draft.responses():
-                    self._on_draft_batch(batch)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the stream broke: the drafter is gone
-                log.warning("draft stream ended (%s); live sequences continue target-only", type(exc).__name__)
-            if self.closed:
-                return
-            self._draft_up = False
-            self._draft_lost()
-            if self._reconnect_draft is None:
-                return
-            try:
-                link = await self._reconnect_draft()
-            except Exception as exc:
-                log.error("drafter did not come back (%s); serving target-only", exc)
-                return
-            old, self.draft = self.draft, link
-            await close_quietly(old)
-            self._draft_up = True
-            self.draft_restarts += 1
-            log.info("drafter reconnected; new requests speculate again")
-
-    def _draft_lost(self) -> None:
-        for seq in self.sequences.values():
-            if seq.draft_alive:
-                seq.drop_drafts()
-                seq.draft_alive = False
-        if not self.closed:
-            self._dispatch()
-
     def _on_draft_batch(self, batch: pb.DraftChunkBatch) -> None:
         longest = max((len(c.tokens) for c in batch.chunks), default=0)
         if longest and batch.busy_seconds > 0:  # merged messages carry several steps per chunk
@@ -415,49 +398,6 @@ class Scheduler:
         )
 
     # -- verdicts in ---------------------------------------------------------------------------
-    async def _read_target(self) -> None:
-        """Reads verdicts; when the stream breaks, waits for the restarted target and re-prefills every
-        live sequence's committed tokens on it (nothing committed is lost)."""
-        while not self.closed:
-            try:
-                async for batch in self.target.responses():
-                    self._on_verdict_batch(batch)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.error("target stream ended (%s)", type(exc).__name__)
-            if self.closed or not await self._recover_target():
-                return
-
-    async def _recover_target(self) -> bool:
-        self._target_up = False
-        self.inflight = None
-        self._target_releases = []  # the restarted target holds no sequences
-        for seq in self.sequences.values():
-            seq.target_len = 0  # the next verify re-sends all committed tokens: a re-prefill
-            seq.forget_verify()
-        try:
-            if self._reconnect_target is None:
-                raise ConnectionError("no way to reconnect")
-            link = await self._reconnect_target()
-        except Exception as exc:
-            log.error("target did not come back: %s", exc)
-            self._target_lost()
-            return False
-        old, self.target = self.target, link
-        await close_quietly(old)
-        self._target_up = True
-        self.target_restarts += 1
-        log.info("target reconnected; re-prefilling %d live sequences", len(self.sequences))
-        self._dispatch()
-        return True
-
-    def _target_lost(self) -> None:
-        self._target_failed = True
-        self.inflight = None
-        for seq in list(self.sequences.values()):
-            self._fail(seq, Unavailable("the target worker is unavailable and did not restart in time; retry later"))
-
     def _on_verdict_batch(self, batch: pb.VerdictBatch) -> None:
         inflight = self.inflight
         if inflight is None or batch.batch_id != inflight.batch_id:
@@ -478,6 +418,7 @@ class Scheduler:
                     self._fail(seq, verify_error(error))
             answered = {v.seq_id for v in batch.verdicts} | {e.seq_id for e in batch.errors}
             guarded = [s for s in self.sequences.values() if self._guarded(s)]
+            drafted = any(s.verify_tokens for s in guarded)
             committed_guarded = 0
             for verdict in batch.verdicts:
                 seq = self.sequences.get(verdict.seq_id)
@@ -489,7 +430,7 @@ class Scheduler:
                 kept = self._apply_verdict(seq, verdict)
                 committed_guarded += kept if self._guarded(seq) else 0
             if guarded:
-                self.guard.observe_round(committed_guarded, len(guarded))
+                self.guard.observe_round(committed_guarded, len(guarded), drafted)
             for seq_id in set(inflight.seq_ids) - answered:
                 if (seq := self.sequences.get(seq_id)) is not None:
                     seq.forget_verify()
@@ -509,6 +450,8 @@ class Scheduler:
         rejected = verdict.kind == pb.NEXT_TOKEN_KIND_RECOVERED and verdict.n_accepted < k
         next_token = verdict.next_token if verdict.kind != pb.NEXT_TOKEN_KIND_NONE else None
         kept, action = seq.apply_verdict(verdict.n_accepted, next_token, rejected)
+        if k:
+            self.recent_acceptance.observe(seq.acceptance.alpha)
         tenant = seq.request.tenant
         self._vtime[tenant] = self._vtime.get(tenant, 0.0) + len(kept) / seq.request.priority_weight
         if kept:

@@ -36,14 +36,13 @@ class WorkerWindow:
     target_busy_s: float = 0.0
     target_rounds: int = 0
     draft_busy_s: float = 0.0
-    # verify rounds the goodput guard (coordinator/guard.py) ran speculating / target-only
-    guard_speculated_rounds: int = 0
-    guard_target_only_rounds: int = 0
+    # the goodput guard's verify rounds (coordinator/guard.py), and those of them that verified drafts
+    guard_rounds: int = 0
+    guard_drafted_rounds: int = 0
 
     @property
     def speculated_share(self) -> float | None:
-        total = self.guard_speculated_rounds + self.guard_target_only_rounds
-        return self.guard_speculated_rounds / total if total else None
+        return self.guard_drafted_rounds / self.guard_rounds if self.guard_rounds else None
 
 
 @dataclass
@@ -107,6 +106,6 @@ def window(before: dict, after: dict, model: str) -> WorkerWindow:
         target_busy_s=delta("target", "busy_s"),
         target_rounds=int(delta("target", "batches")),
         draft_busy_s=delta("draft", "busy_s"),
-        guard_speculated_rounds=int(delta("guard", "speculated_rounds")),
-        guard_target_only_rounds=int(delta("guard", "target_only_rounds")),
+        guard_rounds=int(delta("guard", "rounds")),
+        guard_drafted_rounds=int(delta("guard", "drafted_rounds")),
     )

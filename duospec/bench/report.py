@@ -42,8 +42,9 @@ def _mode_table(path: str, block: dict) -> list[str]:
     lines += ["", f"pearl vs vanilla: {_num(sp['pearl_vs_vanilla'])}×, pearl vs HF assisted: "
               f"{_num(sp['pearl_vs_hf_assisted'])}×; pearl ideal overlap bound "
               f"{_num(pearl.get('ideal_tokens_per_s'), 1)} tokens/s, efficiency "
-              f"{_num(pearl.get('efficiency'), 0, 100, ' %')}; goodput guard: pearl speculated in "
-              f"{_num(pearl.get('speculated_share'), 0, 100, ' %')} of its verify rounds.", ""]
+              f"{_num(pearl.get('efficiency'), 0, 100, ' %')}; pearl verified drafts in "
+              f"{_num(pearl.get('speculated_share'), 0, 100, ' %')} of its rounds (the rest: target-only, by the "
+              "goodput guard or the adaptive length).", ""]
     return lines
 
 

@@ -34,7 +34,7 @@ def mode_summary(runs: list[Run]) -> dict:
         "verify_forward_s": _median_or_none(r.verify_forward_s() for r in runs),
         "target_busy_fraction": _median_or_none(b[0] if b else None for b in busy),
         "draft_busy_fraction": _median_or_none(b[1] if b else None for b in busy),
-        # share of guarded verify rounds that speculated (goodput guard; pearl only)
+        # share of greedy pearl verify rounds that verified drafts (goodput guard + adaptive length)
         "speculated_share": _median_or_none(r.workers.speculated_share if r.workers else None for r in runs),
     }
     per_pos = [sum(x) for x in zip(*(r.accepted_per_pos() for r in runs))] if runs[0].accepted_per_pos() else []
