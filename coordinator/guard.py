@@ -55,8 +55,8 @@ class GoodputGuard:
     window_rounds: int = 16  # a measurement window has at least this many verify rounds ...
     window_s: float = 0.25  # ... and lasts at least this long (shorter ones are mostly noise)
     settle_rounds: int = 2  # rounds not measured after a switch (drafters restart, caches refill)
-    probe_every: int = 4  # windows in the preferred state before the first probe of the other
-    max_probe_every: int = 32
+    probe_every: int = 8  # windows in the preferred state before the first probe of the other
+    max_probe_every: int = 64  # at 0.25 s a window: a losing state gets under 2 % of the time
     decay: float = 0.5  # weight of a bucket's older goodput when a new window comes in
     # A state must beat the other by this much to take over: when both are alike (e.g. the adaptive
     # length already stopped drafting) noise must not flip them back and forth.
