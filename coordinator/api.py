@@ -97,8 +97,11 @@ class ModelInfo:
     draft_path: str | None  # the draft checkpoint, if the drafter loads one of its own
     vocab_size: int  # tokenizer vocabulary (ids must be < this)
     max_context: int  # prompt + new tokens must fit
-    eos_token_id: int | None
+    eos_token_id: int | None  # the tokenizer's end-of-sequence token
     draft_method: str | None = None  # "model", "layers", "ngram"; None = no drafter (mode off only)
+    # every token that ends a generation (generation_config.json's eos_token_id list, e.g. Llama 3's
+    # <|eot_id|> and <|end_of_text|>); () = just eos_token_id
+    eos_token_ids: tuple[int, ...] = ()
     draft_node_id: str = ""  # Ray node of the draft actor ("" in-process / no draft)
     target_node_id: str = ""  # Ray node of the target actor
 
@@ -106,6 +109,13 @@ class ModelInfo:
     @property
     def has_draft(self) -> bool:
         return self.draft_method is not None
+
+    @property
+    def end_token_ids(self) -> frozenset[int]:
+        """The ids that finish a generation with FINISH_REASON_EOS (unless the request ignores EOS)."""
+        if self.eos_token_ids:
+            return frozenset(self.eos_token_ids)
+        return frozenset() if self.eos_token_id is None else frozenset({self.eos_token_id})
 
 
 class Coordinator(Protocol):

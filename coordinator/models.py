@@ -42,6 +42,7 @@ def model_info(model_config, max_context: int | None = None) -> ModelInfo:
     from transformers import AutoConfig
 
     from duospec.engine import CheckpointError
+    from duospec.engine.loader import end_token_ids
 
     target = str(model_config.target)
     spec = getattr(model_config, "draft", None)
@@ -70,6 +71,7 @@ def model_info(model_config, max_context: int | None = None) -> ModelInfo:
     if eos is None:
         eos = getattr(target_cfg, "eos_token_id", None)
         eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+    end_ids = end_token_ids(target, tokenizer)
     return ModelInfo(
         name=model_config.name,
         target_path=target,
@@ -78,4 +80,5 @@ def model_info(model_config, max_context: int | None = None) -> ModelInfo:
         vocab_size=min(len(tokenizer), int(target_cfg.vocab_size)),
         max_context=context,
         eos_token_id=eos,
+        eos_token_ids=end_ids or ((eos,) if eos is not None else ()),
     )

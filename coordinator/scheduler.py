@@ -194,7 +194,7 @@ class Scheduler(WorkerRecovery):
             policy=policy,
             committed=list(request.prompt_token_ids),
             prompt_len=len(request.prompt_token_ids),
-            eos_token_id=self.info.eos_token_id,
+            eos_token_ids=self.info.end_token_ids,
             draft_alive=use_draft,
         )
         seq.round_start = seq.prompt_len

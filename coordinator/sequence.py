@@ -34,7 +34,7 @@ class Sequence:
     policy: SpeculationPolicy
     committed: list[int]  # prompt + generated, all verified
     prompt_len: int
-    eos_token_id: int | None
+    eos_token_ids: frozenset[int]  # the model's end tokens (ModelInfo.end_token_ids)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     stats: SpecStats = field(default_factory=SpecStats)
     epoch: int = 0
@@ -100,8 +100,8 @@ class Sequence:
 
     def stop_ids(self) -> frozenset[int]:
         ids = self.request.stop_token_ids
-        if self.eos_token_id is not None and not self.request.ignore_eos:
-            ids = ids | {self.eos_token_id}
+        if not self.request.ignore_eos:
+            ids = ids | self.eos_token_ids
         return ids
 
     # -- transitions ------------------------------------------------------------------------------
@@ -179,7 +179,7 @@ class Sequence:
         for token in tokens[: self.remaining]:
             kept.append(token)
             if token in stop_ids:
-                is_eos = token == self.eos_token_id and token not in self.request.stop_token_ids
+                is_eos = token in self.eos_token_ids and token not in self.request.stop_token_ids
                 self.finish_reason = FinishReason.EOS if is_eos else FinishReason.STOP
                 break
         self.committed.extend(kept)

@@ -206,7 +206,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         from duospec.detokenizer import IncrementalDetokenizer
 
         request = with_tenant(v, state.tenant.name, state.tenant.priority_weight)
-        detok = IncrementalDetokenizer(self.tokenizers[state.model], list(request.prompt_token_ids))
+        # Text as transformers' decode(skip_special_tokens=True): no <|im_end|> at the end of a chat
+        # reply; the token ids still carry everything.
+        detok = IncrementalDetokenizer(self.tokenizers[state.model], list(request.prompt_token_ids),
+                                       skip_special_tokens=True)
         stopper = StopStringMatcher(v.stop_strings)
         events = self.coordinator.generate(request)
         stop_waiter = asyncio.ensure_future(self.lifecycle.hard_stop.wait())

@@ -57,6 +57,7 @@ def _router(target, draft, *, gamma: int, max_lookahead: int, max_batch_size: in
         vocab_size=min(len(target.tokenizer), runner.vocab_size),
         max_context=min(limits),
         eos_token_id=target.tokenizer.eos_token_id,
+        eos_token_ids=tuple(target.eos_token_ids),
         draft_method=proposer.method.value if proposer is not None else None,
     )
     config = types.SimpleNamespace(

@@ -50,7 +50,7 @@ async def test_stream_deltas_concatenate_to_the_full_text_and_match_target_greed
     prompt_ids = tok.encode(prompt)
     assert final.usage.prompt_tokens == len(prompt_ids)
     assert final.usage.completion_tokens == len(ids) == 24
-    assert text == tok.decode(ids)
+    assert text == tok.decode(ids, skip_special_tokens=True)
     assert ids == hf_greedy(tiny_pair[0], prompt_ids, 24)
     assert len({m.request_id for m in messages}) == 1 and messages[0].request_id
 

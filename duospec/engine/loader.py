@@ -19,7 +19,7 @@ from duospec.engine.errors import CheckpointError
 from duospec.engine.replay import REPLAY_FILE, load_replay_runner
 from duospec.engine.runner import ModelRunner
 
-__all__ = ["LoadedCheckpoint", "load_checkpoint", "load_model", "load_tokenizer", "resolve_dtype"]
+__all__ = ["LoadedCheckpoint", "end_token_ids", "load_checkpoint", "load_model", "load_tokenizer", "resolve_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,9 @@ def load_tokenizer(path: str | pathlib.Path):
         ) from exc
 
 
-def _eos_token_ids(ref: str, tokenizer) -> tuple[int, ...]:
+def end_token_ids(ref: str, tokenizer) -> tuple[int, ...]:
+    """Every id that ends a generation: generation_config.json's eos_token_id (an int or a list),
+    else the tokenizer's EOS."""
     from transformers import GenerationConfig
 
     try:
@@ -225,4 +227,4 @@ def load_checkpoint(path: str | pathlib.Path, **kwargs) -> LoadedCheckpoint:
         )
     runner = load_model(ref, **kwargs)
     return LoadedCheckpoint(runner=runner, tokenizer=tokenizer, config=runner.config, path=ref,
-                            eos_token_ids=_eos_token_ids(ref, tokenizer))
+                            eos_token_ids=end_token_ids(ref, tokenizer))
