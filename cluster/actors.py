@@ -51,12 +51,14 @@ def launch_pair(
     device: str = "auto",
     dtype: str = "auto",
     max_slots: int = 16,
+    max_context: int | None = None,
     placement_timeout_s: float = 30.0,
     load_timeout_s: float = 300.0,
     max_restarts: int = 4,
     deployment_secret: str | None = None,
 ) -> WorkerPair:
-    """Places and starts the pair; `deployment_secret` (default: a new one) authenticates the streams."""
+    """Places and starts the pair; `deployment_secret` (default: a new one) authenticates the streams;
+    `max_context`: positions per sequence on both workers (the serve config's max_model_len)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -95,7 +97,8 @@ def launch_pair(
                 max_concurrency=4,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
             )
-            .remote(*args, deployment_secret=deployment_secret, device=device, dtype=dtype, max_slots=max_slots)
+            .remote(*args, deployment_secret=deployment_secret, device=device, dtype=dtype, max_slots=max_slots,
+                    max_context=max_context)
         )
     pair = WorkerPair(model, handles["target"], handles.get("draft"), group, {}, None, deployment_secret)
     try:

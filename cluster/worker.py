@@ -26,13 +26,14 @@ class GrpcModelWorker:
     role = "worker"
 
     def __init__(self, model_path: str, *, deployment_secret: str, device: str = "auto", dtype: str = "auto",
-                 max_slots: int = 16):
+                 max_slots: int = 16, max_context: int | None = None):
         import torch
 
         torch.set_num_threads(torch_threads_for_actor())
         self.model_path = model_path
         self.device = resolve_device(device)
-        self.runner = self._load(model_path, device=self.device, dtype=dtype, max_slots=max_slots)
+        self.runner = self._load(model_path, device=self.device, dtype=dtype, max_slots=max_slots,
+                                 max_context=max_context)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"duospec-{self.role}"),
             interceptors=[DeploymentSecretInterceptor(deployment_secret)],
@@ -70,6 +71,7 @@ class GrpcModelWorker:
             "model_path": self.model_path,
             "free_slots": self.runner.free_slots if self.runner is not None else None,
             "max_slots": self.runner.max_slots if self.runner is not None else None,
+            "max_context": self.runner.max_context if self.runner is not None else None,
         }
 
     def health(self) -> bool:

@@ -16,6 +16,8 @@
         device: auto                         # auto|cpu|cuda
         dtype: auto                          # auto|float32|bfloat16|float16
         max_batch_size: 8
+        max_model_len: 8192                  # optional; positions per sequence (default: the model's
+                                             # max_position_embeddings); KV memory is sized from it
         speculation: {mode: pearl, max_draft_tokens: 4, max_lookahead: 9}
 
 YAML or TOML (chosen by the file suffix). Relative paths are resolved against the config file's folder.
@@ -80,6 +82,9 @@ class ModelConfig:
     dtype: str = "auto"
     max_batch_size: int = 8
     speculation: SpeculationDefaults = field(default_factory=SpeculationDefaults)
+    # Positions per sequence (prompt + output), on every layer alike: request validation, the
+    # coordinator, the drafter and the target. None = the model's max_position_embeddings.
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.draft, str):
@@ -193,6 +198,7 @@ def _parse_model(f: "_Fields", base_dir: pathlib.Path) -> ModelConfig:
         dtype=f.choice("dtype", DTYPES, default="auto"),
         max_batch_size=f.int_in("max_batch_size", 1, 4096, default=8),
         speculation=spec,
+        max_model_len=f.int_in("max_model_len", 2, 1 << 24, default=2) if f.raw.get("max_model_len") is not None else None,
     )
     f.reject_unknown()
     return model
@@ -208,7 +214,7 @@ _DRAFT_KEYS = {
 def _parse_draft(f: "_Fields", base_dir: pathlib.Path, target: str) -> DraftSpec | None:
     """`draft:` as a checkpoint path (the model drafter) or a mapping with `method:`."""
     raw = f.get("draft", (str, dict), default=None)
-    if raw is None:
+    if raw is None or raw == "":  # an empty path, as before the mapping form: no drafter
         return None
     if isinstance(raw, str):
         return DraftSpec(DraftMethod.MODEL, path=_resolve_model_path(raw, base_dir))
@@ -225,6 +231,9 @@ def _parse_draft(f: "_Fields", base_dir: pathlib.Path, target: str) -> DraftSpec
                 f"{d.where(key)}: not an option of method {method.value}{hint}; its options: "
                 f"{', '.join(_DRAFT_KEYS[method])}"
             )
+    path = d.get("path", str, default=None)
+    if path == "":
+        raise ConfigError(f"{d.where('path')}: empty; give the draft checkpoint's directory or remove the key")
     if method is DraftMethod.MODEL:
         return DraftSpec(method, path=_resolve_model_path(d.get("path", str, required=True), base_dir))
     if method is DraftMethod.LAYERS:
@@ -232,7 +241,6 @@ def _parse_draft(f: "_Fields", base_dir: pathlib.Path, target: str) -> DraftSpec
         if layers is None:
             raise ConfigError(f"{d.where('layers')}: missing; how many of the target's first layers draft (e.g. 4)")
         total = _local_layer_count(target)
-        path = d.get("path", str, default=None)
         if total is not None and path is None and layers >= total:
             raise ConfigError(
                 f"{d.where('layers')}: {layers}, but the target has {total} layers; a shallow draft uses fewer "

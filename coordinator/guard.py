@@ -43,8 +43,8 @@ def load_bucket(live_sequences: int) -> int:
 @dataclass
 class _Window:
     state: GuardState
-    bucket: int
     rounds: int = 0
+    live: int = 0  # sum over its rounds of the live sequences: the window's load is the mean
     tokens: int = 0
     seconds: float = 0.0  # busy wall time of its rounds (idle gaps between requests excluded)
     settle_left: int = 0
@@ -95,25 +95,27 @@ class GoodputGuard:
         self._last_at = now
         self.rounds[self.state] += 1
         self.drafted_rounds += drafted
-        bucket = load_bucket(live_sequences)
         w = self._window
-        if w is None or w.bucket != bucket or w.state is not self.state:
-            w = self._window = _Window(self.state, bucket, settle_left=self.settle_rounds)
+        if w is None or w.state is not self.state:
+            w = self._window = _Window(self.state, settle_left=self.settle_rounds)
         if w.settle_left > 0 or seconds is None:  # began before the window's state was in force
             w.settle_left = max(0, w.settle_left - 1)
             return
         w.rounds += 1
         w.tokens += committed_tokens
         w.seconds += seconds
+        w.live += live_sequences
         if w.rounds >= self.window_rounds and w.seconds >= self.window_s:
-            self._close_window(w, w.tokens / w.seconds)
+            # A window's load is its mean: restarting windows whenever the live count crossed a
+            # bucket edge would let a churning load keep every window from closing.
+            self._close_window(w, load_bucket(round(w.live / w.rounds)), w.tokens / w.seconds)
             self._window = None
 
-    def _close_window(self, w: _Window, rate: float) -> None:
-        key = (w.state, w.bucket)
+    def _close_window(self, w: _Window, bucket: int, rate: float) -> None:
+        key = (w.state, bucket)
         old = self.goodput.get(key)
         self.goodput[key] = rate if old is None else self.decay * old + (1 - self.decay) * rate
-        mine, theirs = self.goodput.get(key), self.goodput.get((w.state.other, w.bucket))
+        mine, theirs = self.goodput.get(key), self.goodput.get((w.state.other, bucket))
         if self._probing:  # the probe's verdict: stay (it won clearly) or go back
             self._probing = False
             if theirs is not None and mine <= theirs * (1 + self.margin):

@@ -17,7 +17,7 @@ from draft_worker.proposer import DraftMethod, DraftSpec, Proposer
 from target_worker.verifier import Verifier
 
 
-def load_runner(path: str, model_config, max_slots: int):
+def load_runner(path: str, model_config, max_slots: int, max_context: int | None = None):
     from duospec.engine import load_model
 
     return load_model(
@@ -25,6 +25,7 @@ def load_runner(path: str, model_config, max_slots: int):
         device=resolve_device(getattr(model_config, "device", "auto")),
         dtype=getattr(model_config, "dtype", "auto"),
         max_slots=max_slots,
+        max_context=max_context,
     )
 
 
@@ -42,8 +43,8 @@ class LocalCoordinator(ModelRouter):
                 proposer = None
                 if spec is not None:
                     proposer = build_proposer(spec, info.target_path, device=resolve_device(config.device),
-                                              dtype=config.dtype, max_slots=max_slots)
-                preloaded = (load_runner(info.target_path, config, max_slots), proposer)
+                                              dtype=config.dtype, max_slots=max_slots, max_context=info.max_context)
+                preloaded = (load_runner(info.target_path, config, max_slots, info.max_context), proposer)
             else:
                 target_runner, draft = preloaded
                 if draft is not None and not isinstance(draft, Proposer):

@@ -65,6 +65,14 @@ def model_info(model_config, max_context: int | None = None) -> ModelInfo:
     context = _max_context(target_cfg)
     if draft is not None:
         context = min(context, _max_context(AutoConfig.from_pretrained(draft)))
+    limit = getattr(model_config, "max_model_len", None)
+    if limit is not None:
+        if limit > context:
+            raise ModelPairError(
+                f"models[].max_model_len {limit} is above what the model holds ({context} positions: "
+                f"max_position_embeddings of the target{' and draft' if draft else ''}); lower it"
+            )
+        context = limit
     if max_context:
         context = min(context, max_context)
     eos = tokenizer.eos_token_id

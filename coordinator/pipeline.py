@@ -110,7 +110,7 @@ def start_pipeline(models: list, *, ray_address: str | None = None, placement_ti
     secret = new_deployment_secret()  # one per deployment: every pair's streams carry it
     try:
         for config in models:
-            model_info(config)  # fail on a bad checkpoint or tokenizer mismatch before placing anything
+            info = model_info(config)  # fail on a bad checkpoint or tokenizer mismatch before placing anything
             pair = launch_pair(
                 config.name,
                 str(config.target),
@@ -118,6 +118,7 @@ def start_pipeline(models: list, *, ray_address: str | None = None, placement_ti
                 device=getattr(config, "device", "auto"),
                 dtype=getattr(config, "dtype", "auto"),
                 max_slots=scheduler_config(config).max_sequences,
+                max_context=info.max_context,
                 placement_timeout_s=placement_timeout_s,
                 deployment_secret=secret,
             )

@@ -52,6 +52,8 @@ from duospec.internal.v1 import pearl_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+ACCEPTANCE_FLOOR = 0.5  # the lowest acceptance a new (or re-tried) sequence's estimate starts from
+
 
 Reconnect = Callable[[], Awaitable["Link"]]  # opens a link to the (restarted) worker, or raises
 
@@ -198,8 +200,7 @@ class Scheduler(WorkerRecovery):
             draft_alive=use_draft,
         )
         seq.round_start = seq.prompt_len
-        if self.recent_acceptance.value is not None:
-            seq.acceptance = AcceptanceTracker.with_prior(self.recent_acceptance.value)
+        seq.acceptance = self._acceptance_prior()
         # A tenant (re)joining starts at the least-served active tenant's virtual time: no catch-up burst.
         others = [self._vtime.get(s.request.tenant, 0.0) for s in self.sequences.values()]
         self._vtime[request.tenant] = max(self._vtime.get(request.tenant, 0.0), min(others, default=0.0))
@@ -311,6 +312,12 @@ class Scheduler(WorkerRecovery):
             if self.pearl_draft_length is not None:
                 limit = min(limit, max(self.pearl_draft_length, 0 if seq.greedy else 1))
         return limit
+
+    def _acceptance_prior(self) -> AcceptanceTracker:
+        """Where a sequence's acceptance estimate starts: the model's recent acceptance, but never
+        below ACCEPTANCE_FLOOR — a drafter written off once must still get tried again."""
+        recent = self.recent_acceptance.value
+        return AcceptanceTracker.with_prior(max(recent if recent is not None else 1.0, ACCEPTANCE_FLOOR))
 
     @staticmethod
     def _guarded(seq: Sequence) -> bool:
@@ -430,7 +437,11 @@ class Scheduler(WorkerRecovery):
                 kept = self._apply_verdict(seq, verdict)
                 committed_guarded += kept if self._guarded(seq) else 0
             if guarded:
+                was_speculating = self.guard.speculating
                 self.guard.observe_round(committed_guarded, len(guarded), drafted)
+                if self.guard.speculating and not was_speculating:  # a probe or a switch back: really try
+                    for seq in guarded:
+                        seq.acceptance = self._acceptance_prior()
             for seq_id in set(inflight.seq_ids) - answered:
                 if (seq := self.sequences.get(seq_id)) is not None:
                     seq.forget_verify()
@@ -460,10 +471,13 @@ class Scheduler(WorkerRecovery):
             self._finish(seq, seq.finish_reason)
         elif action is DraftAction.NONE:
             pass
-        elif self._draft_limit(seq) == 0:  # load-aware back-off: stop the drafter, go target-only
+        elif self._draft_limit(seq) == 0:  # back-off (load or guard): stop the drafter, go target-only
             if not seq.draft_paused:
                 seq.pause_drafting()
-                self._advance(seq)
+                if action is DraftAction.ABORT:  # the drafter's rejected tokens must go, not just stop
+                    self._abort(seq)
+                else:
+                    self._advance(seq)
             else:
                 seq.drop_drafts()
         elif seq.draft_paused or action is DraftAction.ABORT:  # resuming needs a catch-up reset too

@@ -111,8 +111,9 @@ class Sequence:
             return False
         self.drafts.extend(tokens)
         self.draft_probs.extend(probs)
-        if tokens:
-            self.draft_fed_len = start_pos + len(tokens) - 1  # drafting position P needed P-1 fed
+        # Drafting position P needed P-1 fed; an empty (exhausted) chunk at P says the same of P-1,
+        # so the next RESET does not resend what the drafter already holds.
+        self.draft_fed_len = max(self.draft_fed_len, start_pos + len(tokens) - 1)
         self.draft_exhausted = exhausted
         return True
 

@@ -15,7 +15,9 @@ names in START; another tenant's text is never consulted.
 
 Timing independence: the sequence's own index always mirrors exactly the tokens before the position
 being proposed, so a proposal (and "no proposal": EXHAUSTED) is a function of the sequence's prefix
-alone, however the steps and commands interleave. That is what lets the coordinator sample a bonus
+alone, however the steps and commands interleave (for sampled requests ties between equally frequent
+continuations go to the lowest token id: an abort's rollback restores counts exactly but not
+recency). That is what lets the coordinator sample a bonus
 token after an exhausted chunk without making seeded output depend on timing. The tenant pool
 changes as other requests finish, so sampled requests do not consult it (greedy output is the
 target's whatever is proposed).
@@ -111,7 +113,8 @@ class NgramProposer(Proposer):
         context = seq.tokens[-self.options.max_ngram :]  # a copy of the tail: only that is matched
         tokens: list[int] = []
         while len(tokens) < budget:
-            token = self._next_token(context, index.trie, pool.trie if pool is not None else None)
+            token = self._next_token(context, index.trie, pool.trie if pool is not None else None,
+                                     by_recency=seq.sampling.greedy)
             if token is None:
                 break
             tokens.append(token)
@@ -124,14 +127,15 @@ class NgramProposer(Proposer):
         # Fewer than the budget means the match ran out: nothing more until the sequence changes.
         return Proposal(tokens, probs, exhausted=len(tokens) < budget)
 
-    def _next_token(self, context: list[int], own: SuffixTrie, pool: SuffixTrie | None) -> int | None:
+    def _next_token(self, context: list[int], own: SuffixTrie, pool: SuffixTrie | None,
+                    by_recency: bool) -> int | None:
         min_n = self.options.min_ngram
         depth, table = own.longest_match(context, min_n)
         if pool is not None:
             pool_depth, pool_table = pool.longest_match(context, min_n)
             if pool_depth > depth:  # the longer context predicts better; the sequence's own wins ties
                 depth, table = pool_depth, pool_table
-        return most_frequent(table) if depth else None
+        return most_frequent(table, by_recency=by_recency) if depth else None
 
     def stats(self) -> dict:
         return {

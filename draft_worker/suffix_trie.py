@@ -88,6 +88,10 @@ class SuffixTrie:
         return best_depth, best
 
 
-def most_frequent(table: dict[int, list[int]]) -> int:
-    """The continuation seen most often; ties go to the one seen most recently."""
-    return max(table.items(), key=lambda item: (item[1][0], item[1][1]))[0]
+def most_frequent(table: dict[int, list[int]], *, by_recency: bool = True) -> int:
+    """The continuation seen most often; ties go to the one seen most recently, or with
+    `by_recency=False` to the lowest token id. `remove` restores counts exactly but not recency, so a
+    proposal that must be a function of the text alone (sampled requests) breaks ties by id."""
+    if by_recency:
+        return max(table.items(), key=lambda item: (item[1][0], item[1][1]))[0]
+    return max(table.items(), key=lambda item: (item[1][0], -item[0]))[0]

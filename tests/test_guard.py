@@ -204,3 +204,50 @@ async def test_adaptive_off_turns_the_guard_off(adaptive):
     seq = scheduler._add(GenerationRequest(request_id="r", prompt_token_ids=(1, 2), max_new_tokens=8,
                                            sampling=SamplingParams()), policy)
     assert scheduler._draft_limit(seq) == 4
+
+
+def test_a_churning_load_still_closes_windows():
+    """Live sequences crossing a bucket edge every few rounds (8 <-> 9) must not keep every window
+    from closing (the guard would never probe)."""
+    guard, clock, per_window = _guard()
+    for i in range(200):
+        _run(guard, clock, 15, SLOW_DRAFT, TOKENS, live=8 if i % 2 else 9)
+    assert guard.goodput and guard.switches >= 1 and guard.state is GuardState.TARGET_ONLY
+
+
+async def test_new_sequences_never_start_below_the_acceptance_floor():
+    from coordinator.scheduler import ACCEPTANCE_FLOOR
+
+    scheduler, _, _ = _scheduler(FakeClock())
+    scheduler.recent_acceptance.observe(0.02)  # the drafter did badly lately
+    policy = SpeculationPolicy(mode=SpeculationMode.PEARL, max_draft_tokens=4, max_lookahead=9)
+    seq = scheduler._add(GenerationRequest(request_id="r", prompt_token_ids=(1, 2), max_new_tokens=8,
+                                           sampling=SamplingParams()), policy)
+    assert seq.acceptance.alpha == pytest.approx(ACCEPTANCE_FLOOR)
+    scheduler.recent_acceptance.value = 0.9  # a good drafter: start from its record
+    seq = scheduler._add(GenerationRequest(request_id="s", prompt_token_ids=(1, 2), max_new_tokens=8,
+                                           sampling=SamplingParams()), policy)
+    assert seq.acceptance.alpha == pytest.approx(0.9)
+
+
+async def test_going_target_only_on_a_rejection_rolls_the_drafter_back():
+    """The back-off that pauses a sequence on a rejecting verdict must RESET the drafter (new epoch,
+    the correction in the tail), or the rejected draft would stay in the drafter's text."""
+    clock = FakeClock()
+    scheduler, target, draft = _scheduler(clock)
+    policy = SpeculationPolicy(mode=SpeculationMode.PEARL, max_draft_tokens=4, max_lookahead=9, adaptive=True)
+    seq = scheduler._add(GenerationRequest(request_id="r", prompt_token_ids=(1, 2, 3), max_new_tokens=50,
+                                           sampling=SamplingParams()), policy)
+    prefill = target.sent[-1]  # pearl prefills the prompt at once, taking no token
+    scheduler._on_verdict_batch(pb.VerdictBatch(batch_id=prefill.batch_id, verdicts=[pb.Verdict(
+        seq_id=seq.seq_id, epoch=0, n_accepted=0, kind=pb.NEXT_TOKEN_KIND_NONE)]))
+    scheduler._on_draft_batch(pb.DraftChunkBatch(chunks=[pb.DraftChunk(seq_id=seq.seq_id, epoch=0, start_pos=3,
+                                                                       tokens=[10, 11])]))
+    item = target.sent[-1].items[0]
+    scheduler.guard.state = GuardState.TARGET_ONLY  # the guard decided while the verify was in flight
+    scheduler._on_verdict_batch(pb.VerdictBatch(batch_id=target.sent[-1].batch_id, verdicts=[pb.Verdict(
+        seq_id=seq.seq_id, epoch=item.epoch, n_accepted=1, kind=pb.NEXT_TOKEN_KIND_RECOVERED, next_token=99)]))
+    assert seq.committed == [1, 2, 3, 10, 99] and seq.draft_paused
+    last = [c for m in draft.sent for c in m.commands if c.seq_id == seq.seq_id][-1]
+    assert last.kind == pb.DRAFT_COMMAND_KIND_RESET and last.epoch == seq.epoch == 1
+    assert list(last.tail)[-1] == 99 and last.draft_until == len(seq.committed)

@@ -237,3 +237,23 @@ def test_start_without_the_whole_prompt_is_refused(bad):
     cmd.update(bad)
     with pytest.raises(ValueError, match="START needs the whole prompt"):
         drafter.apply(_cmd(pb.DRAFT_COMMAND_KIND_START, **cmd))
+
+
+def test_sampled_proposals_after_an_abort_do_not_depend_on_how_far_the_drafter_had_run():
+    """Rolling back restores the trie's counts but not recency, so sampled requests break ties by
+    token id: the same prefix gives the same proposal whether 6 or 1 tokens were drafted and rolled back."""
+    prompt = [40, 41, 42, 31, 32, 35, 5, 30, 31, 32, 33, 6, 40, 41]
+    sampled = SamplingParams(temperature=1.0, seed=7)
+    from duospec.internal.sampling_wire import sampling_to_proto
+
+    def run(first_until):
+        drafter = Drafter(NgramProposer(NgramOptions(min_ngram=2, max_ngram=3)))
+        drafter.apply(_cmd(pb.DRAFT_COMMAND_KIND_START, tail=prompt, draft_until=first_until,
+                           committed_len=len(prompt), sampling=sampling_to_proto(sampled)))
+        drafter.step()
+        drafter.apply(_cmd(pb.DRAFT_COMMAND_KIND_RESET, epoch=1, start_pos=len(prompt), tail=[36, 37, 31, 32],
+                           draft_until=len(prompt) + 5, committed_len=len(prompt) + 4))
+        (chunk,) = drafter.step()
+        return list(chunk.tokens)
+
+    assert run(len(prompt) + 6) == run(len(prompt) + 1)

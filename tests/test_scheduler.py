@@ -282,3 +282,14 @@ async def test_an_exhausted_marker_from_an_old_epoch_is_ignored():
     old = pb.DraftChunk(seq_id=seq.seq_id, epoch=seq.epoch + 5, start_pos=3, outlook=pb.DRAFT_OUTLOOK_EXHAUSTED)
     scheduler._on_draft_batch(pb.DraftChunkBatch(chunks=[old]))
     assert not seq.draft_exhausted and not target.sent
+
+
+async def test_an_empty_exhausted_chunk_counts_as_fed_so_resets_stay_short():
+    """An n-gram drafter with no match sends empty EXHAUSTED chunks; the RESET after the next token
+    must start where the drafter's text ends, not resend the whole sequence."""
+    scheduler, target, draft, policy = _scheduler(SpeculationMode.VANILLA)
+    seq = scheduler._add(_request(prompt=tuple(range(1, 40)), n=10), policy)
+    _exhausted(scheduler, seq, 39)
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_BONUS, 50)
+    reset = [c for m in draft.sent for c in m.commands if c.kind == pb.DRAFT_COMMAND_KIND_RESET][-1]
+    assert (reset.start_pos, list(reset.tail)) == (38, [39, 50])

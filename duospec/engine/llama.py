@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -226,6 +227,8 @@ class LeanLlamaRunner(ModelRunner):
         self.lm_head = linear(self.embed if tied else take("lm_head.weight"))
         self.final_norm = take("model.norm.weight")
         cache_shape = (self.max_slots, self.n_kv_heads, self.max_context, self.head_dim)
+        check_kv_fits(2 * config.num_hidden_layers * math.prod(cache_shape) * self.embed.element_size(), self.device,
+                      self.max_slots, self.max_context)
         self.layers: list[_Layer] = []
         for i, window in enumerate(_layer_windows(config)):
             p = f"model.layers.{i}."
@@ -361,6 +364,23 @@ class LeanLlamaRunner(ModelRunner):
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         gate, up = layer.gate_up(self._norm(h, layer.post_norm)).chunk(2, dim=-1)
         return h + layer.down(F.silu(gate) * up)
+
+
+def check_kv_fits(kv_bytes: int, device: torch.device, max_slots: int, max_context: int) -> None:
+    """A clear start-up error when the preallocated KV cache cannot fit in free memory."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):  # not a POSIX system: nothing to check against
+            return
+    if kv_bytes > 0.9 * free:
+        raise CheckpointError(
+            f"the KV cache for {max_slots} sequences x {max_context} positions needs {kv_bytes / 2**30:.1f} GiB "
+            f"but {free / 2**30:.1f} GiB is free on {device}; lower models[].max_model_len (or the number of "
+            f"sequences)"
+        )
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
