@@ -133,8 +133,8 @@ class Scheduler(WorkerRecovery):
         self.verify_cost = VerifyCostModel()
         self.pearl_draft_length: int | None = None  # None: not measured yet, use each policy's max
         self.guard = GoodputGuard()  # speculate only while it beats the target alone (coordinator/guard.py)
-        # Acceptance of this model's drafts lately: a new sequence's prior (a poor drafter is not
-        # trusted afresh by every request, a good one speculates from the first round).
+        # Acceptance of this model's drafts lately: a new sequence's prior (floored, _acceptance_prior),
+        # so a good drafter speculates fully from a request's first round.
         self.recent_acceptance = Ewma(decay=0.95)
         self.patience = Patience(wake=self._dispatch)
         self.closed = False
