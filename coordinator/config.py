@@ -12,7 +12,7 @@
                                              #   {method: model, path: DIR}
                                              #   {method: layers, layers: K, path: DIR?}  target's first K layers
                                              #   {method: ngram, min_ngram: 2, max_ngram: 8, max_proposal: 16,
-                                             #    pool: tenant|sequence, pool_tokens: 200000, max_pools: 256}
+                                             #    pool: tenant|sequence, pool_tokens: 16000, max_pools: 16}
         device: auto                         # auto|cpu|cuda
         dtype: auto                          # auto|float32|bfloat16|float16
         max_batch_size: 8
