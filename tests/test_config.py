@@ -131,3 +131,9 @@ def test_layers_must_be_fewer_than_the_targets(tmp_path):
         with pytest.raises(ConfigError, match=r"draft.layers: .*the target has 4 layers.*layers: 2"):
             parse_serve_config(_draft_config({"method": "layers", "layers": layers}, tmp_path / "target"))
     assert parse_serve_config(_draft_config({"method": "layers", "layers": 3}, tmp_path / "target")).models[0].draft
+
+
+def test_an_empty_draft_path_means_no_drafter_and_an_empty_mapping_path_is_refused():
+    assert parse_serve_config(_draft_config("")).models[0].draft is None
+    with pytest.raises(ConfigError, match=r"models\[0\].draft.path: empty"):
+        parse_serve_config(_draft_config({"method": "model", "path": ""}))
