@@ -135,15 +135,17 @@ def test_bench_command_smoke_in_process(tmp_path):
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("method", ["ngram", "layers:1"])
+@pytest.mark.parametrize("method", ["ngram", "layers:1", "random"])
 def test_bench_runs_every_drafting_method(tmp_path, method):
-    out = _bench_smoke(tmp_path, "--draft-method", method, "--prompts", str(GROUNDED), draft_model=False)
+    out = _bench_smoke(tmp_path, "--draft-method", method, "--prompts", str(GROUNDED), draft_model=method == "random")
     report = json.loads((out / "results.json").read_text())
     assert report["setup"]["config"]["draft_method"] == method
     modes = report["paths"]["in-process"]["modes"]
     assert set(modes) == {"off", "hf", "hf-assisted", "vanilla", "pearl"}  # hf-assisted: prompt lookup for ngram
     assert report["exactness"]["all_identical"] and modes["pearl"]["tokens_per_s"] > 0
     assert f"drafter {method}" in (out / "results.md").read_text()
+    if method == "random":  # a random-weight copy of the draft's shape was written and used
+        assert (out / "random-draft" / "config.json").is_file()
 
 
 def test_bench_draft_method_errors(tmp_path, capsys):

@@ -20,6 +20,20 @@ from duospec.bench.inprocess import BenchPair, HFGenerate, encode_prompts, open_
 from duospec.bench.records import ALL_MODES, HF_MODES, OUR_MODES, Run
 
 WARMUP_TOKENS = 8
+RANDOM_DRAFT = "random"  # --draft-method random
+
+
+def random_draft(draft: str, out: pathlib.Path, seed: int = 0) -> pathlib.Path:
+    """A random-weight copy of the `draft` checkpoint's architecture and tokenizer (it agrees with the
+    target only by chance): the drafter a "never slower" guard must catch."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(draft), dtype=torch.float32)
+    model.save_pretrained(str(out), safe_serialization=True)
+    AutoTokenizer.from_pretrained(draft).save_pretrained(str(out))
+    return out
 
 
 @dataclass
@@ -44,7 +58,7 @@ class BenchConfig:
     progress: bool = True
     simulate: str | None = None  # a duospec.bench.simulate scenario: replayed tokens, slept forward times
     acceptance: float | None = None  # with simulate: a synthetic drafter with this per-token acceptance
-    draft_method: str = "model"  # model | ngram | layers:K (coordinator.config.draft_from_flag)
+    draft_method: str = "model"  # model | ngram | layers:K (coordinator.config.draft_from_flag) | random
 
     def validate(self) -> None:
         unknown = [m for m in self.modes if m not in ALL_MODES]
@@ -69,7 +83,8 @@ class BenchConfig:
             raise ValueError("--acceptance goes with --simulate (it replaces the draft's choices in the replay)")
         from coordinator.config import draft_from_flag
 
-        spec = draft_from_flag(self.draft_method, self.draft or None)
+        # random: the adversarial case, a random-weight draft of the --draft checkpoint's shape
+        spec = draft_from_flag("model" if self.draft_method == RANDOM_DRAFT else self.draft_method, self.draft or None)
         if self.simulate is not None and self.draft_method != "model":
             raise ValueError(f"--simulate replays a draft model's choices; drop --draft-method {self.draft_method} "
                              "(or benchmark it without --simulate)")
@@ -163,7 +178,11 @@ def run_bench(config: BenchConfig) -> dict:
     config.validate()
     torch.set_num_threads(1)  # one thread per model: the draft and target threads each get one core
     hf_logging.disable_progress_bar()  # per-checkpoint "Loading weights" bars would break up ours
-    pair = BenchPair(str(config.target), str(config.draft), config.device, config.draft_method)
+    if config.draft_method == RANDOM_DRAFT:
+        pair = BenchPair(str(config.target), str(random_draft(config.draft, config.out / "random-draft")),
+                         config.device, "model")
+    else:
+        pair = BenchPair(str(config.target), str(config.draft), config.device, config.draft_method)
     prompt_path = config.prompts or DEFAULT_PROMPTS
     prompts = encode_prompts(load_tokenizer(pair.target), load_prompts(prompt_path, config.prompt_limit),
                              config.max_prompt_tokens)

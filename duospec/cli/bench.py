@@ -33,7 +33,8 @@ def register(subparsers) -> None:
     p.add_argument("--draft-method", default="model", metavar="METHOD",
                    help="what drafts: model (the draft checkpoint, default), ngram (model-free: matches in the "
                         "prompt and output; no draft needed) or layers:K (the target's first K layers; with "
-                        "--draft DIR a fine-tuned shallow draft from `duospec distill --init-layers K`)")
+                        "--draft DIR a fine-tuned shallow draft from `duospec distill --init-layers K`) or random "
+                        "(the adversarial case: a random-weight draft of the --draft checkpoint's shape)")
     p.add_argument("--models-label", default="", help="what the models are, printed in the report")
     p.add_argument("--prompts", type=pathlib.Path, help="JSONL prompt set (default benchmarks/prompts/prompts.jsonl)")
     p.add_argument("--limit-prompts", type=int, help="use only the first N prompts")
@@ -63,7 +64,7 @@ def register(subparsers) -> None:
 def resolve_pair(args: argparse.Namespace) -> tuple[pathlib.Path, pathlib.Path | None]:
     """(target, draft checkpoint); the draft is None for a method that needs none (ngram; layers
     without a fine-tuned --draft)."""
-    if getattr(args, "draft_method", "model") != "model":
+    if getattr(args, "draft_method", "model") not in ("model", "random"):
         if args.target is not None and args.models is not None:
             raise ValueError("pass either --models DIR or --target, not both")
         root = args.models or pathlib.Path(os.environ.get("DUOSPEC_MODELS", REPO_ROOT / "models"))
