@@ -55,12 +55,12 @@ def model_info(model_config, max_context: int | None = None) -> ModelInfo:
     check_pair(target, draft)
     target_cfg = AutoConfig.from_pretrained(target)
     if spec is not None and spec.layers is not None and spec.path is None:
-        total = int(getattr(target_cfg, "num_hidden_layers", 0) or 0)
-        if not 1 <= spec.layers < total:
-            raise ModelPairError(
-                f"draft: layers {spec.layers}, but the target {target} has {total} layers; a shallow draft "
-                f"uses fewer (e.g. layers: {max(1, total // 2)})"
-            )
+        from duospec.engine.loader import shallow_config
+
+        try:  # the loader's own rule, checked before any worker loads the weights
+            shallow_config(f"draft: layers {spec.layers} of target {target}", target_cfg, spec.layers)
+        except CheckpointError as exc:
+            raise ModelPairError(str(exc)) from None
     tokenizer = _tokenizer(target)
     context = _max_context(target_cfg)
     if draft is not None:

@@ -14,6 +14,7 @@ import logging
 from cluster.actors import WorkerPair, launch_pair
 from cluster.runtime import connect
 from cluster.secret import new_deployment_secret
+from coordinator.api import ModelInfo
 from coordinator.links import GrpcStreamLink, wait_for_channel
 from coordinator.models import model_info
 from coordinator.router import ModelEntry, ModelRouter, scheduler_config
@@ -28,10 +29,10 @@ class PipelineCoordinator(ModelRouter):
         self.pairs: dict[str, WorkerPair] = {}
         self.restart_timeout_s = restart_timeout_s  # how long a killed worker may take to come back
 
-    def add_pair(self, config, pair: WorkerPair) -> None:
-        info = model_info(config)
+    def add_pair(self, config, pair: WorkerPair, info: ModelInfo | None = None) -> None:
+        """`info`: the model's facts when the caller has read them already (start_pipeline has)."""
         info = dataclasses.replace(
-            info,
+            info or model_info(config),
             target_node_id=pair.target_info["node_id"],
             draft_node_id=(pair.draft_info or {}).get("node_id", ""),
         )
@@ -122,7 +123,7 @@ def start_pipeline(models: list, *, ray_address: str | None = None, placement_ti
                 placement_timeout_s=placement_timeout_s,
                 deployment_secret=secret,
             )
-            coordinator.add_pair(config, pair)
+            coordinator.add_pair(config, pair, info)
     except BaseException:
         for pair in coordinator.pairs.values():
             pair.shutdown()
