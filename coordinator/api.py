@@ -39,6 +39,7 @@ class GenerationRequest:
     sampling: SamplingParams = SamplingParams()
     mode: SpeculationMode | None = None  # None = the model's configured default
     max_draft_tokens: int | None = None  # None = the model's default (γ in vanilla, max verify in pearl)
+    speculation_cache: bool | None = None  # pearl's speculation cache; None = the model's default
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     model: str = ""  # "" = the default model
@@ -55,6 +56,8 @@ class SpecStats:
     wasted_draft_tokens: int = 0  # drafted but discarded (after a rejection), incl. never verified
     rejections: int = 0
     committed_tokens: int = 0  # tokens committed by verify forwards (accepted + recovered/bonus)
+    cache_lookups: int = 0  # rejections that looked for a hedge in the speculation cache
+    cache_hits: int = 0  # ... and found one: the next verify went out without waiting for the drafter
     # accepted_per_pos[i]: how often the draft token at offset i of a verified chunk was accepted
     accepted_per_pos: list[int] = field(default_factory=list)
 

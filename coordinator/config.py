@@ -18,13 +18,15 @@
         max_batch_size: 8
         max_model_len: 8192                  # optional; positions per sequence (default: the model's
                                              # max_position_embeddings); KV memory is sized from it
-        speculation: {mode: pearl, max_draft_tokens: 4, max_lookahead: 9}
+        speculation: {mode: pearl, max_draft_tokens: 4, max_lookahead: 9, adaptive: true,
+                      cache: true, hedges: 4}   # cache: the speculation cache, hedges per sequence
 
 YAML or TOML (chosen by the file suffix). Relative paths are resolved against the config file's folder.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pathlib
 import re
@@ -70,6 +72,14 @@ class SpeculationDefaults:
     max_draft_tokens: int = 4
     max_lookahead: int = 9
     adaptive: bool = True  # pearl: adapt the draft length to acceptance and load (coordinator/adaptive.py)
+    # pearl: the speculation cache (draft_worker/hedges.py): the drafter hedges the likeliest verdicts
+    # in its spare steps, up to `hedges` per sequence; a verdict that hits one skips the pipeline drain
+    cache: bool = True
+    hedges: int = 4
+
+    @property
+    def hedges_per_sequence(self) -> int:
+        return self.hedges if self.cache else 0
 
 
 @dataclass(frozen=True)
@@ -182,6 +192,8 @@ def _parse_model(f: "_Fields", base_dir: pathlib.Path) -> ModelConfig:
             max_draft_tokens=spec_fields.int_in("max_draft_tokens", 1, 64, default=spec.max_draft_tokens),
             max_lookahead=spec_fields.int_in("max_lookahead", 1, 1024, default=spec.max_lookahead),
             adaptive=spec_fields.get("adaptive", bool, default=spec.adaptive),
+            cache=spec_fields.get("cache", bool, default=spec.cache),
+            hedges=spec_fields.int_in("hedges", 1, 16, default=spec.hedges),
         )
         spec_fields.reject_unknown()
     if draft is None and spec.mode is not SpeculationMode.OFF and spec_fields is not None and "mode" in spec_fields.raw:
@@ -189,7 +201,7 @@ def _parse_model(f: "_Fields", base_dir: pathlib.Path) -> ModelConfig:
             f"{f.where('speculation.mode')}: {spec.mode.value!r} needs a draft model; add `draft:` or set mode: off"
         )
     if draft is None:
-        spec = SpeculationDefaults(SpeculationMode.OFF, spec.max_draft_tokens, spec.max_lookahead, spec.adaptive)
+        spec = dataclasses.replace(spec, mode=SpeculationMode.OFF)
     model = ModelConfig(
         name=name,
         target=_resolve_model_path(target, base_dir),

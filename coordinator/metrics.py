@@ -40,6 +40,10 @@ class ServerMetrics:
             (*t, "position"), registry=r)
         self.pre_verify_aborts = Counter(
             "duospec:spec_decode_pre_verify_aborts", "Rounds aborted at the first draft token", t, registry=r)
+        self.cache_lookups = Counter(
+            "duospec:spec_decode_cache_lookups", "Rejections that looked up the speculation cache", t, registry=r)
+        self.cache_hits = Counter(
+            "duospec:spec_decode_cache_hits", "Speculation-cache lookups that found a hedge", t, registry=r)
         self.wasted_draft_tokens = Counter(
             "duospec:spec_decode_num_wasted_draft_tokens", "Draft tokens discarded after a rejection", t, registry=r)
         self.prompt_tokens = Counter("duospec:prompt_tokens", "Prompt tokens processed", t, registry=r)
@@ -91,6 +95,8 @@ class ServerMetrics:
             self.num_accepted_tokens_per_pos.labels(tenant, str(position)).inc(count)
         self.pre_verify_aborts.labels(tenant).inc(stats.pre_verify_aborts)
         self.wasted_draft_tokens.labels(tenant).inc(stats.wasted_draft_tokens)
+        self.cache_lookups.labels(tenant).inc(stats.cache_lookups)
+        self.cache_hits.labels(tenant).inc(stats.cache_hits)
 
     def observe_failure(self, tenant: str, code: str) -> None:
         self.request_failure.labels(tenant, code).inc()

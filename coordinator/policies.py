@@ -18,6 +18,11 @@ class SpeculationPolicy:
     max_draft_tokens: int  # pearl: most drafts per verify; vanilla: γ
     max_lookahead: int  # pearl: how far the drafter may run past the committed prefix
     adaptive: bool = True  # pearl: the scheduler may verify fewer drafts (coordinator/adaptive.py)
+    hedges: int = 0  # pearl: the speculation cache's hedges per sequence (0 = no cache)
+
+    def max_hedges(self) -> int:
+        """Hedges the drafter may hold for a sequence: pearl only (vanilla stays the textbook chain)."""
+        return self.hedges if self.mode is SpeculationMode.PEARL else 0
 
     @property
     def uses_draft(self) -> bool:

@@ -81,6 +81,8 @@ class ModelRouter:
             max_draft_tokens=int(max_draft),
             max_lookahead=int(getattr(spec, "max_lookahead", 9)),
             adaptive=bool(getattr(spec, "adaptive", True)),
+            hedges=0 if request.speculation_cache is False else int(getattr(spec, "hedges", 0)) if (
+                request.speculation_cache) else int(getattr(spec, "hedges_per_sequence", 0)),
         )
 
     def validate(self, entry: ModelEntry, request: GenerationRequest) -> None:

@@ -229,8 +229,13 @@ class Scheduler(WorkerRecovery):
                 sampling=sampling_to_proto(seq.request.sampling),
                 pool=seq.request.tenant,
                 committed_len=len(seq.committed),
+                max_hedges=self._max_hedges(seq),
             )
         )
+
+    @staticmethod
+    def _max_hedges(seq: Sequence) -> int:
+        return 0 if seq.draft_paused else seq.policy.max_hedges()
 
     # -- drafts in -----------------------------------------------------------------------------
     def _on_draft_batch(self, batch: pb.DraftChunkBatch) -> None:
@@ -259,6 +264,9 @@ class Scheduler(WorkerRecovery):
                 continue
             if chunk.epoch != seq.epoch or seq.draft_paused:  # an aborted branch, or drafted before a pause
                 seq.stats.wasted_draft_tokens += len(chunk.tokens)
+                continue
+            if chunk.HasField("hedge"):  # for the speculation cache; never a reason to resync
+                seq.add_hedge(chunk.hedge.pos, chunk.hedge.token, chunk.start_pos, chunk.tokens, chunk.draft_probs)
                 continue
             exhausted = chunk.outlook == pb.DRAFT_OUTLOOK_EXHAUSTED
             if not seq.add_drafts(chunk.start_pos, chunk.tokens, chunk.draft_probs, exhausted):
@@ -481,8 +489,8 @@ class Scheduler(WorkerRecovery):
             else:
                 seq.drop_drafts()
         elif seq.draft_paused or action is DraftAction.ABORT:  # resuming needs a catch-up reset too
-            seq.draft_paused = False
-            self._abort(seq)
+            resuming, seq.draft_paused = seq.draft_paused, False
+            self._abort(seq, None if resuming or not self._max_hedges(seq) else seq.take_hedge())
         elif kept:  # (nothing committed, e.g. a prefill-only round: the drafter has nothing new to hear)
             self._advance(seq)
         return len(kept)
@@ -496,21 +504,33 @@ class Scheduler(WorkerRecovery):
                 kind=pb.DRAFT_COMMAND_KIND_ADVANCE,
                 draft_until=seq.draft_until(),
                 committed_len=len(seq.committed),
+                max_hedges=self._max_hedges(seq),
             )
         )
 
-    def _abort(self, seq: Sequence) -> None:
-        """Rejection: new epoch; the drafter rolls back to what it shares with the committed prefix."""
+    def _abort(self, seq: Sequence, hedge: tuple[list[int], list[bytes]] | None = None) -> None:
+        """Rejection: new epoch; the drafter rolls back to what it shares with the committed prefix.
+        With `hedge` (a speculation-cache hit for the token just committed) its continuation becomes
+        this epoch's drafts at once, and the drafter adopts the branch it drafted them on."""
+        key = pb.HedgeKey(pos=len(seq.committed) - 1, token=seq.committed[-1])
         start = seq.start_new_epoch()
+        tail = seq.committed[start:]
+        if hedge is not None:
+            n = min(len(hedge[0]), seq.remaining)
+            seq.drafts, seq.draft_probs = list(hedge[0][:n]), list(hedge[1][:n])
+            seq.draft_fed_len = len(seq.committed) - 1 + n  # what the branch has fed
+            tail = tail + seq.drafts
         self._draft_command(
             pb.DraftCommand(
                 seq_id=seq.seq_id,
                 epoch=seq.epoch,
                 kind=pb.DRAFT_COMMAND_KIND_RESET,
                 start_pos=start,
-                tail=seq.committed[start:],
+                tail=tail,
                 draft_until=seq.draft_until(),
                 committed_len=len(seq.committed),
+                max_hedges=self._max_hedges(seq),
+                adopt=key if hedge is not None else None,
             )
         )
 

@@ -5,6 +5,9 @@ The transitions here are pure bookkeeping (no I/O); the scheduler turns their ou
 messages. Positions: committed[i] sits at position i. Drafts come in two groups:
 
     committed ... | verify_tokens (sent to the target, awaiting the verdict) | drafts (arrived since)
+
+plus the speculation cache: hedges, the drafter's continuations of hypothetical verdicts, keyed by
+(position, token) — "the target puts token at position" (draft_worker/hedges.py).
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     acceptance: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     started_at: float = field(default_factory=time.monotonic)
+    # (pos, token) -> (tokens at pos + 1 ..., their q): this epoch's hedges
+    hedges: dict[tuple[int, int], tuple[list[int], list[bytes]]] = field(default_factory=dict)
 
     # -- facts ------------------------------------------------------------------------------------
     @property
@@ -95,6 +100,7 @@ class Sequence:
         """Stop speculating for now. Only the committed prefix of the drafter's cache stays trusted:
         what it drafted past it may not be what the target commits meanwhile."""
         self.draft_paused = True
+        self.hedges = {}
         self.drop_drafts()
         self.draft_fed_len = min(self.draft_fed_len, len(self.committed))
 
@@ -116,6 +122,25 @@ class Sequence:
         self.draft_fed_len = max(self.draft_fed_len, start_pos + len(tokens) - 1)
         self.draft_exhausted = exhausted
         return True
+
+    def add_hedge(self, pos: int, token: int, start_pos: int, tokens, probs) -> bool:
+        """Appends a hedge chunk of the current epoch; False if its key is decided or it does not
+        continue what the cache holds for the key."""
+        held, held_probs = self.hedges.get((pos, token), ([], []))
+        if pos < len(self.committed) or start_pos != pos + 1 + len(held):
+            return False
+        self.hedges[(pos, token)] = (held + list(tokens), held_probs + list(probs))
+        return True
+
+    def take_hedge(self) -> tuple[list[int], list[bytes]] | None:
+        """The cached continuation for the verdict just committed (its last token at its position), or
+        None on a miss. Called after a rejection, before the new epoch clears the cache."""
+        self.stats.cache_lookups += 1
+        hit = self.hedges.get((len(self.committed) - 1, self.committed[-1]))
+        if hit is None or not hit[0]:
+            return None
+        self.stats.cache_hits += 1
+        return hit
 
     def drop_drafts(self) -> int:
         """Discards the drafts not under verification (the in-flight chunk still gets its verdict)."""
@@ -157,16 +182,24 @@ class Sequence:
         if next_token is not None:  # bonus: keep the speculation past it only if the drafter guessed it
             if self.drafts and self.drafts[0] == next_token:
                 self.drafts, self.draft_probs = self.drafts[1:], self.draft_probs[1:]
+                self._decided()
                 return kept, DraftAction.ADVANCE
             self.stats.wasted_draft_tokens += len(self.drafts)
             return kept, DraftAction.ABORT
+        self._decided()
         return kept, DraftAction.ADVANCE
+
+    def _decided(self) -> None:
+        """Hedges at committed positions can no longer be hit."""
+        if self.hedges:
+            self.hedges = {key: hedge for key, hedge in self.hedges.items() if key[0] >= len(self.committed)}
 
     def start_new_epoch(self) -> int:
         """After an abort: drafts are gone (a verdict still in flight is now stale and will be
         dropped); returns where the drafter's cache stops matching the committed prefix."""
         self.epoch += 1
         self.draft_exhausted = False
+        self.hedges = {}
         self.drafts, self.draft_probs = [], []
         self.verify_tokens, self.verify_probs = None, []
         self.draft_fed_len = min(self.draft_fed_len, len(self.committed) - 1)

@@ -72,6 +72,7 @@ def validate_request(
     stops = _stop_strings(req.stopping)
     stop_ids = _stop_token_ids(req.stopping, info)
     mode, max_draft = _speculation(req.speculation, info, default_mode)
+    cache = req.speculation.cache if req.speculation.HasField("cache") else None
     request = GenerationRequest(
         request_id=internal_request_id,
         prompt_token_ids=tuple(prompt_ids),
@@ -79,6 +80,7 @@ def validate_request(
         sampling=_sampling(req.sampling),
         mode=mode,
         max_draft_tokens=max_draft,
+        speculation_cache=cache,
         stop_token_ids=frozenset(stop_ids),
         ignore_eos=req.stopping.ignore_eos,
         model=info.name,

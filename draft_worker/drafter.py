@@ -5,12 +5,15 @@ absolute position) set by the coordinator; every `step()` asks the proposer (dra
 for the next tokens of every sequence below its bound and turns the answers into chunks. A RESET
 (abort + rollback) truncates the sequence's tokens and takes effect at the next step. The protocol
 is the same whatever proposes the tokens: a model (one token per step), or n-gram matching (several
-at once, or nothing: an EXHAUSTED chunk tells the coordinator not to wait).
+at once, or nothing: an EXHAUSTED chunk tells the coordinator not to wait). The same step grows the
+speculation cache's hedges (draft_worker/hedges.py).
 """
 
 from __future__ import annotations
 
+from draft_worker.hedges import HedgeBook, extend, forget_alternatives
 from draft_worker.proposer import DraftState, Proposer
+from duospec.engine.errors import SlotsExhausted
 from duospec.internal.sampling_wire import sampling_from_proto
 from duospec.internal.v1 import pearl_pb2 as pb
 
@@ -21,6 +24,7 @@ class Drafter:
     def __init__(self, proposer: Proposer):
         self.proposer = proposer
         self.sequences: dict[int, DraftState] = {}
+        self.hedges = HedgeBook(proposer)
         self.steps = 0
         self.tokens_drafted = 0
 
@@ -37,22 +41,45 @@ class Drafter:
                 raise ValueError(
                     f"sequence {cmd.seq_id}: RESET to position {cmd.start_pos} but only {len(seq.tokens)} are known"
                 )
-            self.proposer.rewind(seq, cmd.start_pos)
-            seq.epoch = cmd.epoch
-            seq.tokens[cmd.start_pos :] = cmd.tail
-            seq.draft_until = cmd.draft_until
-            seq.exhausted = False
-            self._verified(seq, cmd.committed_len or len(seq.tokens))
+            self._reset(seq, cmd)
         elif kind == pb.DRAFT_COMMAND_KIND_ADVANCE:
             seq = self.sequences.get(cmd.seq_id)
             if seq is not None and cmd.epoch == seq.epoch:
                 seq.draft_until = cmd.draft_until
                 seq.exhausted = False
+                seq.max_hedges = cmd.max_hedges
                 self._verified(seq, cmd.committed_len)
         elif kind == pb.DRAFT_COMMAND_KIND_RELEASE:
             self.release(cmd.seq_id)
         else:
             raise ValueError(f"unknown draft command kind {kind}")
+
+    def _reset(self, seq: DraftState, cmd: pb.DraftCommand) -> None:
+        """Abort + rollback to `tail` from `start_pos`; with `adopt`, the hedge the verdict hit becomes
+        the main line when this drafter holds it with the tokens the coordinator kept."""
+        tokens = seq.tokens[: cmd.start_pos] + list(cmd.tail)
+        hedge = self.hedges.take(seq.seq_id, (cmd.adopt.pos, cmd.adopt.token)) if cmd.HasField("adopt") else None
+        self.hedges.drop(seq.seq_id)
+        if hedge is not None and hedge.tokens[: len(tokens)] == tokens:
+            # Swap states: the sequence continues on the branch's KV; the old main line's is freed.
+            seq.proposer_state, hedge.proposer_state = hedge.proposer_state, seq.proposer_state
+            self.proposer.close(hedge)
+            seq.tokens, seq.alternatives = hedge.tokens, hedge.alternatives
+            # What the coordinator did not receive is re-drafted; the last kept token is fed again, as
+            # a RESET's tail always holds one: its logits draft the next position.
+            self.proposer.rewind(seq, len(tokens) - 1)
+        else:
+            if hedge is not None:
+                self.proposer.close(hedge)
+            self.proposer.rewind(seq, cmd.start_pos)
+        del seq.tokens[cmd.start_pos:]
+        seq.tokens.extend(tokens[cmd.start_pos:])
+        forget_alternatives(seq, from_pos=cmd.start_pos if hedge is None else len(tokens))
+        seq.epoch = cmd.epoch
+        seq.draft_until = cmd.draft_until
+        seq.exhausted = False
+        seq.max_hedges = cmd.max_hedges
+        self._verified(seq, cmd.committed_len or len(seq.tokens))
 
     def _start(self, cmd: pb.DraftCommand) -> None:
         if cmd.seq_id in self.sequences:
@@ -67,8 +94,15 @@ class Drafter:
             committed_len=min(cmd.committed_len or len(cmd.tail), len(cmd.tail)),
             draft_until=cmd.draft_until,
             pool=cmd.pool,
+            max_hedges=cmd.max_hedges,
         )
-        self.proposer.open(seq)  # may raise SlotsExhausted: the loop reports the sequence as failed
+        try:
+            self.proposer.open(seq)
+        except SlotsExhausted:  # hedges never keep a sequence out: evict them and try once more
+            if not self.hedges.live():
+                raise  # the loop reports the sequence as failed (it goes on target-only)
+            self.hedges.drop_all()
+            self.proposer.open(seq)
         self.sequences[cmd.seq_id] = seq
 
     def _verified(self, seq: DraftState, committed_len: int) -> None:
@@ -77,8 +111,11 @@ class Drafter:
         if committed_len > seq.committed_len:
             seq.committed_len = committed_len
             self.proposer.observe(seq)
+            self.hedges.decided(seq)
+            forget_alternatives(seq, below=committed_len)
 
     def release(self, seq_id: int) -> None:
+        self.hedges.drop(seq_id)
         seq = self.sequences.pop(seq_id, None)
         if seq is not None:
             self.proposer.close(seq)
@@ -86,6 +123,7 @@ class Drafter:
     def drop_drafting(self) -> list[int]:
         """Releases every sequence that was about to draft (after a failed step); returns their ids."""
         ids = [seq_id for seq_id, seq in self.sequences.items() if self._may_draft(seq)]
+        self.hedges.drop_all()  # hedges are only ever an optimisation
         for seq_id in ids:
             self.release(seq_id)
         return ids
@@ -99,14 +137,22 @@ class Drafter:
     def _may_draft(seq: DraftState) -> bool:
         return not seq.exhausted and seq.next_pos < seq.draft_until
 
+    @classmethod
+    def _may_hedge(cls, seq: DraftState) -> bool:
+        """Hedges grow once the main line is half its lookahead ahead (about the chunk under
+        verification and the next one's first token): drafts past that are used only if the whole
+        chunk is accepted, a hedge for its first positions about as often, and each costs a row."""
+        lead = seq.next_pos - seq.committed_len
+        return not cls._may_draft(seq) or 2 * lead >= seq.draft_until - seq.committed_len
+
     def has_work(self) -> bool:
-        return any(self._may_draft(seq) for seq in self.sequences.values())
+        return any(self._may_draft(seq) for seq in self.sequences.values()) or self.hedges.has_work(
+            seq for seq in self.sequences.values() if self._may_hedge(seq))
 
     def step(self) -> list[pb.DraftChunk]:
-        """Proposes for every sequence below its bound; returns one chunk per such sequence."""
+        """Proposes for every sequence below its bound and every growing hedge, in one batch; returns
+        one chunk per such sequence (and per hedge that got tokens)."""
         active = [seq for seq in self.sequences.values() if self._may_draft(seq)]
-        if not active:
-            return []
         chunks = []
         limit = self.proposer.max_context
         at_end = [seq for seq in active if limit is not None and seq.next_pos >= limit]
@@ -114,23 +160,30 @@ class Drafter:
             seq.exhausted = True
             chunks.append(self._chunk(seq, seq.next_pos, [], [], exhausted=True))
         active = [seq for seq in active if not seq.exhausted]
-        if active:
-            ends = [seq.draft_until if limit is None else min(seq.draft_until, limit) for seq in active]
-            budgets = [end - seq.next_pos for seq, end in zip(active, ends)]
-            proposals = self.proposer.propose(active, budgets)
-            for seq, budget, proposal in zip(active, budgets, proposals):
-                tokens = proposal.tokens[:budget]
-                start = seq.next_pos
-                seq.tokens.extend(tokens)
-                seq.tokens_drafted += len(tokens)
-                self.tokens_drafted += len(tokens)
-                seq.exhausted = proposal.exhausted or not tokens
-                chunks.append(self._chunk(seq, start, tokens, proposal.probs[: len(tokens)], seq.exhausted))
+        ends = [seq.draft_until if limit is None else min(seq.draft_until, limit) for seq in active]
+        budgets = [end - seq.next_pos for seq, end in zip(active, ends)]
+        hedging = self.hedges.growing([seq for seq in self.sequences.values() if self._may_hedge(seq)])
+        if not active and not hedging:
+            return chunks
+        proposals = self.proposer.propose(active + [h for _, h, _ in hedging],
+                                          budgets + [budget for _, _, budget in hedging])
+        for seq, budget, proposal in zip(active, budgets, proposals):
+            tokens = proposal.tokens[:budget]
+            start = seq.next_pos
+            extend(seq, tokens, proposal.alternatives)
+            seq.tokens_drafted += len(tokens)
+            self.tokens_drafted += len(tokens)
+            seq.exhausted = proposal.exhausted or not tokens
+            chunks.append(self._chunk(seq, start, tokens, proposal.probs[: len(tokens)], seq.exhausted))
+        for (key, hedge, budget), proposal in zip(hedging, proposals[len(active):]):
+            start = hedge.next_pos
+            if tokens := self.hedges.grew(hedge, proposal, budget):
+                chunks.append(self._chunk(hedge, start, tokens, proposal.probs[: len(tokens)], False, hedge=key))
         self.steps += 1
         return chunks
 
     @staticmethod
-    def _chunk(seq: DraftState, start: int, tokens, probs, exhausted: bool) -> pb.DraftChunk:
+    def _chunk(seq: DraftState, start: int, tokens, probs, exhausted: bool, hedge=None) -> pb.DraftChunk:
         return pb.DraftChunk(
             seq_id=seq.seq_id,
             epoch=seq.epoch,
@@ -138,6 +191,7 @@ class Drafter:
             tokens=tokens,
             draft_probs=[q.to_bytes() for q in probs],
             outlook=pb.DRAFT_OUTLOOK_EXHAUSTED if exhausted else pb.DRAFT_OUTLOOK_MORE,
+            hedge=pb.HedgeKey(pos=hedge[0], token=hedge[1]) if hedge is not None else None,
         )
 
     def stats(self) -> dict:
@@ -146,5 +200,6 @@ class Drafter:
             "live_sequences": len(self.sequences),
             "steps": self.steps,
             "tokens_drafted": self.tokens_drafted,
+            **self.hedges.stats(),
             **self.proposer.stats(),
         }

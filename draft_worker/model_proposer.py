@@ -5,6 +5,9 @@ One token per step for every drafting sequence, in one ragged batched forward (t
 `fed` counts the positions of `tokens` already in it, so a step feeds only what is new (after a
 RESET: the committed tail; otherwise the previously drafted token).
 
+Hedges (draft_worker/hedges.py): a branch gets a free slot holding a copy of the parent's KV prefix;
+each proposal names the draft's next-best tokens (by logit) as the likeliest corrections.
+
 Sampling: the proposer samples from exactly the q it sends (`qcodec.draft_sample` decodes its own
 16-bit q before sampling), keyed by (seed, position, DRAFT), so re-drafting a position after an abort
 draws the same token.
@@ -14,9 +17,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from draft_worker.proposer import DraftMethod, DraftState, Proposal, Proposer
-from duospec.engine import ModelRunner, SlotChunk
+from duospec.engine import ModelRunner, SlotChunk, SlotsExhausted
 from duospec.qcodec import draft_sample
+
+
+ALTERNATIVES = 2  # next-best tokens named per drafted position (hedge keys)
 
 
 @dataclass
@@ -38,6 +46,17 @@ class ModelProposer(Proposer):
         state: _SlotState = seq.proposer_state
         state.fed = min(state.fed, length)  # the next forward starts there and overwrites the rest
 
+    def branch(self, parent: DraftState, child: DraftState) -> bool:
+        try:
+            slot = self.runner.allocate_slot()
+        except SlotsExhausted:
+            return False
+        source: _SlotState = parent.proposer_state
+        shared = min(source.fed, len(child.tokens) - 1)  # the positions before the branch token
+        self.runner.copy_prefix(source.slot, slot, shared)
+        child.proposer_state = _SlotState(slot, shared)
+        return True
+
     def close(self, seq: DraftState) -> None:
         state: _SlotState | None = seq.proposer_state
         if state is not None:
@@ -49,11 +68,13 @@ class ModelProposer(Proposer):
         logits = self.runner.forward_last(
             [SlotChunk(state.slot, state.fed, seq.tokens[state.fed :]) for seq, state in zip(seqs, states)]
         )
+        ranked = torch.topk(logits, min(ALTERNATIVES + 1, logits.shape[-1]), dim=-1).indices.tolist()
         proposals = []
         for row, (seq, state) in enumerate(zip(seqs, states)):
             token, q = draft_sample(logits[row], seq.sampling, seq.next_pos)
             state.fed = seq.next_pos  # everything before the new token is now cached
-            proposals.append(Proposal([token], [q] if q is not None else []))
+            others = [t for t in ranked[row] if t != token][:ALTERNATIVES]
+            proposals.append(Proposal([token], [q] if q is not None else [], alternatives=[others]))
         return proposals
 
     def stats(self) -> dict:

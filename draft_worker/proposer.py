@@ -29,10 +29,13 @@ Lifecycle: `open` when a sequence starts (allocate a KV slot), `rewind` when a R
 (learn: the n-gram index grows), `close` when it is released (free the slot; give the verified text to
 the tenant's pool).
 
-Where this is going (DESIGN.md §3b): a tree proposal is a `Proposal` with a parent index per token
-(a chain is parents ``[-1, 0, 1, ...]``); hedges for the speculation cache are proposals keyed by a
-hypothetical verify outcome (position, token). Both extend `Proposal` and `propose`; the drafter loop
-and the protocol around it stay as they are.
+Hedges (the speculation cache, DESIGN.md §3b; draft_worker/hedges.py): a proposer that can `branch`
+gives a hypothetical sequence — the parent's tokens before a position, then another token there —
+state of its own that starts from what the parent holds (a model copies the KV prefix), and names in
+`Proposal.alternatives` its next-best tokens at each position (the likeliest corrections). A branch
+is then proposed for like any sequence, in the same batch; what it proposes is what a RESET to that
+outcome would propose, so the contract above holds for hedges too. Where this is going: a tree
+proposal is a `Proposal` with a parent index per token (a chain is parents ``[-1, 0, 1, ...]``).
 """
 
 from __future__ import annotations
@@ -118,6 +121,9 @@ class DraftState:
     exhausted: bool = False  # the proposer has nothing more until the next command
     tokens_drafted: int = 0
     proposer_state: object = None
+    max_hedges: int = 0  # hedges this sequence may hold (the coordinator's speculation cache setting)
+    # pos -> the proposer's next-best tokens at pos (Proposal.alternatives), for positions it drafted
+    alternatives: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def next_pos(self) -> int:
@@ -133,6 +139,8 @@ class Proposal:
     probs: list[DraftProbs] = field(default_factory=list)
     # True: nothing more until the sequence changes (a RESET or ADVANCE); required when tokens is empty
     exhausted: bool = False
+    # [n] per token, the proposer's next-best tokens at its position, best first (hedge keys); may be empty
+    alternatives: list[list[int]] = field(default_factory=list)
 
 
 class Proposer(abc.ABC):
@@ -154,6 +162,12 @@ class Proposer(abc.ABC):
 
     def close(self, seq: DraftState) -> None:
         """The sequence is finished or cancelled."""
+
+    def branch(self, parent: DraftState, child: DraftState) -> bool:
+        """Give `child` (a hedge: ``child.tokens`` is ``parent.tokens[:pos] + [token]``) state of its own,
+        starting from what `parent` holds before ``pos``; `close` frees it. False when this method has no
+        branches (no hedges) or no room for one now (it must never take what a new sequence needs)."""
+        return False
 
     @abc.abstractmethod
     def propose(self, seqs: list[DraftState], budgets: list[int]) -> list[Proposal]:

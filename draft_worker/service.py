@@ -102,18 +102,19 @@ class DraftLoop:
 
 def merge_batches(batches: list[pb.DraftChunkBatch]) -> pb.DraftChunkBatch:
     """Coalesces batches that queued up while the stream was busy into one message: consecutive chunks
-    of a sequence in the same epoch become one multi-token chunk (fewer, larger gRPC messages) whose
+    of a sequence's main line (or of one of its hedges) in the same epoch become one multi-token chunk (fewer, larger gRPC messages) whose
     outlook is its last part's."""
     if len(batches) == 1:
         return batches[0]
     merged = pb.DraftChunkBatch()
-    last: dict[int, pb.DraftChunk] = {}
+    last: dict[tuple, pb.DraftChunk] = {}  # (seq_id, hedge key or None) -> its latest merged chunk
     for batch in batches:
         merged.busy_seconds += batch.busy_seconds
         merged.idle_seconds += batch.idle_seconds
         merged.failed_seq_ids.extend(batch.failed_seq_ids)
         for chunk in batch.chunks:
-            prev = last.get(chunk.seq_id)
+            line = (chunk.seq_id, (chunk.hedge.pos, chunk.hedge.token) if chunk.HasField("hedge") else None)
+            prev = last.get(line)
             if (
                 prev is not None
                 and prev.epoch == chunk.epoch
@@ -125,7 +126,7 @@ def merge_batches(batches: list[pb.DraftChunkBatch]) -> pb.DraftChunkBatch:
                 prev.outlook = chunk.outlook  # what follows the merged chunk is what follows its last part
             else:
                 merged.chunks.append(chunk)
-                last[chunk.seq_id] = merged.chunks[-1]
+                last[line] = merged.chunks[-1]
     return merged
 
 

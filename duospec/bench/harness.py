@@ -263,5 +263,6 @@ def speedups(tokens_per_s: dict[str, float | None]) -> dict[str, float | None]:
         "hf_assisted_vs_off": ar.ratio_or_none(get("hf-assisted"), get("off")),
         "hf_vs_off": ar.ratio_or_none(get("hf"), get("off")),
         "pearl_vs_vanilla": ar.ratio_or_none(get("pearl"), get("vanilla")),
+        "pearl_vs_pearl_nocache": ar.ratio_or_none(get("pearl"), get("pearl-nocache")),
         "pearl_vs_hf_assisted": ar.ratio_or_none(get("pearl"), get("hf-assisted")),
     }

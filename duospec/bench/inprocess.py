@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from duospec.bench.records import RequestRecord, Run, window
+from duospec.bench.records import RequestRecord, Run, request_mode, window
 
 MODEL_NAME = "bench"
 
@@ -46,9 +46,10 @@ def model_config(pair: BenchPair, gamma: int, max_lookahead: int):
 def request_for(prompt: EncodedPrompt, mode: str, max_new_tokens: int, gamma: int, tag: str):
     from coordinator.api import GenerationRequest, SpeculationMode
 
+    mode, cache = request_mode(mode)
     return GenerationRequest(request_id=f"bench-{tag}-{prompt.id}", prompt_token_ids=prompt.token_ids,
                              max_new_tokens=max_new_tokens, mode=SpeculationMode(mode), max_draft_tokens=gamma,
-                             ignore_eos=True, model=MODEL_NAME)
+                             speculation_cache=cache, ignore_eos=True, model=MODEL_NAME)
 
 
 async def timed_request(coordinator, request, prompt_id: str) -> RequestRecord:
@@ -74,6 +75,7 @@ async def timed_request(coordinator, request, prompt_id: str) -> RequestRecord:
     record = RequestRecord(prompt_id, tokens, time.perf_counter() - started, first, gaps)
     if final is not None:
         record.drafted, record.accepted = final.drafted_tokens, final.accepted_tokens
+        record.cache_lookups, record.cache_hits = final.cache_lookups, final.cache_hits
         record.target_forwards, record.accepted_per_pos = final.target_forwards, list(final.accepted_per_pos)
     return record
 

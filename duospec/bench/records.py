@@ -10,9 +10,17 @@ from dataclasses import dataclass, field
 
 from duospec.bench import arithmetic as ar
 
-OUR_MODES = ("off", "vanilla", "pearl")
+# pearl-nocache: pearl with the speculation cache off (the ablation of draft_worker/hedges.py)
+OUR_MODES = ("off", "vanilla", "pearl-nocache", "pearl")
 HF_MODES = ("hf", "hf-assisted")  # transformers generate: target alone / with assistant_model=draft
-ALL_MODES = ("off", "hf", "hf-assisted", "vanilla", "pearl")
+ALL_MODES = ("off", "hf", "hf-assisted", "vanilla", "pearl-nocache", "pearl")
+
+
+def request_mode(mode: str) -> tuple[str, bool | None]:
+    """A bench mode as the request's (speculation mode, speculation cache: None = the default)."""
+    if mode == "pearl-nocache":
+        return "pearl", False
+    return mode, None
 
 
 @dataclass
@@ -27,6 +35,8 @@ class RequestRecord:
     accepted: int = 0
     target_forwards: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    cache_lookups: int = 0
+    cache_hits: int = 0
 
 
 @dataclass
@@ -75,6 +85,12 @@ class Run:
     def acceptance_rate(self) -> float | None:
         drafted = sum(r.drafted for r in self.records)
         return sum(r.accepted for r in self.records) / drafted if drafted else None
+
+    @property
+    def cache_hit_rate(self) -> float | None:
+        """Speculation-cache hits per lookup (a lookup: a rejection while the cache was on)."""
+        lookups = sum(r.cache_lookups for r in self.records)
+        return sum(r.cache_hits for r in self.records) / lookups if lookups else None
 
     def accepted_per_pos(self) -> list[int]:
         width = max((len(r.accepted_per_pos) for r in self.records), default=0)

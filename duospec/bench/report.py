@@ -13,6 +13,7 @@ MODE_LABELS = {
     "hf": "transformers generate (target only)",
     "hf-assisted": "transformers assisted generation",
     "vanilla": "ours, vanilla speculative",
+    "pearl-nocache": "ours, pearl without the speculation cache",
     "pearl": "ours, pearl",
 }
 
@@ -23,9 +24,9 @@ def _num(value, digits: int = 2, scale: float = 1.0, suffix: str = "") -> str:
 
 def _mode_table(path: str, block: dict) -> list[str]:
     lines = [f"### {path}", "",
-             "| mode | tokens/s (median) | × off | mean accepted length | acceptance | verify fwd (ms) "
+             "| mode | tokens/s (median) | × off | mean accepted length | acceptance | cache hits | verify fwd (ms) "
              "| target busy | draft busy |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     off = block["modes"].get("off", {}).get("tokens_per_s")
     for mode in ALL_MODES:
         s = block["modes"].get(mode)
@@ -34,12 +35,14 @@ def _mode_table(path: str, block: dict) -> list[str]:
         ratio = s["tokens_per_s"] / off if off else None
         lines.append(
             f"| {MODE_LABELS[mode]} | {s['tokens_per_s']:.1f} | {_num(ratio)} | {_num(s['mean_accepted_length'])} "
-            f"| {_num(s['acceptance_rate'], 1, 100, ' %')} | {_num(s['verify_forward_s'], 2, 1e3)} "
+            f"| {_num(s['acceptance_rate'], 1, 100, ' %')} | {_num(s.get('cache_hit_rate'), 0, 100, ' %')} "
+            f"| {_num(s['verify_forward_s'], 2, 1e3)} "
             f"| {_num(s['target_busy_fraction'], 0, 100, ' %')} | {_num(s['draft_busy_fraction'], 0, 100, ' %')} |"
         )
     pearl = block["modes"].get("pearl", {})
     sp = block["speedups"]
-    lines += ["", f"pearl vs vanilla: {_num(sp['pearl_vs_vanilla'])}×, pearl vs HF assisted: "
+    lines += ["", f"pearl vs vanilla: {_num(sp['pearl_vs_vanilla'])}×, pearl vs pearl without the speculation cache: "
+              f"{_num(sp.get('pearl_vs_pearl_nocache'))}×, pearl vs HF assisted: "
               f"{_num(sp['pearl_vs_hf_assisted'])}×; pearl ideal overlap bound "
               f"{_num(pearl.get('ideal_tokens_per_s'), 1)} tokens/s, efficiency "
               f"{_num(pearl.get('efficiency'), 0, 100, ' %')}; pearl verified drafts in "

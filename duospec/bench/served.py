@@ -15,7 +15,7 @@ from typing import Callable
 
 from duospec.bench import arithmetic as ar
 from duospec.bench.inprocess import MODEL_NAME, BenchPair, EncodedPrompt, model_config, run_coordinator_mode
-from duospec.bench.records import RequestRecord, Run, window
+from duospec.bench.records import RequestRecord, Run, request_mode, window
 
 SERVER_READY_TIMEOUT_S = 300.0
 
@@ -53,8 +53,9 @@ async def client_request(client, prompt: EncodedPrompt, mode: str, max_new_token
     first = None
     final = None
     started = last = time.perf_counter()
+    mode, cache = request_mode(mode)
     stream = await client.generate(prompt_token_ids=list(prompt.token_ids), max_new_tokens=max_new_tokens, mode=mode,
-                                   max_draft_tokens=gamma, ignore_eos=True, stream=True)
+                                   max_draft_tokens=gamma, ignore_eos=True, stream=True, speculation_cache=cache)
     async with stream:
         async for chunk in stream:
             now = time.perf_counter()
@@ -71,6 +72,7 @@ async def client_request(client, prompt: EncodedPrompt, mode: str, max_new_token
     if final is not None:
         record.drafted, record.accepted, record.target_forwards = (final.drafted_tokens, final.accepted_tokens,
                                                                    final.target_forwards)
+        record.cache_lookups, record.cache_hits = final.cache_lookups, final.cache_hits
     return record
 
 

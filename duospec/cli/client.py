@@ -76,6 +76,8 @@ def stats_line(n_tokens: int, elapsed_s: float, final) -> str:
             f"accepted {stats.accepted_tokens}",
             f"pre-verify aborts {stats.pre_verify_aborts}",
         ]
+        if stats.cache_lookups:
+            parts.append(f"cache hits {stats.cache_hits}/{stats.cache_lookups}")
     if final is not None and final.finish_reason:
         parts.append(f"finish {final.finish_reason}")
     return " | ".join(parts)

@@ -7,6 +7,7 @@ already past its size), the slot is rebuilt by re-running its kept prefix — sl
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Sequence
 
@@ -40,6 +41,13 @@ class HFRunner(ModelRunner):
     def _on_free(self, slot: int) -> None:
         self._caches[slot] = None
         self._tokens[slot] = []
+
+    def _copy_prefix(self, src: int, dst: int, length: int) -> None:
+        # A cropped deep copy; _cropped_cache rebuilds from the tokens where a cache cannot crop.
+        self._caches[dst] = copy.deepcopy(self._caches[src])
+        self._tokens[dst] = self._tokens[src][:length]
+        if self._caches[dst] is not None:
+            self._caches[dst] = self._cropped_cache(dst, length)
 
     def _forward(self, chunks: Sequence[SlotChunk], *, last_only: bool, to_cpu: bool):
         outputs = []

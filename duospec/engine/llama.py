@@ -258,6 +258,11 @@ class LeanLlamaRunner(ModelRunner):
         self.cos = (emb.cos() * scale).to(device=self.device, dtype=self.dtype)  # [max_context, head_dim]
         self.sin = (emb.sin() * scale).to(device=self.device, dtype=self.dtype)
 
+    def _copy_prefix(self, src: int, dst: int, length: int) -> None:
+        for layer in self.layers:  # cost grows with the branch point, not with max_context
+            layer.k_cache[dst, :, :length] = layer.k_cache[src, :, :length]
+            layer.v_cache[dst, :, :length] = layer.v_cache[src, :, :length]
+
     # ---- forward -----------------------------------------------------------------------------
 
     def _forward(self, chunks: Sequence[SlotChunk], *, last_only: bool, to_cpu: bool):
@@ -345,9 +350,9 @@ class LeanLlamaRunner(ModelRunner):
         if isinstance(batch.batch_slots, slice):
             keys = layer.k_cache[batch.batch_slots, :, : batch.max_ctx]
             values = layer.v_cache[batch.batch_slots, :, : batch.max_ctx]
-        else:
-            keys = layer.k_cache.index_select(0, batch.batch_slots)[:, :, : batch.max_ctx]
-            values = layer.v_cache.index_select(0, batch.batch_slots)[:, :, : batch.max_ctx]
+        else:  # slice first: the gather copies the positions in use, not every slot's max_context
+            keys = layer.k_cache[:, :, : batch.max_ctx].index_select(0, batch.batch_slots)
+            values = layer.v_cache[:, :, : batch.max_ctx].index_select(0, batch.batch_slots)
         b, t = batch.n_chunks, batch.max_len
         if batch.pad_index is None:
             q_pad = q.reshape(b, t, nh, hd)

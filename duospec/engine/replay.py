@@ -151,6 +151,12 @@ class ReplayRunner(ModelRunner):
     def _on_allocate(self, slot: int) -> None:
         self._slots[slot] = _SlotState()
 
+    def _copy_prefix(self, src: int, dst: int, length: int) -> None:
+        state, source = _SlotState(), self._slots[src]
+        state.entry, state.history = source.entry, source.history[:length]
+        state.on_path = min(source.on_path, max(0, length - len(source.entry.prompt))) if source.entry else 0
+        self._slots[dst] = state
+
     def _forward(self, chunks: Sequence[SlotChunk], *, last_only: bool, to_cpu: bool):
         started = time.perf_counter()
         rows_per_chunk = [self._choices(chunk, last_only) for chunk in chunks]

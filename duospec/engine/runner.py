@@ -8,6 +8,8 @@ Glossary:
              ``start_pos ..``; compute their logits and cache them". The slot is first truncated to
              ``start_pos``, so re-feeding a position after a rejection overwrites what was there.
     rollback ``truncate(slot, length)``: a single integer; rejected positions are overwritten later.
+    branch   ``copy_prefix(src, dst, length)``: ``dst`` starts out holding ``src``'s first ``length``
+             positions (the drafter's hedges grow that way next to the main line).
 
 Logits are returned as float32 on the CPU by default (the verify rule runs there, in float32);
 ``to_cpu=False`` keeps them float32 on the runner's device.
@@ -88,6 +90,20 @@ class ModelRunner(abc.ABC):
         if not 0 <= length <= current:
             raise ValueError(f"truncate(slot={slot}, length={length}): length must be in [0, {current}]")
         self._lengths[slot] = length
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Make slot ``dst`` hold what slot ``src`` holds at positions ``0 .. length-1``."""
+        src_len = self._check_allocated(src)
+        self._check_allocated(dst)
+        if src == dst or not 0 <= length <= src_len:
+            raise ValueError(f"copy_prefix(src={src}, dst={dst}, length={length}): need src != dst and "
+                             f"length in [0, {src_len}]")
+        self._copy_prefix(src, dst, length)
+        self._lengths[dst] = length
+
+    @abc.abstractmethod
+    def _copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Backend part of ``copy_prefix`` (arguments validated)."""
 
     @property
     def free_slots(self) -> int:

@@ -113,6 +113,7 @@ class AsyncClient:
         mode: str | None = None,
         max_draft_tokens: int = 0,
         request_id: str = "",
+        speculation_cache: bool | None = None,
         stream: bool = False,
         timeout: float | None = None,
     ) -> GenerationResult | AsyncGenerationStream:
@@ -122,7 +123,7 @@ class AsyncClient:
             prompt, prompt_token_ids=prompt_token_ids, messages=messages, model=model,
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, mode=mode,
-            max_draft_tokens=max_draft_tokens, request_id=request_id,
+            max_draft_tokens=max_draft_tokens, request_id=request_id, speculation_cache=speculation_cache,
         )
         chunks = await self._open_stream(request, self._deadline(timeout))
         if stream:

@@ -31,6 +31,8 @@ class SpeculationStats:
     mean_accepted_length: float  # committed tokens per target forward (accepted + 1)
     pre_verify_aborts: int  # rounds aborted at the first draft token
     wasted_draft_tokens: int  # drafted but discarded
+    cache_lookups: int = 0  # rejections that looked for a hedge in the speculation cache
+    cache_hits: int = 0  # ... and found one (the next verify did not wait for the drafter)
 
     @property
     def acceptance_rate(self) -> float:
@@ -151,6 +153,7 @@ def build_request(
     mode: str | None = None,
     max_draft_tokens: int = 0,
     request_id: str = "",
+    speculation_cache: bool | None = None,
 ) -> pb.GenerateRequest:
     """The wire request. Only checks what the proto cannot carry; the server validates the rest."""
     request = pb.GenerateRequest(model=model, request_id=request_id)
@@ -170,6 +173,8 @@ def build_request(
     request.stopping.ignore_eos = bool(ignore_eos)
     request.speculation.mode = _mode_to_proto(mode)
     request.speculation.max_draft_tokens = _check_count("max_draft_tokens", max_draft_tokens)
+    if speculation_cache is not None:
+        request.speculation.cache = bool(speculation_cache)
     return request
 
 
@@ -197,6 +202,8 @@ def chunk_from_proto(response: pb.GenerateResponse) -> GenerationChunk:
             mean_accepted_length=s.mean_accepted_length,
             pre_verify_aborts=s.pre_verify_aborts,
             wasted_draft_tokens=s.wasted_draft_tokens,
+            cache_lookups=s.cache_lookups,
+            cache_hits=s.cache_hits,
         )
     return GenerationChunk(
         text=response.text,

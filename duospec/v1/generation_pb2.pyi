@@ -76,12 +76,14 @@ class StoppingCriteria(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("mode", "max_draft_tokens")
+    __slots__ = ("mode", "max_draft_tokens", "cache")
     MODE_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     mode: SpeculationMode
     max_draft_tokens: int
-    def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...
+    cache: bool
+    def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., max_draft_tokens: _Optional[int] = ..., cache: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("model", "prompt", "prompt_token_ids", "messages", "sampling", "stopping", "speculation", "request_id")
@@ -112,20 +114,24 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("drafted_tokens", "accepted_tokens", "target_forwards", "mean_accepted_length", "pre_verify_aborts", "wasted_draft_tokens")
+    __slots__ = ("drafted_tokens", "accepted_tokens", "target_forwards", "mean_accepted_length", "pre_verify_aborts", "wasted_draft_tokens", "cache_lookups", "cache_hits")
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TARGET_FORWARDS_FIELD_NUMBER: _ClassVar[int]
     MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     PRE_VERIFY_ABORTS_FIELD_NUMBER: _ClassVar[int]
     WASTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     drafted_tokens: int
     accepted_tokens: int
     target_forwards: int
     mean_accepted_length: float
     pre_verify_aborts: int
     wasted_draft_tokens: int
-    def __init__(self, drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., target_forwards: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., pre_verify_aborts: _Optional[int] = ..., wasted_draft_tokens: _Optional[int] = ...) -> None: ...
+    cache_lookups: int
+    cache_hits: int
+    def __init__(self, drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., target_forwards: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., pre_verify_aborts: _Optional[int] = ..., wasted_draft_tokens: _Optional[int] = ..., cache_lookups: _Optional[int] = ..., cache_hits: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "stats")

@@ -1,0 +1,251 @@
+"""The speculation cache (draft_worker/hedges.py): scheduler scenarios with fake links, and the
+drafter's hedges on a real tiny model.
+
+Scheduler side: a hit sends the cached continuation to the target in the same event and tells the
+drafter to adopt the branch; a stale hedge, a key that never matches and a drafter that dies while
+hedges are cached lose and duplicate nothing. Drafter side: hedges grow from the proposer's
+alternatives, an adopted branch drafts exactly what a RESET to the same outcome drafts, other RESETs
+and decided positions drop hedges, and hedges never keep a new sequence out of a slot.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.api import SpeculationMode
+from coordinator.policies import SpeculationPolicy
+from duospec.internal.v1 import pearl_pb2 as pb
+from tests.test_scheduler import _chunks, _committed_events, _request, _scheduler, _verdict
+
+RESET = pb.DRAFT_COMMAND_KIND_RESET
+
+
+def _cache_policy(mode=SpeculationMode.PEARL, hedges=4):
+    return SpeculationPolicy(mode=mode, max_draft_tokens=4, max_lookahead=8, adaptive=False, hedges=hedges)
+
+
+def _hedge(scheduler, seq, pos, token, start, tokens, epoch=None):
+    scheduler._on_draft_batch(pb.DraftChunkBatch(chunks=[pb.DraftChunk(
+        seq_id=seq.seq_id, epoch=seq.epoch if epoch is None else epoch, start_pos=start, tokens=tokens,
+        hedge=pb.HedgeKey(pos=pos, token=token))]))
+
+
+def _commands(draft, kind):
+    return [c for m in draft.sent for c in m.commands if c.kind == kind]
+
+
+def _prefilled(policy):
+    """A sequence with prompt [1, 2, 3] prefilled and draft [10, 11, 12] under verification."""
+    scheduler, target, draft, _ = _scheduler()
+    seq = scheduler._add(_request(n=20), policy)
+    _chunks(scheduler, seq, 3, [10])
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_NONE)  # prefill-only round
+    for pos, tok in ((4, 11), (5, 12)):
+        _chunks(scheduler, seq, pos, [tok])
+    _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_BONUS, 11)  # [10] accepted, bonus 11 = the draft
+    assert seq.committed == [1, 2, 3, 10, 11] and list(target.sent[-1].items[0].draft_tokens) == [12]
+    return scheduler, target, draft, seq
+
+
+async def test_a_hit_sends_the_cached_continuation_at_once_and_adopts_the_branch():
+    scheduler, target, draft, seq = _prefilled(_cache_policy())
+    # While [12] at position 5 is verified the drafter hedges "the target puts 40 at 5" (and 41).
+    _hedge(scheduler, seq, 5, 40, 6, [60, 61])
+    _hedge(scheduler, seq, 5, 41, 6, [70])
+    _hedge(scheduler, seq, 5, 40, 8, [62])  # continues the first hedge
+    batches_before = len(target.sent)
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_RECOVERED, 40)
+    assert seq.committed == [1, 2, 3, 10, 11, 40] and seq.epoch == 1
+    assert seq.stats.cache_lookups == 1 and seq.stats.cache_hits == 1
+    # The next verify went out in the same event, with the hedge's tokens as drafts.
+    assert len(target.sent) == batches_before + 1
+    item = target.sent[-1].items[0]
+    assert (item.epoch, item.start_pos, list(item.context), list(item.draft_tokens)) == (1, 5, [40], [60, 61, 62])
+    reset = _commands(draft, RESET)[-1]
+    assert (reset.adopt.pos, reset.adopt.token) == (5, 40) and reset.HasField("adopt")
+    # The tail holds the hedge too, so a drafter that no longer has the branch still lines up.
+    assert list(reset.tail)[-4:] == [40, 60, 61, 62] and reset.committed_len == 6
+    # The drafter continues after the hedge: its next main-line chunk starts at 9.
+    _chunks(scheduler, seq, 9, [63])
+    assert seq.drafts == [63]
+    _verdict(scheduler, target, seq, 3, pb.NEXT_TOKEN_KIND_BONUS, 63)
+    assert seq.committed == [1, 2, 3, 10, 11, 40, 60, 61, 62, 63]
+    assert _committed_events(seq) == [10, 11, 40, 60, 61, 62, 63]
+
+
+async def test_a_miss_takes_the_reset_path():
+    scheduler, target, draft, seq = _prefilled(_cache_policy())
+    _hedge(scheduler, seq, 5, 40, 6, [60])
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_RECOVERED, 42)  # a key that never matches
+    assert seq.stats.cache_lookups == 1 and seq.stats.cache_hits == 0
+    reset = _commands(draft, RESET)[-1]
+    assert not reset.HasField("adopt") and list(reset.tail)[-1] == 42
+    assert seq.drafts == [] and seq.hedges == {}
+    # Nothing is verified until the drafter drafts again (target-only sequences aside).
+    _chunks(scheduler, seq, 6, [80])
+    assert list(target.sent[-1].items[0].draft_tokens) == [80]
+
+
+async def test_stale_and_decided_hedges_are_never_used():
+    scheduler, target, draft, seq = _prefilled(_cache_policy())
+    _hedge(scheduler, seq, 5, 40, 6, [60], epoch=seq.epoch + 1)  # another epoch
+    _hedge(scheduler, seq, 4, 40, 5, [60])  # position 4 is committed already
+    _hedge(scheduler, seq, 5, 41, 9, [70])  # does not start right after its key
+    assert seq.hedges == {}
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_RECOVERED, 40)
+    assert seq.stats.cache_hits == 0 and not _commands(draft, RESET)[-1].HasField("adopt")
+    # A hedge of the old epoch arriving after the abort is dropped too.
+    _hedge(scheduler, seq, 6, 50, 7, [51], epoch=0)
+    assert seq.hedges == {}
+
+
+async def test_an_accepted_chunk_drops_only_the_hedges_it_decided():
+    scheduler, target, draft, seq = _prefilled(_cache_policy())
+    _chunks(scheduler, seq, 6, [13])
+    _chunks(scheduler, seq, 7, [14])
+    _hedge(scheduler, seq, 5, 40, 6, [60])
+    _hedge(scheduler, seq, 7, 41, 8, [70])
+    _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_BONUS, 13)  # [12] accepted, bonus 13 = the draft
+    assert seq.committed == [1, 2, 3, 10, 11, 12, 13]
+    assert list(seq.hedges) == [(7, 41)]  # position 5 is decided; 7 (under verification now) is not
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_RECOVERED, 41)
+    assert seq.stats.cache_hits == 1 and list(target.sent[-1].items[0].draft_tokens) == [70]
+
+
+async def test_the_drafter_dying_with_hedges_cached_loses_nothing():
+    scheduler, target, draft, seq = _prefilled(_cache_policy())
+    _hedge(scheduler, seq, 5, 40, 6, [60, 61])
+    scheduler._on_draft_batch(pb.DraftChunkBatch(failed_seq_ids=[seq.seq_id]))
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_RECOVERED, 40)
+    # Target-only from here: the hedge is not used (no drafter to adopt it), nothing is duplicated.
+    assert seq.committed == [1, 2, 3, 10, 11, 40] and seq.stats.cache_hits == 0
+    item = target.sent[-1].items[0]
+    assert list(item.draft_tokens) == [] and list(item.context) == [40]
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_BONUS, 77)
+    assert _committed_events(seq) == [10, 11, 40, 77]
+
+
+@pytest.mark.parametrize("mode,hedges", [(SpeculationMode.VANILLA, 4), (SpeculationMode.PEARL, 0)])
+async def test_no_cache_in_vanilla_or_when_turned_off(mode, hedges):
+    scheduler, target, draft, _ = _scheduler(mode)
+    seq = scheduler._add(_request(n=20), _cache_policy(mode, hedges))
+    start = _commands(draft, pb.DRAFT_COMMAND_KIND_START)[-1]
+    assert start.max_hedges == 0
+    assert seq.policy.max_hedges() == 0
+
+
+# -- the drafter's hedges on a real tiny model ----------------------------------------------------------
+import torch  # noqa: E402
+
+from draft_worker.drafter import Drafter  # noqa: E402
+from draft_worker.model_proposer import ModelProposer  # noqa: E402
+from duospec.engine import SlotsExhausted, load_checkpoint  # noqa: E402
+from duospec.internal.sampling_wire import sampling_to_proto  # noqa: E402
+from duospec.sampling import SamplingParams  # noqa: E402
+from tiny_models import make_tiny_checkpoint  # noqa: E402
+
+PROMPT = [5, 17, 42, 9, 30, 77, 12, 3, 64, 101]
+SAMPLED = SamplingParams(temperature=1.0, top_k=8, seed=3)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("hedges") / "draft", "llama", seed=5, hidden_size=64,
+                                num_layers=2)
+
+
+def _drafter(draft_dir, max_slots=8):
+    torch.set_num_threads(1)
+    return Drafter(ModelProposer(load_checkpoint(draft_dir, device="cpu", dtype="float32", max_slots=max_slots).runner))
+
+
+def _start(drafter, seq_id, tokens, committed_len, draft_until, sampling=SamplingParams(), hedges=4):
+    drafter.apply(pb.DraftCommand(seq_id=seq_id, epoch=0, kind=pb.DRAFT_COMMAND_KIND_START, start_pos=0, tail=tokens,
+                                  draft_until=draft_until, sampling=sampling_to_proto(sampling),
+                                  committed_len=committed_len, max_hedges=hedges))
+
+
+def _drain(drafter):
+    chunks = []
+    while drafter.has_work():
+        chunks += drafter.step()
+    return chunks
+
+
+def _main_line(chunks, seq_id=1):
+    return [(c.start_pos, list(c.tokens), list(c.draft_probs)) for c in chunks
+            if c.seq_id == seq_id and not c.HasField("hedge")]
+
+
+def _hedges(chunks):
+    out = {}
+    for c in chunks:
+        if c.HasField("hedge"):
+            tokens, probs = out.setdefault((c.hedge.pos, c.hedge.token), ([], []))
+            tokens.extend(c.tokens)
+            probs.extend(c.draft_probs)
+    return out
+
+
+def _reference(draft_dir, prefix, n, sampling):
+    """What a fresh drafter drafts after `prefix`: what a RESET to that outcome would draft."""
+    ref = _drafter(draft_dir, max_slots=1)
+    _start(ref, 9, prefix, len(prefix), len(prefix) + n, sampling, hedges=0)
+    tokens, probs = [], []
+    for _, t, q in _main_line(_drain(ref), seq_id=9):
+        tokens += t
+        probs += q
+    return tokens, probs
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
+def test_a_hedge_is_what_a_reset_would_draft_and_adoption_keeps_its_branch(draft_dir, sampling):
+    drafter = _drafter(draft_dir)
+    n = len(PROMPT)
+    _start(drafter, 1, PROMPT, n, n + 6, sampling)
+    chunks = _drain(drafter)
+    main = [t for _, tokens, _ in _main_line(chunks) for t in tokens]
+    hedges = _hedges(chunks)
+    assert len(main) == 6 and 1 <= len(hedges) <= 4
+    for (pos, token), (tokens, probs) in hedges.items():
+        assert n <= pos < n + 6 and token != main[pos - n] and 1 <= len(tokens) <= 4
+        prefix = PROMPT + main[: pos - n] + [token]
+        assert (tokens, probs) == _reference(draft_dir, prefix, len(tokens), sampling)  # same tokens, same q
+    # The verdict hits the first key: the coordinator keeps its tokens and RESETs with adopt.
+    (pos, token), (tokens, _) = next(iter(hedges.items()))
+    committed = PROMPT + main[: pos - n] + [token]
+    drafter.apply(pb.DraftCommand(seq_id=1, epoch=1, kind=RESET, start_pos=pos, tail=[token] + tokens,
+                                  draft_until=len(committed) + len(tokens) + 3, committed_len=len(committed),
+                                  max_hedges=0, adopt=pb.HedgeKey(pos=pos, token=token)))
+    assert drafter.hedges.adopted == 1 and drafter.hedges.live() == 0
+    assert drafter.proposer.runner.free_slots == drafter.proposer.runner.max_slots - 1  # only the main line
+    after = [t for _, t, _ in _main_line(_drain(drafter))]
+    expected, _ = _reference(draft_dir, committed + tokens, 3, sampling)
+    assert [t for part in after for t in part] == expected
+
+
+def test_a_reset_without_a_hit_and_an_advance_drop_hedges(draft_dir):
+    drafter = _drafter(draft_dir)
+    n = len(PROMPT)
+    _start(drafter, 1, PROMPT, n, n + 6)
+    main = [t for _, tokens, _ in _main_line(_drain(drafter)) for t in tokens]
+    assert drafter.hedges.live() > 0
+    drafter.apply(pb.DraftCommand(seq_id=1, epoch=0, kind=pb.DRAFT_COMMAND_KIND_ADVANCE, draft_until=n + 8,
+                                  committed_len=n + 2, max_hedges=4))
+    assert all(pos >= n + 2 for pos, _ in drafter.hedges._hedges.get(1, {}))  # positions n, n+1 are decided
+    drafter.apply(pb.DraftCommand(seq_id=1, epoch=1, kind=RESET, start_pos=n + 2, tail=[main[2] + 1],
+                                  draft_until=n + 8, committed_len=n + 3, max_hedges=4))
+    assert drafter.hedges.live() == 0
+    assert drafter.proposer.runner.free_slots == drafter.proposer.runner.max_slots - 1
+
+
+def test_hedges_never_keep_a_new_sequence_out(draft_dir):
+    drafter = _drafter(draft_dir, max_slots=3)
+    _start(drafter, 1, PROMPT, len(PROMPT), len(PROMPT) + 6)
+    _drain(drafter)
+    assert drafter.hedges.live() == 2  # every free slot holds a hedge
+    _start(drafter, 2, PROMPT[:5], 5, 9)  # evicts them
+    _start(drafter, 3, PROMPT[:4], 4, 8)
+    assert set(drafter.sequences) == {1, 2, 3} and drafter.hedges.live() == 0
+    with pytest.raises(SlotsExhausted):
+        _start(drafter, 4, PROMPT[:3], 3, 6)
