@@ -58,6 +58,8 @@ class SpecStats:
     committed_tokens: int = 0  # tokens committed by verify forwards (accepted + recovered/bonus)
     cache_lookups: int = 0  # rejections that looked for a hedge in the speculation cache
     cache_hits: int = 0  # ... and found one: the next verify went out without waiting for the drafter
+    tree_nodes: int = 0  # hedge tokens verified as token-tree branches next to the main chain
+    tree_hits: int = 0  # verdicts whose accepted path went into such a branch
     # accepted_per_pos[i]: how often the draft token at offset i of a verified chunk was accepted
     accepted_per_pos: list[int] = field(default_factory=list)
 

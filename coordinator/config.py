@@ -19,7 +19,8 @@
         max_model_len: 8192                  # optional; positions per sequence (default: the model's
                                              # max_position_embeddings); KV memory is sized from it
         speculation: {mode: pearl, max_draft_tokens: 4, max_lookahead: 9, adaptive: true,
-                      cache: true, hedges: 4}   # cache: the speculation cache, hedges per sequence
+                      cache: true, hedges: 4,   # cache: the speculation cache, hedges per sequence
+                      tree: true, tree_nodes: 8}  # tree: verify hedges as token-tree branches
 
 YAML or TOML (chosen by the file suffix). Relative paths are resolved against the config file's folder.
 """
@@ -76,10 +77,10 @@ class SpeculationDefaults:
     # in its spare steps, up to `hedges` per sequence; a verdict that hits one skips the pipeline drain
     cache: bool = True
     hedges: int = 4
-
-    @property
-    def hedges_per_sequence(self) -> int:
-        return self.hedges if self.cache else 0
+    # pearl, greedy: verify the cached hedges as token-tree branches next to the main chain, in the same
+    # forward (at most tree_nodes extra tokens); needs the cache
+    tree: bool = True
+    tree_nodes: int = 8
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,8 @@ def _parse_model(f: "_Fields", base_dir: pathlib.Path) -> ModelConfig:
             adaptive=spec_fields.get("adaptive", bool, default=spec.adaptive),
             cache=spec_fields.get("cache", bool, default=spec.cache),
             hedges=spec_fields.int_in("hedges", 1, 16, default=spec.hedges),
+            tree=spec_fields.get("tree", bool, default=spec.tree),
+            tree_nodes=spec_fields.int_in("tree_nodes", 1, 64, default=spec.tree_nodes),
         )
         spec_fields.reject_unknown()
     if draft is None and spec.mode is not SpeculationMode.OFF and spec_fields is not None and "mode" in spec_fields.raw:

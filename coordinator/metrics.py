@@ -44,6 +44,10 @@ class ServerMetrics:
             "duospec:spec_decode_cache_lookups", "Rejections that looked up the speculation cache", t, registry=r)
         self.cache_hits = Counter(
             "duospec:spec_decode_cache_hits", "Speculation-cache lookups that found a hedge", t, registry=r)
+        self.tree_nodes = Counter(
+            "duospec:spec_decode_tree_nodes", "Hedge tokens verified as token-tree branches", t, registry=r)
+        self.tree_hits = Counter(
+            "duospec:spec_decode_tree_hits", "Verify passes whose accepted path went into a branch", t, registry=r)
         self.wasted_draft_tokens = Counter(
             "duospec:spec_decode_num_wasted_draft_tokens", "Draft tokens discarded after a rejection", t, registry=r)
         self.prompt_tokens = Counter("duospec:prompt_tokens", "Prompt tokens processed", t, registry=r)
@@ -97,6 +101,8 @@ class ServerMetrics:
         self.wasted_draft_tokens.labels(tenant).inc(stats.wasted_draft_tokens)
         self.cache_lookups.labels(tenant).inc(stats.cache_lookups)
         self.cache_hits.labels(tenant).inc(stats.cache_hits)
+        self.tree_nodes.labels(tenant).inc(stats.tree_nodes)
+        self.tree_hits.labels(tenant).inc(stats.tree_hits)
 
     def observe_failure(self, tenant: str, code: str) -> None:
         self.request_failure.labels(tenant, code).inc()

@@ -76,13 +76,14 @@ class ModelRouter:
         mode = request.mode or default_mode
         if not entry.info.has_draft:
             mode = SpeculationMode.OFF
+        use_cache = getattr(spec, "cache", False) if request.speculation_cache is None else request.speculation_cache
         return SpeculationPolicy(
             mode=mode,
             max_draft_tokens=int(max_draft),
             max_lookahead=int(getattr(spec, "max_lookahead", 9)),
             adaptive=bool(getattr(spec, "adaptive", True)),
-            hedges=0 if request.speculation_cache is False else int(getattr(spec, "hedges", 0)) if (
-                request.speculation_cache) else int(getattr(spec, "hedges_per_sequence", 0)),
+            hedges=int(getattr(spec, "hedges", 0)) if use_cache else 0,
+            tree_nodes=int(getattr(spec, "tree_nodes", 0)) if use_cache and getattr(spec, "tree", False) else 0,
         )
 
     def validate(self, entry: ModelEntry, request: GenerationRequest) -> None:

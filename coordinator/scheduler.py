@@ -262,11 +262,12 @@ class Scheduler(WorkerRecovery):
             seq = self.sequences.get(chunk.seq_id)
             if seq is None or not seq.draft_alive:
                 continue
+            if chunk.HasField("hedge"):  # for the speculation cache; never a reason to resync
+                if chunk.epoch == seq.epoch and not seq.draft_paused:
+                    seq.add_hedge(chunk.hedge.pos, chunk.hedge.token, chunk.start_pos, chunk.tokens, chunk.draft_probs)
+                continue
             if chunk.epoch != seq.epoch or seq.draft_paused:  # an aborted branch, or drafted before a pause
                 seq.stats.wasted_draft_tokens += len(chunk.tokens)
-                continue
-            if chunk.HasField("hedge"):  # for the speculation cache; never a reason to resync
-                seq.add_hedge(chunk.hedge.pos, chunk.hedge.token, chunk.start_pos, chunk.tokens, chunk.draft_probs)
                 continue
             exhausted = chunk.outlook == pb.DRAFT_OUTLOOK_EXHAUSTED
             if not seq.add_drafts(chunk.start_pos, chunk.tokens, chunk.draft_probs, exhausted):
@@ -401,6 +402,12 @@ class Scheduler(WorkerRecovery):
         drafting = seq.uses_draft and not (seq.draft_exhausted and k == len(seq.drafts))
         bonus = pb.BONUS_POLICY_SKIP if self._prefill_only(seq, k) else seq.policy.bonus(seq.greedy, drafting)
         tokens, probs = seq.take_verify_chunk(k)
+        parents: list[int] = []
+        if tokens and seq.greedy and seq.policy.tree_nodes and self._max_hedges(seq) and seq.hedges:
+            seq.add_branches(seq.policy.tree_nodes)  # hedges ride along as a token tree (greedy only)
+            if seq.branch_tokens:
+                parents = [*range(-1, len(tokens) - 1), *seq.branch_parents]
+                tokens = tokens + seq.branch_tokens
         return pb.VerifyItem(
             seq_id=seq.seq_id,
             epoch=seq.epoch,
@@ -410,6 +417,7 @@ class Scheduler(WorkerRecovery):
             draft_probs=probs if not seq.greedy else [],
             sampling=sampling_to_proto(seq.request.sampling),
             bonus=bonus,
+            draft_parents=parents,
         )
 
     # -- verdicts in ---------------------------------------------------------------------------
@@ -466,9 +474,15 @@ class Scheduler(WorkerRecovery):
     def _apply_verdict(self, seq: Sequence, verdict: pb.Verdict) -> int:
         """Commits a verdict and tells the drafter what it needs; returns the tokens committed."""
         k = len(seq.verify_tokens or ())
-        rejected = verdict.kind == pb.NEXT_TOKEN_KIND_RECOVERED and verdict.n_accepted < k
         next_token = verdict.next_token if verdict.kind != pb.NEXT_TOKEN_KIND_NONE else None
-        kept, action = seq.apply_verdict(verdict.n_accepted, next_token, rejected)
+        accepted, branch, branch_accepted = seq.tree_outcome(verdict.path) if verdict.path else (None, None, 0)
+        rejected = verdict.kind == pb.NEXT_TOKEN_KIND_RECOVERED and (branch is not None or verdict.n_accepted < k)
+        hedge = seq.hedges.get(branch) if branch is not None else None
+        kept, action = seq.apply_verdict(verdict.n_accepted, next_token, rejected,
+                                         accepted if branch is not None else None, branch_accepted)
+        if branch is not None:  # the drafter's main line differs from the committed tokens from there
+            seq.stats.tree_hits += 1
+            seq.draft_fed_len = min(seq.draft_fed_len, branch[0])
         if k:
             self.recent_acceptance.observe(seq.acceptance.alpha)
         tenant = seq.request.tenant
@@ -490,7 +504,12 @@ class Scheduler(WorkerRecovery):
                 seq.drop_drafts()
         elif seq.draft_paused or action is DraftAction.ABORT:  # resuming needs a catch-up reset too
             resuming, seq.draft_paused = seq.draft_paused, False
-            self._abort(seq, None if resuming or not self._max_hedges(seq) else seq.take_hedge())
+            if branch is not None:  # the path went into a hedge: the drafter continues on that branch
+                rest = hedge[0][branch_accepted - 1:] if hedge else []
+                follows = next_token is not None and rest[:1] == [next_token]  # the hedge guessed it too
+                self._abort(seq, (rest[1:], hedge[1][branch_accepted:]) if follows else ([], []), branch)
+            else:
+                self._abort(seq, None if resuming or not self._max_hedges(seq) else seq.take_hedge())
         elif kept:  # (nothing committed, e.g. a prefill-only round: the drafter has nothing new to hear)
             self._advance(seq)
         return len(kept)
@@ -508,11 +527,14 @@ class Scheduler(WorkerRecovery):
             )
         )
 
-    def _abort(self, seq: Sequence, hedge: tuple[list[int], list[bytes]] | None = None) -> None:
+    def _abort(self, seq: Sequence, hedge: tuple[list[int], list[bytes]] | None = None,
+               key: tuple[int, int] | None = None) -> None:
         """Rejection: new epoch; the drafter rolls back to what it shares with the committed prefix.
-        With `hedge` (a speculation-cache hit for the token just committed) its continuation becomes
-        this epoch's drafts at once, and the drafter adopts the branch it drafted them on."""
-        key = pb.HedgeKey(pos=len(seq.committed) - 1, token=seq.committed[-1])
+        With `hedge` (the continuation of the hedge `key`; default: the token just committed, a
+        speculation-cache hit) its tokens become this epoch's drafts at once, and the drafter adopts
+        the branch it drafted them on."""
+        pos, token = key if key is not None else (len(seq.committed) - 1, seq.committed[-1])
+        key = pb.HedgeKey(pos=pos, token=token)
         start = seq.start_new_epoch()
         tail = seq.committed[start:]
         if hedge is not None:

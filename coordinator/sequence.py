@@ -59,6 +59,11 @@ class Sequence:
     started_at: float = field(default_factory=time.monotonic)
     # (pos, token) -> (tokens at pos + 1 ..., their q): this epoch's hedges
     hedges: dict[tuple[int, int], tuple[list[int], list[bytes]]] = field(default_factory=dict)
+    # The in-flight verify's token tree past its main chain (verify_tokens): node tokens, their parents
+    # (indices into main chain + branches; -1 = the context), and for each branch root node its hedge key
+    branch_tokens: list[int] = field(default_factory=list)
+    branch_parents: list[int] = field(default_factory=list)
+    branch_keys: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     # -- facts ------------------------------------------------------------------------------------
     @property
@@ -142,6 +147,37 @@ class Sequence:
         self.stats.cache_hits += 1
         return hit
 
+    def add_branches(self, max_nodes: int) -> None:
+        """Hangs this epoch's hedges off the main chain just taken for verification (a token tree):
+        a hedge at the position of main-chain draft i (or the bonus position after the last) becomes a
+        sibling of that draft, its continuation a chain below it; at most `max_nodes` nodes, nearest
+        positions first, none past the request's length limit."""
+        chain = self.verify_tokens or []
+        first = len(self.committed)
+        self._clear_branches()
+        for (pos, token), (tokens, _) in sorted(self.hedges.items()):
+            offset = pos - first  # the main-chain draft this hedge replaces (len(chain): the bonus)
+            room = min(max_nodes - len(self.branch_tokens), self.remaining - offset)
+            if not 0 <= offset <= len(chain) or room < 1 or (offset < len(chain) and chain[offset] == token):
+                continue
+            node = len(chain) + len(self.branch_tokens)
+            self.branch_keys[node] = (pos, token)
+            nodes = [token, *tokens][:room]
+            self.branch_parents += [offset - 1, *range(node, node + len(nodes) - 1)]
+            self.branch_tokens += nodes
+
+    def tree_outcome(self, path) -> tuple[list[int], tuple[int, int] | None, int]:
+        """A verdict's accepted tokens from its path through the in-flight tree, the hedge key of the
+        branch it went into (None: it stayed on the main chain) and how many of that branch's nodes
+        it accepted."""
+        chain = self.verify_tokens or []
+        tokens = chain + self.branch_tokens
+        accepted = [tokens[i] for i in path]
+        for depth, node in enumerate(path):
+            if node in self.branch_keys:
+                return accepted, self.branch_keys[node], len(path) - depth
+        return accepted, None, 0
+
     def drop_drafts(self) -> int:
         """Discards the drafts not under verification (the in-flight chunk still gets its verdict)."""
         n = len(self.drafts)
@@ -154,29 +190,41 @@ class Sequence:
         tokens, probs = self.drafts[:k], self.draft_probs[:k]
         self.drafts, self.draft_probs = self.drafts[k:], self.draft_probs[k:]
         self.verify_tokens, self.verify_probs = tokens, probs
+        self._clear_branches()
         return tokens, probs
+
+    def _clear_branches(self) -> None:
+        self.branch_tokens, self.branch_parents, self.branch_keys = [], [], {}
 
     def forget_verify(self) -> None:
         """The verdict for the in-flight chunk will not come (stale, or the target restarted)."""
+        self._clear_branches()
         if self.verify_tokens is not None:
             # Back in front of the later drafts; they are re-verified (or dropped by an abort).
             self.drafts = self.verify_tokens + self.drafts
             self.draft_probs = self.verify_probs + self.draft_probs
         self.verify_tokens, self.verify_probs = None, []
 
-    def apply_verdict(self, n_accepted: int, next_token: int | None, rejected: bool) -> tuple[list[int], DraftAction]:
-        """Commits the verdict of the in-flight chunk. Returns (tokens kept, what the drafter needs)."""
+    def apply_verdict(self, n_accepted: int, next_token: int | None, rejected: bool,
+                      accepted: list[int] | None = None, branch_accepted: int = 0) -> tuple[list[int], DraftAction]:
+        """Commits the verdict of the in-flight chunk (`accepted`: its tokens when the path left the
+        main chain, the last `branch_accepted` of them on a branch). Returns (tokens kept, what the
+        drafter needs). Draft statistics count the main chain; tree_nodes counts the branches."""
         chunk = self.verify_tokens or []
         self.verify_tokens, self.verify_probs = None, []
         k = len(chunk)
-        new_tokens = chunk[:n_accepted] + ([next_token] if next_token is not None else [])
+        self.stats.tree_nodes += len(self.branch_tokens)
+        self._clear_branches()
+        new_tokens = (chunk[:n_accepted] if accepted is None else accepted) + (
+            [next_token] if next_token is not None else [])
         old_len = len(self.committed)
         self.target_len = old_len + len(new_tokens) - 1  # the target keeps committed[:-1]
         kept = self._commit(new_tokens)
+        n_accepted -= branch_accepted  # of the main chain
         self._count(k, n_accepted, len(kept), rejected, first_of_round=old_len == self.round_start)
         if self.finish_reason is not None or not self.uses_draft:
             return kept, DraftAction.NONE
-        if rejected:
+        if rejected or accepted is not None:  # a path into a branch leaves the main line too
             self.stats.wasted_draft_tokens += (k - n_accepted) + len(self.drafts)
             return kept, DraftAction.ABORT
         if next_token is not None:  # bonus: keep the speculation past it only if the drafter guessed it
@@ -202,6 +250,7 @@ class Sequence:
         self.hedges = {}
         self.drafts, self.draft_probs = [], []
         self.verify_tokens, self.verify_probs = None, []
+        self._clear_branches()
         self.draft_fed_len = min(self.draft_fed_len, len(self.committed) - 1)
         self.round_start = len(self.committed)
         return self.draft_fed_len

@@ -265,7 +265,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 drafted_tokens=s.drafted_tokens, accepted_tokens=s.accepted_tokens,
                 target_forwards=s.target_forwards, mean_accepted_length=s.mean_accepted_length,
                 pre_verify_aborts=s.pre_verify_aborts, wasted_draft_tokens=s.wasted_draft_tokens,
-                cache_lookups=s.cache_lookups, cache_hits=s.cache_hits,
+                cache_lookups=s.cache_lookups, cache_hits=s.cache_hits, tree_nodes=s.tree_nodes,
+                tree_hits=s.tree_hits,
             ),
         )
 

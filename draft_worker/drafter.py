@@ -60,21 +60,25 @@ class Drafter:
         tokens = seq.tokens[: cmd.start_pos] + list(cmd.tail)
         hedge = self.hedges.take(seq.seq_id, (cmd.adopt.pos, cmd.adopt.token)) if cmd.HasField("adopt") else None
         self.hedges.drop(seq.seq_id)
-        if hedge is not None and hedge.tokens[: len(tokens)] == tokens:
+        shared = _common_prefix(hedge.tokens, tokens) if hedge is not None else 0
+        adopted = hedge is not None and shared > cmd.adopt.pos  # it agrees through the hedge's own token
+        if adopted:
+            self.hedges.adopted += 1
             # Swap states: the sequence continues on the branch's KV; the old main line's is freed.
             seq.proposer_state, hedge.proposer_state = hedge.proposer_state, seq.proposer_state
             self.proposer.close(hedge)
             seq.tokens, seq.alternatives = hedge.tokens, hedge.alternatives
-            # What the coordinator did not receive is re-drafted; the last kept token is fed again, as
-            # a RESET's tail always holds one: its logits draft the next position.
-            self.proposer.rewind(seq, len(tokens) - 1)
+            # Where the branch and the new tokens part is re-fed; at least the last token is fed
+            # again, as a RESET's tail always holds one: its logits draft the next position.
+            shared = min(shared, len(tokens) - 1)
+            self.proposer.rewind(seq, shared)
         else:
             if hedge is not None:
                 self.proposer.close(hedge)
             self.proposer.rewind(seq, cmd.start_pos)
         del seq.tokens[cmd.start_pos:]
         seq.tokens.extend(tokens[cmd.start_pos:])
-        forget_alternatives(seq, from_pos=cmd.start_pos if hedge is None else len(tokens))
+        forget_alternatives(seq, from_pos=shared if adopted else cmd.start_pos)
         seq.epoch = cmd.epoch
         seq.draft_until = cmd.draft_until
         seq.exhausted = False
@@ -203,3 +207,12 @@ class Drafter:
             **self.hedges.stats(),
             **self.proposer.stats(),
         }
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

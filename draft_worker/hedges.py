@@ -124,10 +124,7 @@ class HedgeBook:
     # -- verdict outcomes ---------------------------------------------------------------------
     def take(self, seq_id: int, key: Key) -> DraftState | None:
         """Removes and returns the hedge for `key` (the verdict hit it); the caller owns its state."""
-        hedge = self._hedges.get(seq_id, {}).pop(key, None)
-        if hedge is not None:
-            self.adopted += 1
-        return hedge
+        return self._hedges.get(seq_id, {}).pop(key, None)
 
     def decided(self, seq: DraftState) -> None:
         """`seq.committed_len` grew: positions before it are decided, their hedges are useless."""

@@ -19,6 +19,21 @@ Glossary (DESIGN.md §4; vLLM and Leviathan et al. name p and q the other way ro
 
 Under this rule each emitted token is distributed exactly as p, whatever q is (Leviathan et al.
 2023, Chen et al. 2023). Randomness is counter-based, so equal inputs give equal verdicts.
+
+Token trees (`verify_tree`; DESIGN.md §3b):
+
+- **tree**: draft tokens with a parent index each (-1: the last context token); a node sits one
+  position after its parent. A chain is the tree with parents ``[-1, 0, 1, ...]``.
+- **siblings**: nodes with the same parent, i.e. candidates for the same position.
+- **path**: the accepted nodes, root first; its tokens are what the verdict commits before the next
+  token.
+- Greedy: from the root, take the child whose token is ``argmax p`` at that position; the path ends at
+  a node none of whose children is the argmax (the argmax is then the recovered token — recovered
+  after all its siblings were rejected) or at a leaf (the argmax is the bonus token). The committed
+  tokens are exactly the target's greedy continuation, whatever the tree, since every committed token
+  is an argmax of p given the committed tokens before it.
+- Sampling over trees (a multi-candidate rule such as SpecInfer's recursive residual) is not
+  implemented: sampled requests are verified as chains.
 """
 
 from __future__ import annotations
@@ -87,7 +102,8 @@ def verify(
     target_logits = target_logits.detach().cpu()
     tokens = [int(t) for t in draft_tokens]
     if params.greedy:
-        return _verify_greedy(tokens, target_logits, sample_bonus)
+        _, verdict = _walk_greedy(tokens, list(range(-1, k - 1)), target_logits, sample_bonus)
+        return verdict
     draft_q = _DraftQ(draft_probs, k, target_logits.shape[1])
     p_rows = probs_from_logits(target_logits[:k], params).numpy().astype(np.float64) if k else ()
     for i, x in enumerate(tokens):
@@ -129,14 +145,58 @@ def residual_distribution(p_row: np.ndarray, q_row: np.ndarray) -> np.ndarray:
     return residual if residual.sum() > 0.0 else np.asarray(p_row, np.float64)
 
 
-def _verify_greedy(tokens: list[int], target_logits: torch.Tensor, sample_bonus: bool) -> Verdict:
-    argmax = target_logits.argmax(dim=-1).tolist()
-    for i, x in enumerate(tokens):
-        if x != argmax[i]:
-            return Verdict(i, argmax[i], NextTokenKind.RECOVERED)
-    if not sample_bonus:
-        return Verdict(len(tokens), None, NextTokenKind.NONE)
-    return Verdict(len(tokens), argmax[len(tokens)], NextTokenKind.BONUS)
+@dataclass(frozen=True)
+class TreeVerdict:
+    path: tuple[int, ...]  # accepted node indices, root first (a chain: 0 .. n_accepted-1)
+    verdict: Verdict  # n_accepted == len(path)
+
+
+def verify_tree(
+    draft_tokens: Sequence[int],
+    parents: Sequence[int],
+    target_logits: torch.Tensor,
+    params: SamplingParams,
+    start_pos: int,
+    *,
+    sample_bonus: bool = True,
+) -> TreeVerdict:
+    """The longest accepted path through a tree of drafts (greedy; see the module docstring).
+
+    Args:
+        draft_tokens: ``[k]`` node tokens; a node sits at ``start_pos + depth - 1`` (roots at start_pos).
+        parents: ``[k]`` parent node index, ``-1`` for a root; ``parents[i] < i``.
+        target_logits: ``[k+1, V]``; row 0 predicts the roots' position, row ``i + 1`` the position
+            after node ``i`` (its children's, or the bonus).
+    """
+    k = _check_inputs(draft_tokens, target_logits, params, start_pos)
+    if len(parents) != k or any(not -1 <= int(p) < i for i, p in enumerate(parents)):
+        raise ValueError(f"parents {list(parents)}: need one per draft token, each in [-1, its own index)")
+    if not params.greedy:
+        raise ValueError("verify_tree: sampled requests are verified as chains (no multi-candidate rule yet)")
+    path, verdict = _walk_greedy([int(t) for t in draft_tokens], [int(p) for p in parents],
+                                 target_logits.detach().cpu(), sample_bonus)
+    return TreeVerdict(tuple(path), verdict)
+
+
+def _walk_greedy(tokens: list[int], parents: list[int], target_logits: torch.Tensor,
+                 sample_bonus: bool) -> tuple[list[int], Verdict]:
+    argmax = target_logits.argmax(dim=-1).tolist()  # argmax[i + 1]: after node i; argmax[0]: the roots'
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents):
+        children.setdefault(parent, []).append(i)
+    path, node = [], -1
+    while True:
+        want = argmax[node + 1]
+        options = children.get(node, ())
+        match = next((child for child in options if tokens[child] == want), None)
+        if match is None:
+            if options:  # every sibling at this position was rejected
+                return path, Verdict(len(path), want, NextTokenKind.RECOVERED)
+            if not sample_bonus:
+                return path, Verdict(len(path), None, NextTokenKind.NONE)
+            return path, Verdict(len(path), want, NextTokenKind.BONUS)
+        path.append(match)
+        node = match
 
 
 class _DraftQ:

@@ -4,6 +4,11 @@ For each item the target feeds `context` (committed tokens it has not seen) foll
 tokens, in one forward with every other sequence of the batch. Rows n_ctx-1 .. n_ctx-1+k of the
 item's logits predict the draft positions and the bonus position. After the verdict the slot keeps
 committed[:-1]: the newest committed token is fed at the start of the next round.
+
+A greedy item may carry a token tree (`draft_parents`): the drafts go in as one tree-masked chunk,
+the verdict is the longest accepted path (`duospec.verify.verify_tree`), and `keep_path` moves that
+path's keys and values to their positions. A backend without trees verifies the tree's main chain
+(the leading drafts that form a chain): a shorter verdict, never a wrong one.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from duospec.engine import ModelRunner, SlotChunk, SlotsExhausted
 from duospec.internal.sampling_wire import sampling_from_proto
 from duospec.internal.v1 import pearl_pb2 as pb
 from duospec.qcodec import DraftProbs
-from duospec.verify import NextTokenKind, verify
+from duospec.verify import NextTokenKind, verify, verify_tree
 
 _KIND_TO_PROTO = {
     NextTokenKind.RECOVERED: pb.NEXT_TOKEN_KIND_RECOVERED,
@@ -54,8 +59,10 @@ class Verifier:
             if error is not None:
                 out.errors.append(error)
                 continue
+            item = self._as_supported(item)
             items.append(item)
-            chunks.append(SlotChunk(self.slots[item.seq_id], item.start_pos, [*item.context, *item.draft_tokens]))
+            chunks.append(SlotChunk(self.slots[item.seq_id], item.start_pos, [*item.context, *item.draft_tokens],
+                                    _chunk_parents(item)))
         if chunks:
             try:
                 logits = self.runner.forward(chunks)
@@ -76,6 +83,18 @@ class Verifier:
         out.forward_seconds = time.perf_counter() - started
         return out
 
+    def _as_supported(self, item: pb.VerifyItem) -> pb.VerifyItem:
+        """The item, or its main chain when this backend has no trees."""
+        if not item.draft_parents or self.runner.supports_trees:
+            return item
+        parents = list(item.draft_parents)
+        chain = next((i for i, p in enumerate(parents) if p != i - 1), len(parents))
+        stripped = pb.VerifyItem()
+        stripped.CopyFrom(item)
+        del stripped.draft_tokens[chain:]
+        del stripped.draft_parents[:]
+        return stripped
+
     def _check(self, item: pb.VerifyItem) -> pb.VerifyError | None:
         if not item.context:
             return _error(item, pb.VERIFY_ERROR_KIND_BAD_REQUEST, "a verify item needs at least one context token")
@@ -86,6 +105,9 @@ class Verifier:
                 pb.VERIFY_ERROR_KIND_CONTEXT_OVERFLOW,
                 f"sequence reaches position {end}, past the target's context of {self.runner.max_context}",
             )
+        if item.draft_parents and (len(item.draft_parents) != len(item.draft_tokens) or item.draft_probs):
+            return _error(item, pb.VERIFY_ERROR_KIND_BAD_REQUEST,
+                          "a token tree needs one parent per draft token and a greedy request")
         if item.seq_id not in self.slots:
             if item.start_pos != 0:
                 # A restarted target lost its cache: the coordinator must re-send from position 0.
@@ -108,14 +130,16 @@ class Verifier:
         widest = max([*item.draft_tokens, *(int(q.token_ids[-1]) for q in probs or ())], default=0) + 1
         if widest > rows.shape[-1]:
             rows = torch.nn.functional.pad(rows, (0, widest - rows.shape[-1]), value=float("-inf"))
-        result = verify(
-            list(item.draft_tokens),
-            rows,
-            probs,
-            params,
-            item.start_pos + n_ctx,
-            sample_bonus=item.bonus != pb.BONUS_POLICY_SKIP,
-        )
+        sample_bonus = item.bonus != pb.BONUS_POLICY_SKIP
+        path: tuple[int, ...] = ()
+        if item.draft_parents:
+            tree = verify_tree(list(item.draft_tokens), list(item.draft_parents), rows, params,
+                               item.start_pos + n_ctx, sample_bonus=sample_bonus)
+            path, result = tree.path, tree.verdict
+            self.runner.keep_path(self.slots[item.seq_id], item.start_pos + n_ctx, path)
+        else:
+            result = verify(list(item.draft_tokens), rows, probs, params, item.start_pos + n_ctx,
+                            sample_bonus=sample_bonus)
         committed_len = item.start_pos + n_ctx + result.n_accepted + (result.next_token is not None)
         self.runner.truncate(self.slots[item.seq_id], committed_len - 1)
         return pb.Verdict(
@@ -124,7 +148,16 @@ class Verifier:
             n_accepted=result.n_accepted,
             kind=_KIND_TO_PROTO[result.kind],
             next_token=result.next_token if result.next_token is not None else 0,
+            path=path,
         )
+
+
+def _chunk_parents(item: pb.VerifyItem) -> list[int] | None:
+    """The forward chunk's parents: the context is a chain, a draft root hangs off its last token."""
+    if not item.draft_parents:
+        return None
+    n_ctx = len(item.context)
+    return [*range(-1, n_ctx - 1), *(n_ctx - 1 if p < 0 else n_ctx + p for p in item.draft_parents)]
 
 
 def _error(item: pb.VerifyItem, kind: int, message: str) -> pb.VerifyError:

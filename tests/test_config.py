@@ -64,6 +64,10 @@ def test_yaml_and_toml_load_the_same_config(tmp_path):
     ({"models": [{"name": "m", "target": "t", "speculation": {"mode": "turbo"}}]}, "models[0].speculation.mode"),
     ({"models": [{"name": "m", "target": "t", "speculation": {"mode": "pearl"}}]}, "models[0].speculation.mode"),
     ({"models": [{"name": "m", "target": "t"}, {"name": "m", "target": "t"}]}, "models[1].name"),
+    ({"models": [{"name": "m", "target": "t", "draft": "d", "speculation": {"hedges": 0}}]},
+     "models[0].speculation.hedges"),
+    ({"models": [{"name": "m", "target": "t", "draft": "d", "speculation": {"cache": "yes"}}]},
+     "models[0].speculation.cache"),
     ({"models": [{"name": "m", "target": "t", "tagret": "x"}]}, "models[0].tagret"),
     ({"server": {"port": "fast"}, "models": [{"name": "m", "target": "t"}]}, "server.port"),
     ({"server": {"port": 70000}, "models": [{"name": "m", "target": "t"}]}, "server.port"),
@@ -137,3 +141,25 @@ def test_an_empty_draft_path_means_no_drafter_and_an_empty_mapping_path_is_refus
     assert parse_serve_config(_draft_config("")).models[0].draft is None
     with pytest.raises(ConfigError, match=r"models\[0\].draft.path: empty"):
         parse_serve_config(_draft_config({"method": "model", "path": ""}))
+
+
+def test_the_speculation_cache_is_config_and_per_request():
+    from coordinator.api import GenerationRequest
+    from coordinator.router import ModelRouter
+
+    def model(speculation):
+        raw = {"models": [{"name": "m", "target": "t", "draft": "d", "speculation": speculation}]}
+        return parse_serve_config(raw, source="c.yaml").models[0]
+
+    on, off = model({"cache": True, "hedges": 3}), model({"cache": False})
+    assert (on.speculation.cache, on.speculation.hedges, off.speculation.cache) == (True, 3, False)
+    router = ModelRouter()
+    entry = type("Entry", (), {"info": type("Info", (), {"has_draft": True})()})
+
+    def hedges(config, mode=None, cache=None):
+        entry.config = config
+        request = GenerationRequest("r", (1,), 4, mode=mode, speculation_cache=cache)
+        return router.policy_for(entry, request).max_hedges()
+
+    assert (hedges(on), hedges(off), hedges(on, cache=False), hedges(off, cache=True)) == (3, 0, 0, off.speculation.hedges)
+    assert hedges(on, mode=SpeculationMode.VANILLA) == 0  # vanilla stays the textbook chain

@@ -78,8 +78,19 @@ def test_replay_draft_follows_its_own_continuation_and_restarts_after_a_rollback
 def test_replay_counts_lookups_outside_the_table():
     runner = _runner("draft")
     slot = runner.allocate_slot()
-    runner.forward_last([SlotChunk(slot, 0, [3, 4, 9, 9, 9, 9])])  # own tokens past the recorded depth
+    runner.forward_last([SlotChunk(slot, 0, [3, 4, 5, 6, 1, 2, 2])])  # own tokens past the recorded depth
     assert runner.misses == 1
+
+
+def test_a_hedge_on_another_alternative_is_no_miss_and_the_second_choice_is_replayed():
+    entry = ReplayEntry(prompt=(3, 4), greedy=(5, 6, 7, 8), drafts=((5, 6, 1), (6, 1, 2), (1, 2, 2), (8, 0, 0), (0, 0, 0)),
+                        seconds=(9, 10, 7, 11, 12))
+    runner = ReplayRunner(_Config(), "draft", FREE, [entry], max_slots=2, max_context=32)
+    slot = runner.allocate_slot()
+    row = runner.forward_last([SlotChunk(slot, 0, [3, 4, 5, 6])])[0]  # after 5 6: drafts 1, second choice 7
+    assert row.argmax().item() == 1 and row.topk(2).indices.tolist() == [1, 7]
+    runner.forward_last([SlotChunk(slot, 4, [13, 14])])  # a branch on 13: neither the draft's 1 nor the target's 7
+    assert runner.misses == 0 and runner.off_path_branches == 1
 
 
 def test_unrecorded_prompt_is_a_clear_error():

@@ -20,8 +20,9 @@ from tests.test_scheduler import _chunks, _committed_events, _request, _schedule
 RESET = pb.DRAFT_COMMAND_KIND_RESET
 
 
-def _cache_policy(mode=SpeculationMode.PEARL, hedges=4):
-    return SpeculationPolicy(mode=mode, max_draft_tokens=4, max_lookahead=8, adaptive=False, hedges=hedges)
+def _cache_policy(mode=SpeculationMode.PEARL, hedges=4, tree_nodes=0):
+    return SpeculationPolicy(mode=mode, max_draft_tokens=4, max_lookahead=8, adaptive=False, hedges=hedges,
+                             tree_nodes=tree_nodes)
 
 
 def _hedge(scheduler, seq, pos, token, start, tokens, epoch=None):
@@ -132,6 +133,74 @@ async def test_no_cache_in_vanilla_or_when_turned_off(mode, hedges):
     start = _commands(draft, pb.DRAFT_COMMAND_KIND_START)[-1]
     assert start.max_hedges == 0
     assert seq.policy.max_hedges() == 0
+
+
+def _tree_setup(tree_nodes=8, cont=(41, 42)):
+    """In flight: [14] at position 7 (committed [1, 2, 3, 10, 11, 12, 13]), with hedges "40 at 7"
+    (a sibling of 14) and "50 at 8" (the bonus position) riding along as a token tree."""
+    scheduler, target, draft, seq = _prefilled(_cache_policy(tree_nodes=tree_nodes))
+    _chunks(scheduler, seq, 6, [13])
+    _chunks(scheduler, seq, 7, [14])
+    _hedge(scheduler, seq, 7, 40, 8, list(cont))
+    _hedge(scheduler, seq, 8, 50, 9, [51])
+    _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_BONUS, 13)
+    assert seq.committed == [1, 2, 3, 10, 11, 12, 13]
+    return scheduler, target, draft, seq
+
+
+def _tree_verdict(scheduler, target, seq, path, kind, next_token):
+    batch = target.sent[-1]
+    scheduler._on_verdict_batch(pb.VerdictBatch(batch_id=batch.batch_id, verdicts=[pb.Verdict(
+        seq_id=seq.seq_id, epoch=seq.epoch, n_accepted=len(path), kind=kind, next_token=next_token, path=path)]))
+
+
+async def test_hedges_ride_along_as_a_tree_and_a_path_into_one_is_adopted():
+    scheduler, target, draft, seq = _tree_setup()
+    item = target.sent[-1].items[0]
+    assert list(item.draft_tokens) == [14, 40, 41, 42, 50, 51]
+    assert list(item.draft_parents) == [-1, -1, 1, 2, 0, 4]
+    _tree_verdict(scheduler, target, seq, [1, 2], pb.NEXT_TOKEN_KIND_RECOVERED, 99)  # 40, 41 kept; 42 rejected
+    assert seq.committed == [1, 2, 3, 10, 11, 12, 13, 40, 41, 99] and seq.epoch == 1
+    assert seq.stats.tree_hits == 1 and seq.stats.tree_nodes == 5
+    reset = _commands(draft, RESET)[-1]
+    assert (reset.adopt.pos, reset.adopt.token) == (7, 40)
+    assert reset.start_pos <= 7 and list(reset.tail)[-3:] == [40, 41, 99]  # the main line parts at 7
+    assert seq.drafts == [] and seq.hedges == {}
+
+
+async def test_a_bonus_past_a_branch_leaf_and_a_path_that_stays_on_the_main_chain():
+    scheduler, target, draft, seq = _tree_setup()
+    _tree_verdict(scheduler, target, seq, [0, 4, 5], pb.NEXT_TOKEN_KIND_BONUS, 77)  # 14, 50, 51, then 77
+    assert seq.committed[-4:] == [14, 50, 51, 77] and seq.stats.tree_hits == 1
+    assert (_commands(draft, RESET)[-1].adopt.pos, _commands(draft, RESET)[-1].adopt.token) == (8, 50)
+    scheduler, target, draft, seq = _tree_setup()
+    _tree_verdict(scheduler, target, seq, [0], pb.NEXT_TOKEN_KIND_RECOVERED, 60)  # 14 kept, no branch fits
+    assert seq.committed[-2:] == [14, 60] and seq.stats.tree_hits == 0
+    assert not _commands(draft, RESET)[-1].HasField("adopt")  # and no cached hedge for (8, 60)
+
+
+async def test_a_tree_budget_cuts_a_hedge_and_what_follows_becomes_the_drafts():
+    scheduler, target, draft, seq = _tree_setup(tree_nodes=2, cont=(41, 42, 43))
+    item = target.sent[-1].items[0]
+    assert list(item.draft_tokens) == [14, 40, 41] and list(item.draft_parents) == [-1, -1, 1]
+    _tree_verdict(scheduler, target, seq, [1, 2], pb.NEXT_TOKEN_KIND_BONUS, 42)  # the hedge guessed the bonus
+    assert seq.committed[-3:] == [40, 41, 42]
+    next_item = target.sent[-1].items[0]
+    assert list(next_item.context) == [42] and list(next_item.draft_tokens) == [43]
+    assert list(_commands(draft, RESET)[-1].tail)[-2:] == [42, 43]
+
+
+async def test_sampled_requests_are_verified_as_chains():
+    from duospec.sampling import SamplingParams
+
+    scheduler, target, draft, _ = _scheduler()
+    seq = scheduler._add(_request(n=20, sampling=SamplingParams(temperature=1.0, seed=1)), _cache_policy(tree_nodes=8))
+    _chunks(scheduler, seq, 3, [10])
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_NONE)
+    _hedge(scheduler, seq, 3, 40, 4, [41])
+    _chunks(scheduler, seq, 4, [11])
+    _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_NONE)
+    assert list(target.sent[-1].items[0].draft_parents) == []
 
 
 # -- the drafter's hedges on a real tiny model ----------------------------------------------------------

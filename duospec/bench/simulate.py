@@ -88,6 +88,7 @@ def record_tables(target_dir: str, draft_dir: str, prompts: Sequence[Sequence[in
         draft = load_model(draft_dir, dtype=torch.float32, max_slots=len(prompts), max_context=longest)
         slots = [draft.allocate_slot() for _ in prompts]
         drafts: list[list[tuple[int, ...]]] = [[] for _ in prompts]
+        seconds: list[list[int]] = [[] for _ in prompts]
         fed = [0] * len(prompts)
         for j in tqdm(range(n_greedy + 1), desc="recording draft continuations", disable=not progress, leave=False):
             prefixes = [list(p) + g[:j] for p, g in zip(prompts, greedy)]
@@ -95,19 +96,37 @@ def record_tables(target_dir: str, draft_dir: str, prompts: Sequence[Sequence[in
             fed = [len(x) for x in prefixes]  # the next prefix extends this one
             continuation: list[list[int]] = [[] for _ in prompts]
             for k in range(depth):
-                tokens = draft.forward_last(chunks).argmax(-1).tolist()
+                logits = draft.forward_last(chunks)
+                tokens = logits.argmax(-1).tolist()
+                if k == 0:  # the second choice where a hedge can be hit: right after accepted tokens
+                    for i, top in enumerate(torch.topk(logits, 2, dim=-1).indices.tolist()):
+                        seconds[i].append(top[1] if top[0] == tokens[i] else top[0])
                 for i, token in enumerate(tokens):
                     continuation[i].append(token)
                 chunks = [SlotChunk(s, len(x) + k, [t]) for s, x, t in zip(slots, prefixes, tokens)]
             for i, c in enumerate(continuation):
                 drafts[i].append(tuple(c))
-    return [ReplayEntry(tuple(p), tuple(g), tuple(d)) for p, g, d in zip(prompts, greedy, drafts)]
+    return [ReplayEntry(tuple(p), tuple(g), tuple(d), tuple(s)) for p, g, d, s in zip(prompts, greedy, drafts, seconds)]
+
+
+def second_choice_hit_rate(entries: Sequence[ReplayEntry]) -> float | None:
+    """Of the positions where the draft's first choice is not the target's token, the share where its
+    second choice is: how often a hedge on the draft's next-best token can be hit."""
+    wrong = hits = 0
+    for e in entries:
+        for j, target_token in enumerate(e.greedy):
+            if j < len(e.drafts) and j < len(e.seconds) and e.drafts[j] and e.drafts[j][0] != target_token:
+                wrong += 1
+                hits += e.seconds[j] == target_token
+    return hits / wrong if wrong else None
 
 
 def synthetic_drafts(entries: Sequence[ReplayEntry], acceptance: float, depth: int, vocab_size: int,
-                     seed: int = 0) -> list[ReplayEntry]:
+                     seed: int = 0, second_hit_rate: float = 0.0) -> list[ReplayEntry]:
     """The same entries with a drafter that proposes greedy[j] with probability `acceptance` at each
-    position j, else another token; after a wrong token it keeps proposing wrong ones (never used)."""
+    position j, else another token; after a wrong token it keeps proposing wrong ones (never used).
+    Where it is wrong, its second choice is greedy[j] with probability `second_hit_rate` (pass the
+    real pair's `second_choice_hit_rate`), else yet another token."""
     import random
 
     if not 0.0 <= acceptance <= 1.0:
@@ -122,7 +141,12 @@ def synthetic_drafts(entries: Sequence[ReplayEntry], acceptance: float, depth: i
         drafts[len(greedy)] = tuple(wrong[-1:] * depth)
         for j in range(len(greedy) - 1, -1, -1):  # drafts[j] continues drafts[j + 1] while it agrees
             drafts[j] = ((greedy[j],) + drafts[j + 1])[:depth] if agrees[j] else (wrong[j],) * depth
-        out.append(ReplayEntry(entry.prompt, greedy, tuple(drafts)))
+        seconds = []
+        for j, target_token in enumerate(greedy):
+            other = (wrong[j] + 1) % vocab_size  # neither the first choice nor the target's token
+            other = (other + 1) % vocab_size if other == target_token else other
+            seconds.append(wrong[j] if agrees[j] else target_token if rng.random() < second_hit_rate else other)
+        out.append(ReplayEntry(entry.prompt, greedy, tuple(drafts), tuple(seconds)))
     return out
 
 
@@ -214,8 +238,9 @@ def build_replay_pair(out_dir: pathlib.Path, target_dir: str, draft_dir: str, pr
     synthetic_vocab = min(vocab_size, AutoConfig.from_pretrained(draft_dir).vocab_size, len(load_tokenizer(target_dir)))
     depth = table_depth(gamma, max_lookahead)
     entries = record_tables(target_dir, draft_dir, prompts, max_new_tokens, depth, progress)
+    second_hits = second_choice_hit_rate(entries)
     if acceptance is not None:
-        entries = synthetic_drafts(entries, acceptance, depth, synthetic_vocab)
+        entries = synthetic_drafts(entries, acceptance, depth, synthetic_vocab, second_hit_rate=second_hits or 0.0)
     layouts = {"devices": (None, None), "large-target": (LARGE_TARGET, None),
                "large-pair": (LARGE_TARGET, LARGE_DRAFT)}[scenario]
     costs, labels = [], []
@@ -245,5 +270,8 @@ def build_replay_pair(out_dir: pathlib.Path, target_dir: str, draft_dir: str, pr
         "draft_cost": draft_cost.to_json(),
         "cost_ratio_1_token": round(target_cost.seconds_for(1) / draft_cost.seconds_for(1), 2),
         "table_depth": table_depth(gamma, max_lookahead),
+        # the real draft's second choice is the target's token at this share of its first-choice misses
+        # (what a hedge can hit; the synthetic drafter of --acceptance uses the same share)
+        "second_choice_hit_rate": second_hits,
     }
     return paths[0], paths[1], description

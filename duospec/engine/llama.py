@@ -173,7 +173,8 @@ class _Batch:
     """Index tensors for one ragged forward, built once and shared by every layer."""
 
     tokens: torch.Tensor  # [N]
-    positions: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N] rotary position of each token
+    cache_index: torch.Tensor  # [N] where its keys/values go (== positions, except in token trees)
     slots: torch.Tensor  # [N] slot of each token
     batch_slots: torch.Tensor | slice  # [B] slot per chunk, or a slice when they are consecutive
     pad_index: torch.Tensor | None  # [N] row in the padded [B*T] layout; None when all chunks are T long
@@ -187,6 +188,7 @@ class _Batch:
 
 class LeanLlamaRunner(ModelRunner):
     backend = "lean"
+    supports_trees = True
 
     def __init__(self, config, state_dict: dict[str, torch.Tensor], *, device: torch.device,
                  dtype: torch.dtype, max_slots: int, max_context: int) -> None:
@@ -258,6 +260,13 @@ class LeanLlamaRunner(ModelRunner):
         self.cos = (emb.cos() * scale).to(device=self.device, dtype=self.dtype)  # [max_context, head_dim]
         self.sin = (emb.sin() * scale).to(device=self.device, dtype=self.dtype)
 
+    def _move_positions(self, slot: int, src: list[int], dst: list[int]) -> None:
+        src_t = torch.tensor(src, device=self.device)
+        dst_t = torch.tensor(dst, device=self.device)
+        for layer in self.layers:  # the gather copies first, so overlapping moves are safe
+            layer.k_cache[slot, :, dst_t] = layer.k_cache[slot, :, src_t]
+            layer.v_cache[slot, :, dst_t] = layer.v_cache[slot, :, src_t]
+
     def _copy_prefix(self, src: int, dst: int, length: int) -> None:
         for layer in self.layers:  # cost grows with the branch point, not with max_context
             layer.k_cache[dst, :, :length] = layer.k_cache[src, :, :length]
@@ -293,11 +302,14 @@ class LeanLlamaRunner(ModelRunner):
         n_chunks, max_len = len(chunks), max(sizes)
         contexts = [s + n for s, n in zip(starts, sizes)]
         max_ctx = max(contexts)
-        positions = list(chain.from_iterable(range(s, s + n) for s, n in zip(starts, sizes)))
+        cache_index = list(chain.from_iterable(range(s, s + n) for s, n in zip(starts, sizes)))
+        depths = [c.depths() for c in chunks]
+        positions = list(chain.from_iterable([s + d for d in ds] for s, ds in zip(starts, depths)))
         token_slots = list(chain.from_iterable([c.slot] * n for c, n in zip(chunks, sizes)))
         tokens = list(chain.from_iterable(c.token_ids for c in chunks))
         # One host->device copy for all per-token indices.
-        flat = torch.tensor([tokens, positions, token_slots], dtype=torch.long).to(self.device, non_blocking=True)
+        flat = torch.tensor([tokens, positions, token_slots, cache_index], dtype=torch.long).to(
+            self.device, non_blocking=True)
         uniform = all(n == max_len for n in sizes)
         pad_index = None
         if not uniform:
@@ -308,13 +320,14 @@ class LeanLlamaRunner(ModelRunner):
         batch_slots = (slice(slots[0], slots[0] + n_chunks) if consecutive
                        else torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True))
         last = [end - 1 for end in accumulate(sizes)]
-        masks = {w: self._mask(starts, sizes, contexts, max_len, max_ctx, w) for w in self._windows}
-        return _Batch(tokens=flat[0], positions=flat[1], slots=flat[2], batch_slots=batch_slots,
+        trees = [(b, c) for b, c in enumerate(chunks) if c.parents is not None]
+        masks = {w: self._mask(starts, sizes, contexts, max_len, max_ctx, w, depths, trees) for w in self._windows}
+        return _Batch(tokens=flat[0], positions=flat[1], cache_index=flat[3], slots=flat[2], batch_slots=batch_slots,
                       pad_index=pad_index, masks=masks,
                       last_rows=torch.tensor(last, dtype=torch.long).to(self.device, non_blocking=True),
                       sizes=sizes, n_chunks=n_chunks, max_len=max_len, max_ctx=max_ctx)
 
-    def _mask(self, starts, sizes, contexts, max_len, max_ctx, window) -> torch.Tensor | None:
+    def _mask(self, starts, sizes, contexts, max_len, max_ctx, window, depths, trees) -> torch.Tensor | None:
         """[B, 1, T, K] bool, True = attend. None when every query may see every gathered key."""
         if max_len == 1 and all(c == max_ctx for c in contexts) and (window is None or max_ctx <= window):
             return None
@@ -322,11 +335,24 @@ class LeanLlamaRunner(ModelRunner):
         last = torch.tensor(sizes, dtype=torch.long)[:, None] - 1
         # Padded query rows repeat the chunk's last real row, so no row is fully masked (NaN-free);
         # their outputs are dropped.
-        q_pos = start + torch.arange(max_len)[None, :].clamp(max=last)  # [B, T]
-        k_pos = torch.arange(max_ctx)[None, None, :]  # [1, 1, K]
+        rows = torch.arange(max_len)[None, :].clamp(max=last)  # [B, T]
+        offsets = rows if not trees else torch.tensor([ds + [ds[-1]] * (max_len - len(ds)) for ds in depths])
+        q_pos = start + offsets  # [B, T] the query's position
+        k_pos = torch.arange(max_ctx)[None, None, :]  # [1, 1, K] a cached key's index = its position ...
         mask = k_pos <= q_pos[:, :, None]
         if window is not None:
             mask &= k_pos > q_pos[:, :, None] - window
+        for b, chunk in trees:  # ... except inside a tree, where a node sees its ancestors only
+            n, s = len(chunk.token_ids), chunk.start_pos
+            if window is not None and n >= window:
+                raise ValueError(f"a token tree of {n} nodes does not fit the sliding window of {window}")
+            seen = torch.zeros(n, n, dtype=torch.bool)
+            for i, parent in enumerate(chunk.parents):
+                if parent >= 0:
+                    seen[i] = seen[parent]
+                seen[i, i] = True
+            mask[b, :n, s : s + n] = seen
+            mask[b, n:, s : s + n] = seen[-1]
         return mask.unsqueeze(1).to(self.device, non_blocking=True)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -345,8 +371,8 @@ class LeanLlamaRunner(ModelRunner):
         qk = qk * cos + _rotate_half(qk) * sin  # rope on queries and keys in one go
         q, k = qk[:, :nh], qk[:, nh:]
         v = qkv[:, (nh + nkv) * hd:].view(n_tok, nkv, hd)
-        layer.k_cache[batch.slots, :, batch.positions] = k
-        layer.v_cache[batch.slots, :, batch.positions] = v
+        layer.k_cache[batch.slots, :, batch.cache_index] = k
+        layer.v_cache[batch.slots, :, batch.cache_index] = v
         if isinstance(batch.batch_slots, slice):
             keys = layer.k_cache[batch.batch_slots, :, : batch.max_ctx]
             values = layer.v_cache[batch.batch_slots, :, : batch.max_ctx]

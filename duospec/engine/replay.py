@@ -12,7 +12,12 @@ the real model, so the tokenizer-pair checks still apply) plus ``replay.json``:
 
     {"version": 1, "role": "target" | "draft", "cost": {...}, "entries": [
         {"prompt": [ids], "greedy": [the target's greedy continuation],
-         "drafts": [[the draft's greedy continuation after prompt + greedy[:j]] for j = 0, 1, ...]}]}
+         "drafts": [[the draft's greedy continuation after prompt + greedy[:j]] for j = 0, 1, ...],
+         "seconds": [the draft's second choice after prompt + greedy[:j]] (optional)}]}
+
+The second choice gets logit SECOND_LOGIT (every other token 0), so the speculation cache's hedges
+(draft_worker/hedges.py) see the draft's real next-best token where a hedge can be hit: right after
+the tokens the target accepted.
 
 Exact for greedy decoding, by construction: committed tokens always lie on the target's greedy path
 (``greedy``), and after the last committed token a greedy drafter only ever appends its own choices
@@ -44,6 +49,7 @@ ROLES = ("target", "draft")
 # The chosen token's logit; every other logit is 0. Softmax is one-hot in float32 up to temperature
 # ~3; the bench replays greedy requests only.
 CHOSEN_LOGIT = 100.0
+SECOND_LOGIT = 50.0
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,7 @@ class ReplayEntry:
     prompt: tuple[int, ...]
     greedy: tuple[int, ...]  # the target's greedy continuation of the prompt
     drafts: tuple[tuple[int, ...], ...] = ()  # drafts[j]: the draft's continuation of prompt + greedy[:j]
+    seconds: tuple[int, ...] = ()  # seconds[j]: the draft's second choice after prompt + greedy[:j]
 
 
 def check_prompts_distinct(prompts) -> list[tuple[int, ...]]:
@@ -111,7 +118,8 @@ def write_replay_table(directory: pathlib.Path, role: str, cost: CostModel, entr
         "cost": cost.to_json(),
         "entries": [
             {"prompt": list(e.prompt), "greedy": list(e.greedy),
-             **({"drafts": [list(d) for d in e.drafts]} if role == "draft" else {})}
+             **({"drafts": [list(d) for d in e.drafts]} if role == "draft" else {}),
+             **({"seconds": list(e.seconds)} if role == "draft" and e.seconds else {})}
             for e in entries
         ],
     }
@@ -129,6 +137,7 @@ class _SlotState:
 
 class ReplayRunner(ModelRunner):
     backend = "replay"
+    supports_trees = True  # each node answers for its own ancestors' history
 
     def __init__(self, config, role: str, cost: CostModel, entries: Sequence[ReplayEntry], *, max_slots: int,
                  max_context: int) -> None:
@@ -145,11 +154,20 @@ class ReplayRunner(ModelRunner):
         self.entries = [unique[prompt] for prompt in check_prompts_distinct(unique)]
         self._slots = [_SlotState() for _ in range(max_slots)]
         self.misses = 0
+        self.off_path_branches = 0  # draft rows on hedges that can never be hit
         self.forwards = 0
         self.simulated_seconds = 0.0
 
     def _on_allocate(self, slot: int) -> None:
         self._slots[slot] = _SlotState()
+
+    def _move_positions(self, slot: int, src: list[int], dst: list[int]) -> None:
+        state = self._slots[slot]
+        moved = [state.history[s] for s in src]
+        for d, token in zip(dst, moved):
+            state.history[d] = token
+        if state.entry is not None:  # the greedy-path count holds up to the first moved position only
+            state.on_path = min(state.on_path, max(0, min(dst) - len(state.entry.prompt)))
 
     def _copy_prefix(self, src: int, dst: int, length: int) -> None:
         state, source = _SlotState(), self._slots[src]
@@ -162,7 +180,7 @@ class ReplayRunner(ModelRunner):
         rows_per_chunk = [self._choices(chunk, last_only) for chunk in chunks]
         total = sum(len(c.token_ids) for c in chunks)
         self._commit_lengths(chunks)
-        out = [self._one_hot(rows) for rows in rows_per_chunk]
+        out = [self._logits(rows) for rows in rows_per_chunk]
         cost = self.cost.seconds_for(total, len(chunks))
         self.forwards += 1
         self.simulated_seconds += cost
@@ -171,13 +189,16 @@ class ReplayRunner(ModelRunner):
             time.sleep(remaining)
         return torch.cat(out) if last_only else out
 
-    def _one_hot(self, tokens: list[int]) -> torch.Tensor:
-        logits = torch.zeros(len(tokens), self.vocab_size)
-        logits[torch.arange(len(tokens)), torch.tensor(tokens)] = CHOSEN_LOGIT
+    def _logits(self, rows: list[tuple[int, int | None]]) -> torch.Tensor:
+        logits = torch.zeros(len(rows), self.vocab_size)
+        logits[torch.arange(len(rows)), torch.tensor([chosen for chosen, _ in rows])] = CHOSEN_LOGIT
+        for i, (chosen, second) in enumerate(rows):
+            if second is not None and second != chosen:
+                logits[i, second] = SECOND_LOGIT
         return logits
 
     # -- table lookups -------------------------------------------------------------------------
-    def _choices(self, chunk: SlotChunk, last_only: bool) -> list[int]:
+    def _choices(self, chunk: SlotChunk, last_only: bool) -> list[tuple[int, int | None]]:
         state = self._slots[chunk.slot]
         del state.history[chunk.start_pos:]
         state.history.extend(chunk.token_ids)
@@ -190,8 +211,26 @@ class ReplayRunner(ModelRunner):
         while (state.on_path < len(entry.greedy) and p_len + state.on_path < len(state.history)
                and state.history[p_len + state.on_path] == entry.greedy[state.on_path]):
             state.on_path += 1
+        if chunk.parents is not None:
+            return self._tree_choices(state, chunk)
         first = chunk.start_pos + len(chunk.token_ids) - 1 if last_only else chunk.start_pos
         return [self._next_token(state, pos) for pos in range(first, chunk.start_pos + len(chunk.token_ids))]
+
+    def _tree_choices(self, state: _SlotState, chunk: SlotChunk) -> list[tuple[int, int | None]]:
+        """A token tree: every node answers as if the slot held the prefix and its ancestors only."""
+        prefix = state.history[: chunk.start_pos]
+        paths: list[list[int]] = []
+        rows = []
+        for i, parent in enumerate(chunk.parents):
+            paths.append((paths[parent] if parent >= 0 else []) + [chunk.token_ids[i]])
+            node = _SlotState()
+            node.entry, node.history = state.entry, prefix + paths[i]
+            p_len = len(state.entry.prompt)
+            while (node.on_path < len(state.entry.greedy) and p_len + node.on_path < len(node.history)
+                   and node.history[p_len + node.on_path] == state.entry.greedy[node.on_path]):
+                node.on_path += 1
+            rows.append(self._next_token(node, len(node.history) - 1))
+        return rows
 
     def _match(self, history: list[int]) -> ReplayEntry:
         for entry in self.entries:
@@ -203,25 +242,31 @@ class ReplayRunner(ModelRunner):
             "only the prompts it was built for (rebuild it with `duospec bench --simulate` on these prompts)"
         )
 
-    def _next_token(self, state: _SlotState, pos: int) -> int:
-        """The model's greedy choice after history[:pos + 1]."""
+    def _next_token(self, state: _SlotState, pos: int) -> tuple[int, int | None]:
+        """The model's greedy choice after history[:pos + 1], and its second choice where recorded."""
         entry = state.entry
         generated = pos + 1 - len(entry.prompt)  # tokens after the prompt within the prefix
         if generated < 0:
-            return entry.greedy[0]  # a prompt row: its logits are never used
+            return entry.greedy[0], None  # a prompt row: its logits are never used
         on_path = min(state.on_path, generated)
         if self.role == "target":
             if on_path < generated or generated < len(entry.greedy):
                 # Off the greedy path, the target's row is past the first rejected draft: never used.
-                return entry.greedy[min(generated, len(entry.greedy) - 1)]
-            return self._miss(entry.greedy[-1], f"target position {generated} past the recorded greedy path")
+                return entry.greedy[min(generated, len(entry.greedy) - 1)], None
+            return self._miss(entry.greedy[-1], f"target position {generated} past the recorded greedy path"), None
         own = generated - on_path  # the drafter's own tokens after the last on-path one
         drafts = entry.drafts[on_path] if on_path < len(entry.drafts) else ()
+        if own and drafts and state.history[pos + 1 - own] != drafts[0]:
+            # Neither the target's token nor the draft's own choice: a hedge on another alternative
+            # (draft_worker/hedges.py). Nothing can hit it, so any continuation will do; not a miss.
+            self.off_path_branches += 1
+            return drafts[0], None
         if own >= len(drafts):
-            return self._miss(entry.greedy[-1], f"draft depth {own} after {on_path} committed tokens not recorded")
+            return self._miss(entry.greedy[-1], f"draft depth {own} after {on_path} committed tokens not recorded"), None
         if own and state.history[pos + 1 - own : pos + 1] != list(drafts[:own]):
-            return self._miss(drafts[own], "the drafter's own tokens differ from the recorded draft")
-        return drafts[own]
+            return self._miss(drafts[own], "the drafter's own tokens differ from the recorded draft"), None
+        second = entry.seconds[on_path] if own == 0 and on_path < len(entry.seconds) else None
+        return drafts[own], second
 
     def _miss(self, token: int, why: str) -> int:
         if self.misses == 0:
@@ -243,7 +288,8 @@ def load_replay_runner(directory: pathlib.Path, config, *, max_slots: int, max_c
         role = data["role"]
         cost = CostModel.from_json(data["cost"])
         entries = [
-            ReplayEntry(tuple(e["prompt"]), tuple(e["greedy"]), tuple(tuple(d) for d in e.get("drafts", ())))
+            ReplayEntry(tuple(e["prompt"]), tuple(e["greedy"]), tuple(tuple(d) for d in e.get("drafts", ())),
+                        tuple(e.get("seconds", ())))
             for e in data["entries"]
         ]
         if role == "draft" and any(not e.drafts for e in entries):

@@ -10,6 +10,11 @@ Glossary:
     rollback ``truncate(slot, length)``: a single integer; rejected positions are overwritten later.
     branch   ``copy_prefix(src, dst, length)``: ``dst`` starts out holding ``src``'s first ``length``
              positions (the drafter's hedges grow that way next to the main line).
+    tree     a chunk with ``parents``: token i's parent is token ``parents[i]`` of the chunk (-1: the
+             slot's token before ``start_pos``); it sits at position ``start_pos + depth(i)``, attends
+             to the slot's prefix and its own ancestors, and is cached at index ``start_pos + i``.
+             ``keep_path(slot, start_pos, path)`` then moves the accepted path to its positions and
+             drops the rest — at most the path's length in copies. A chain is ``parents = [-1, 0, ...]``.
 
 Logits are returned as float32 on the CPU by default (the verify rule runs there, in float32);
 ``to_cpu=False`` keeps them float32 on the runner's device.
@@ -35,6 +40,17 @@ class SlotChunk:
     start_pos: int
     # [n_tokens], n_tokens >= 1; a list/tuple of ints (not a tensor: ids are indexed on the host)
     token_ids: Sequence[int]
+    # None: a chain. Else [n_tokens] parent of each token within the chunk, -1 = the slot's previous token
+    parents: Sequence[int] | None = None
+
+    def depths(self) -> list[int]:
+        """Position offset of each token from start_pos (a chain: 0, 1, 2, ...)."""
+        if self.parents is None:
+            return list(range(len(self.token_ids)))
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(0 if parent < 0 else depths[parent] + 1)
+        return depths
 
 
 class ModelRunner(abc.ABC):
@@ -51,6 +67,7 @@ class ModelRunner(abc.ABC):
     device: torch.device
     dtype: torch.dtype
     backend: str
+    supports_trees: bool = False  # chunks with `parents` and keep_path (the lean and replay backends)
 
     def __init__(self, max_slots: int, max_context: int) -> None:
         if max_slots < 1:
@@ -104,6 +121,23 @@ class ModelRunner(abc.ABC):
     @abc.abstractmethod
     def _copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Backend part of ``copy_prefix`` (arguments validated)."""
+
+    def keep_path(self, slot: int, start_pos: int, path: Sequence[int]) -> None:
+        """After a tree chunk at ``start_pos``: keep only the tokens at chunk indices ``path`` (root
+        first, each the parent of the next), moved to positions ``start_pos, start_pos + 1, ...``."""
+        length = self._check_allocated(slot)
+        path = [int(i) for i in path]
+        if not (0 <= start_pos <= length and all(0 <= i < length - start_pos for i in path)
+                and all(a < b for a, b in zip(path, path[1:]))):
+            raise ValueError(f"keep_path(slot={slot}, start_pos={start_pos}, path={path}): indices must increase "
+                             f"and lie within the {length - start_pos} tokens cached from start_pos")
+        moves = [(start_pos + i, start_pos + d) for d, i in enumerate(path) if i != d]
+        if moves:
+            self._move_positions(slot, [src for src, _ in moves], [dst for _, dst in moves])
+        self._lengths[slot] = start_pos + len(path)
+
+    def _move_positions(self, slot: int, src: list[int], dst: list[int]) -> None:
+        raise NotImplementedError(f"the {self.backend} backend has no token trees")
 
     @property
     def free_slots(self) -> int:
@@ -173,12 +207,23 @@ class ModelRunner(abc.ABC):
                     f"chunks[{i}] (slot {chunk.slot}): positions up to {chunk.start_pos + n} exceed "
                     f"max_context={self.max_context}; load the model with a larger max_context"
                 )
+            if chunk.parents is not None:
+                self._validate_tree(i, chunk)
             lo, hi = min(chunk.token_ids), max(chunk.token_ids)
             if lo < 0 or hi >= self.vocab_size:
                 raise ValueError(
                     f"chunks[{i}] (slot {chunk.slot}): token id {lo if lo < 0 else hi} outside "
                     f"[0, {self.vocab_size})"
                 )
+
+    def _validate_tree(self, i: int, chunk: SlotChunk) -> None:
+        if not self.supports_trees:
+            raise ValueError(f"chunks[{i}] (slot {chunk.slot}): the {self.backend} backend verifies chains only "
+                             f"(no parents)")
+        parents = list(chunk.parents)
+        if len(parents) != len(chunk.token_ids) or any(not -1 <= p < j for j, p in enumerate(parents)):
+            raise ValueError(f"chunks[{i}] (slot {chunk.slot}): parents {parents} must hold one index per token, "
+                             f"each in [-1, its own index)")
 
     def _commit_lengths(self, chunks: Sequence[SlotChunk]) -> None:
         for chunk in chunks:

@@ -33,6 +33,8 @@ class SpeculationStats:
     wasted_draft_tokens: int  # drafted but discarded
     cache_lookups: int = 0  # rejections that looked for a hedge in the speculation cache
     cache_hits: int = 0  # ... and found one (the next verify did not wait for the drafter)
+    tree_nodes: int = 0  # hedge tokens verified as token-tree branches
+    tree_hits: int = 0  # verify passes whose accepted path went into a branch
 
     @property
     def acceptance_rate(self) -> float:
@@ -204,6 +206,8 @@ def chunk_from_proto(response: pb.GenerateResponse) -> GenerationChunk:
             wasted_draft_tokens=s.wasted_draft_tokens,
             cache_lookups=s.cache_lookups,
             cache_hits=s.cache_hits,
+            tree_nodes=s.tree_nodes,
+            tree_hits=s.tree_hits,
         )
     return GenerationChunk(
         text=response.text,

@@ -1,0 +1,102 @@
+"""Token trees in the lean engine: a tree-masked forward equals running each root-to-leaf path as its
+own chain, and after `keep_path` the slot is the slot that only ever saw that path (fp32, 1e-4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from duospec.engine import SlotChunk, load_model
+from tiny_models import make_tiny_checkpoint
+
+TOL = 1e-4
+CONFIGS = {
+    "llama": ("llama", {}),
+    "qwen2-gqa": ("qwen2", {"num_kv_heads": 1}),
+    "mistral-window": ("mistral", {"config_overrides": {"sliding_window": 24}}),
+}
+# A tree below a prefix: node i's parent is PARENTS[i] (-1: the prefix's last token).
+#   0 ─ 1 ─ 2          (the main chain)
+#   ├── 3 ─ 4          (a sibling of 1 with a child)
+#   5                  (a sibling of 0)
+#   6 under 2          (a leaf one deeper)
+PARENTS = [-1, 0, 1, 0, 3, -1, 2]
+TOKENS = [11, 12, 13, 21, 22, 31, 14]
+
+
+def _paths(parents):
+    """Every root-to-node path, as node-index lists."""
+    out = []
+    for i in range(len(parents)):
+        path, node = [], i
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        out.append(path[::-1])
+    return out
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def runner(request, tmp_path_factory):
+    family, kw = CONFIGS[request.param]
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("trees") / request.param, family, seed=4, **kw)
+    return load_model(path, dtype=torch.float32, max_slots=4, max_context=128)
+
+
+def _prefix(n=30):
+    gen = torch.Generator().manual_seed(2)
+    return torch.randint(3, 384, (n,), generator=gen).tolist()
+
+
+def test_a_tree_forward_equals_each_path_as_a_chain(runner):
+    prefix = _prefix()
+    tree_slot, chain_slot = runner.allocate_slot(), runner.allocate_slot()
+    # The tree arrives with the last prefix token in front (as a verify chunk: context, then drafts).
+    runner.forward([SlotChunk(tree_slot, 0, prefix[:-1]), SlotChunk(chain_slot, 0, prefix[:-1])])
+    chunk_parents = [-1] + [p + 1 for p in PARENTS]  # node i is chunk token i + 1; -1 -> the context token
+    tree_logits = runner.forward([SlotChunk(tree_slot, len(prefix) - 1, [prefix[-1], *TOKENS], chunk_parents)])[0]
+    for path in _paths(PARENTS):
+        runner.truncate(chain_slot, len(prefix) - 1)
+        chain = runner.forward([SlotChunk(chain_slot, len(prefix) - 1, [prefix[-1], *(TOKENS[i] for i in path)])])[0]
+        diff = (tree_logits[[0] + [i + 1 for i in path]] - chain).abs().max().item()
+        assert diff <= TOL, f"path {path}: max abs diff {diff:.3g}"
+    for slot in (tree_slot, chain_slot):
+        runner.free_slot(slot)
+
+
+@pytest.mark.parametrize("path", [[0, 3, 4], [5], [0, 1, 2, 6], []])
+def test_keep_path_leaves_the_slot_of_a_sequence_that_only_saw_the_path(runner, path):
+    prefix = _prefix()
+    tree_slot, plain_slot = runner.allocate_slot(), runner.allocate_slot()
+    start = len(prefix)
+    runner.forward([SlotChunk(tree_slot, 0, prefix), SlotChunk(plain_slot, 0, prefix + [TOKENS[i] for i in path])])
+    runner.forward([SlotChunk(tree_slot, start, TOKENS, PARENTS)])
+    runner.keep_path(tree_slot, start, path)
+    assert runner.slot_length(tree_slot) == start + len(path)
+    probe = [7, 8, 9]  # what comes next must see exactly prefix + path
+    at = start + len(path)
+    got, want = runner.forward([SlotChunk(tree_slot, at, probe), SlotChunk(plain_slot, at, probe)])
+    diff = (got - want).abs().max().item()
+    assert diff <= TOL, f"path {path}: max abs diff {diff:.3g}"
+    for slot in (tree_slot, plain_slot):
+        runner.free_slot(slot)
+
+
+def test_bad_trees_are_refused(runner):
+    slot = runner.allocate_slot()
+    with pytest.raises(ValueError, match="parents"):
+        runner.forward([SlotChunk(slot, 0, [5, 6, 7], [-1, 1, 0])])  # a parent after its child
+    runner.forward([SlotChunk(slot, 0, [5, 6, 7], [-1, 0, 0])])
+    with pytest.raises(ValueError, match="indices must increase"):
+        runner.keep_path(slot, 0, [2, 1])
+    runner.free_slot(slot)
+
+
+def test_the_hf_backend_refuses_trees_clearly(tmp_path):
+    from duospec.engine import load_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "m", "llama", seed=1)
+    runner = load_checkpoint(path, backend="hf", max_slots=1).runner
+    slot = runner.allocate_slot()
+    with pytest.raises(ValueError, match="chains only"):
+        runner.forward([SlotChunk(slot, 0, [5, 6], [-1, -1])])
