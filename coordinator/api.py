@@ -40,6 +40,7 @@ class GenerationRequest:
     mode: SpeculationMode | None = None  # None = the model's configured default
     max_draft_tokens: int | None = None  # None = the model's default (γ in vanilla, max verify in pearl)
     speculation_cache: bool | None = None  # pearl's speculation cache; None = the model's default
+    speculation_tree: bool | None = None  # hedges verified as a token tree (needs the cache); None = default
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     model: str = ""  # "" = the default model

@@ -77,13 +77,14 @@ class ModelRouter:
         if not entry.info.has_draft:
             mode = SpeculationMode.OFF
         use_cache = getattr(spec, "cache", False) if request.speculation_cache is None else request.speculation_cache
+        use_tree = getattr(spec, "tree", False) if request.speculation_tree is None else request.speculation_tree
         return SpeculationPolicy(
             mode=mode,
             max_draft_tokens=int(max_draft),
             max_lookahead=int(getattr(spec, "max_lookahead", 9)),
             adaptive=bool(getattr(spec, "adaptive", True)),
             hedges=int(getattr(spec, "hedges", 0)) if use_cache else 0,
-            tree_nodes=int(getattr(spec, "tree_nodes", 0)) if use_cache and getattr(spec, "tree", False) else 0,
+            tree_nodes=int(getattr(spec, "tree_nodes", 0)) if use_cache and use_tree else 0,
         )
 
     def validate(self, entry: ModelEntry, request: GenerationRequest) -> None:

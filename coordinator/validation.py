@@ -73,6 +73,7 @@ def validate_request(
     stop_ids = _stop_token_ids(req.stopping, info)
     mode, max_draft = _speculation(req.speculation, info, default_mode)
     cache = req.speculation.cache if req.speculation.HasField("cache") else None
+    tree = req.speculation.tree if req.speculation.HasField("tree") else None
     request = GenerationRequest(
         request_id=internal_request_id,
         prompt_token_ids=tuple(prompt_ids),
@@ -81,6 +82,7 @@ def validate_request(
         mode=mode,
         max_draft_tokens=max_draft,
         speculation_cache=cache,
+        speculation_tree=tree,
         stop_token_ids=frozenset(stop_ids),
         ignore_eos=req.stopping.ignore_eos,
         model=info.name,

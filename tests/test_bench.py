@@ -124,12 +124,12 @@ def test_bench_command_smoke_in_process(tmp_path):
     out = _bench_smoke(tmp_path, "--models-label", "tiny random-weight test models")
     report = json.loads((out / "results.json").read_text())
     modes = report["paths"]["in-process"]["modes"]
-    assert set(modes) == {"off", "hf", "hf-assisted", "vanilla", "pearl-nocache", "pearl"}
+    assert set(modes) == {"off", "hf", "hf-assisted", "vanilla", "pearl-nocache", "pearl-notree", "pearl"}
     assert all(m["tokens_per_run"] == 16 and m["tokens_per_s"] > 0 for m in modes.values())
     assert modes["pearl"]["ideal_tokens_per_s"] > 0 and modes["pearl"]["target_busy_fraction"] > 0
     assert report["overhead"][0]["path"] == "in-process" and report["overhead"][0]["rounds"] >= 16
     assert set(report["exactness"]["by_run"]) == {"in-process/hf", "in-process/hf-assisted", "in-process/vanilla",
-                                                  "in-process/pearl-nocache", "in-process/pearl"}
+                                                  "in-process/pearl-nocache", "in-process/pearl-notree", "in-process/pearl"}
     markdown = (out / "results.md").read_text()
     assert "tiny random-weight test models" in markdown and "| ours, pearl |" in markdown
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -141,7 +141,7 @@ def test_bench_runs_every_drafting_method(tmp_path, method):
     report = json.loads((out / "results.json").read_text())
     assert report["setup"]["config"]["draft_method"] == method
     modes = report["paths"]["in-process"]["modes"]
-    assert set(modes) == {"off", "hf", "hf-assisted", "vanilla", "pearl-nocache", "pearl"}  # hf-assisted: prompt lookup for ngram
+    assert set(modes) == {"off", "hf", "hf-assisted", "vanilla", "pearl-nocache", "pearl-notree", "pearl"}  # hf-assisted: prompt lookup for ngram
     assert report["exactness"]["all_identical"] and modes["pearl"]["tokens_per_s"] > 0
     assert f"drafter {method}" in (out / "results.md").read_text()
     if method == "random":  # a random-weight copy of the draft's shape was written and used
@@ -206,7 +206,7 @@ def test_bench_simulate_smoke(tmp_path):
     simulation = report["setup"]["simulation"]
     assert simulation["scenario"] == "devices" and simulation["modes_not_simulated"] == ["hf", "hf-assisted"]
     assert simulation["target_cost"]["seconds"][0] > 0 and simulation["cost_ratio_1_token"] > 0
-    assert set(report["paths"]["in-process"]["modes"]) == {"off", "vanilla", "pearl-nocache", "pearl"}
+    assert set(report["paths"]["in-process"]["modes"]) == {"off", "vanilla", "pearl-nocache", "pearl-notree", "pearl"}
     assert report["exactness"]["all_identical"]
     assert "SIMULATED (devices)" in (out / "results.md").read_text()
     assert (out / "replay-devices" / "target" / REPLAY_FILE).is_file()
@@ -217,4 +217,5 @@ def test_the_cli_offers_every_bench_mode_and_the_ablation_maps_to_a_request():
     from duospec.cli.bench import MODES
 
     assert MODES == ALL_MODES
-    assert request_mode("pearl-nocache") == ("pearl", False) and request_mode("pearl") == ("pearl", None)
+    assert request_mode("pearl-nocache") == ("pearl", False, False)
+    assert request_mode("pearl-notree") == ("pearl", True, False) and request_mode("pearl") == ("pearl", None, None)

@@ -264,5 +264,6 @@ def speedups(tokens_per_s: dict[str, float | None]) -> dict[str, float | None]:
         "hf_vs_off": ar.ratio_or_none(get("hf"), get("off")),
         "pearl_vs_vanilla": ar.ratio_or_none(get("pearl"), get("vanilla")),
         "pearl_vs_pearl_nocache": ar.ratio_or_none(get("pearl"), get("pearl-nocache")),
+        "pearl_vs_pearl_notree": ar.ratio_or_none(get("pearl"), get("pearl-notree")),
         "pearl_vs_hf_assisted": ar.ratio_or_none(get("pearl"), get("hf-assisted")),
     }

@@ -46,10 +46,10 @@ def model_config(pair: BenchPair, gamma: int, max_lookahead: int):
 def request_for(prompt: EncodedPrompt, mode: str, max_new_tokens: int, gamma: int, tag: str):
     from coordinator.api import GenerationRequest, SpeculationMode
 
-    mode, cache = request_mode(mode)
+    mode, cache, tree = request_mode(mode)
     return GenerationRequest(request_id=f"bench-{tag}-{prompt.id}", prompt_token_ids=prompt.token_ids,
                              max_new_tokens=max_new_tokens, mode=SpeculationMode(mode), max_draft_tokens=gamma,
-                             speculation_cache=cache, ignore_eos=True, model=MODEL_NAME)
+                             speculation_cache=cache, speculation_tree=tree, ignore_eos=True, model=MODEL_NAME)
 
 
 async def timed_request(coordinator, request, prompt_id: str) -> RequestRecord:

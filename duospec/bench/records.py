@@ -10,17 +10,16 @@ from dataclasses import dataclass, field
 
 from duospec.bench import arithmetic as ar
 
-# pearl-nocache: pearl with the speculation cache off (the ablation of draft_worker/hedges.py)
-OUR_MODES = ("off", "vanilla", "pearl-nocache", "pearl")
+# The ablation of the speculation cache (draft_worker/hedges.py): pearl-nocache has neither cache nor
+# tree, pearl-notree the cache without token trees, pearl the model's defaults (both on).
+OUR_MODES = ("off", "vanilla", "pearl-nocache", "pearl-notree", "pearl")
 HF_MODES = ("hf", "hf-assisted")  # transformers generate: target alone / with assistant_model=draft
-ALL_MODES = ("off", "hf", "hf-assisted", "vanilla", "pearl-nocache", "pearl")
+ALL_MODES = ("off", "hf", "hf-assisted", "vanilla", "pearl-nocache", "pearl-notree", "pearl")
 
 
-def request_mode(mode: str) -> tuple[str, bool | None]:
-    """A bench mode as the request's (speculation mode, speculation cache: None = the default)."""
-    if mode == "pearl-nocache":
-        return "pearl", False
-    return mode, None
+def request_mode(mode: str) -> tuple[str, bool | None, bool | None]:
+    """A bench mode as the request's (speculation mode, cache, tree); None = the model's default."""
+    return {"pearl-nocache": ("pearl", False, False), "pearl-notree": ("pearl", True, False)}.get(mode, (mode, None, None))
 
 
 @dataclass

@@ -14,6 +14,7 @@ MODE_LABELS = {
     "hf-assisted": "transformers assisted generation",
     "vanilla": "ours, vanilla speculative",
     "pearl-nocache": "ours, pearl without the speculation cache",
+    "pearl-notree": "ours, pearl with the cache, no token trees",
     "pearl": "ours, pearl",
 }
 
@@ -42,7 +43,8 @@ def _mode_table(path: str, block: dict) -> list[str]:
     pearl = block["modes"].get("pearl", {})
     sp = block["speedups"]
     lines += ["", f"pearl vs vanilla: {_num(sp['pearl_vs_vanilla'])}×, pearl vs pearl without the speculation cache: "
-              f"{_num(sp.get('pearl_vs_pearl_nocache'))}×, pearl vs HF assisted: "
+              f"{_num(sp.get('pearl_vs_pearl_nocache'))}×, without trees: {_num(sp.get('pearl_vs_pearl_notree'))}×, "
+              f"pearl vs HF assisted: "
               f"{_num(sp['pearl_vs_hf_assisted'])}×; pearl ideal overlap bound "
               f"{_num(pearl.get('ideal_tokens_per_s'), 1)} tokens/s, efficiency "
               f"{_num(pearl.get('efficiency'), 0, 100, ' %')}; pearl verified drafts in "

@@ -9,7 +9,7 @@ import pathlib
 import sys
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-MODES = ("off", "hf", "hf-assisted", "vanilla", "pearl-nocache", "pearl")  # duospec.bench.records.ALL_MODES
+MODES = ("off", "hf", "hf-assisted", "vanilla", "pearl-nocache", "pearl-notree", "pearl")  # = bench.records.ALL_MODES
 SIMULATION_SCENARIOS = ("devices", "large-target", "large-pair")  # duospec.bench.simulate.SCENARIOS
 
 

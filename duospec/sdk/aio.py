@@ -114,6 +114,7 @@ class AsyncClient:
         max_draft_tokens: int = 0,
         request_id: str = "",
         speculation_cache: bool | None = None,
+        speculation_tree: bool | None = None,
         stream: bool = False,
         timeout: float | None = None,
     ) -> GenerationResult | AsyncGenerationStream:
@@ -124,6 +125,7 @@ class AsyncClient:
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, mode=mode,
             max_draft_tokens=max_draft_tokens, request_id=request_id, speculation_cache=speculation_cache,
+            speculation_tree=speculation_tree,
         )
         chunks = await self._open_stream(request, self._deadline(timeout))
         if stream:

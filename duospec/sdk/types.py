@@ -156,6 +156,7 @@ def build_request(
     max_draft_tokens: int = 0,
     request_id: str = "",
     speculation_cache: bool | None = None,
+    speculation_tree: bool | None = None,
 ) -> pb.GenerateRequest:
     """The wire request. Only checks what the proto cannot carry; the server validates the rest."""
     request = pb.GenerateRequest(model=model, request_id=request_id)
@@ -177,6 +178,8 @@ def build_request(
     request.speculation.max_draft_tokens = _check_count("max_draft_tokens", max_draft_tokens)
     if speculation_cache is not None:
         request.speculation.cache = bool(speculation_cache)
+    if speculation_tree is not None:
+        request.speculation.tree = bool(speculation_tree)
     return request
 
 

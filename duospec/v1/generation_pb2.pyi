@@ -76,14 +76,16 @@ class StoppingCriteria(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("mode", "max_draft_tokens", "cache")
+    __slots__ = ("mode", "max_draft_tokens", "cache", "tree")
     MODE_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     mode: SpeculationMode
     max_draft_tokens: int
     cache: bool
-    def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., max_draft_tokens: _Optional[int] = ..., cache: _Optional[bool] = ...) -> None: ...
+    tree: bool
+    def __init__(self, mode: _Optional[_Union[SpeculationMode, str]] = ..., max_draft_tokens: _Optional[int] = ..., cache: _Optional[bool] = ..., tree: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("model", "prompt", "prompt_token_ids", "messages", "sampling", "stopping", "speculation", "request_id")
