@@ -62,3 +62,20 @@ class SpeculationPolicy:
         if self.mode is SpeculationMode.PEARL and not greedy and drafting:
             return pb.BONUS_POLICY_SKIP
         return pb.BONUS_POLICY_SAMPLE
+
+
+def fair_share(ready: list, vtime: dict[str, float], limit: int) -> list:
+    """Which of the `ready` sequences go into a verify batch of at most `limit`: weighted fair share
+    of the target by tenant (`vtime`: committed tokens / weight so far), oldest first within a tenant."""
+    if len(ready) <= limit:
+        return ready
+    vtime = dict(vtime)
+    chosen: list = []
+    pool = sorted(ready, key=lambda s: s.started_at)
+    while pool and len(chosen) < limit:
+        seq = min(pool, key=lambda s: vtime.get(s.request.tenant, 0.0))
+        pool.remove(seq)
+        chosen.append(seq)
+        # Expected tokens per verify ~ 1 + drafts; charge provisionally so one tenant can't take all.
+        vtime[seq.request.tenant] = vtime.get(seq.request.tenant, 0.0) + 1.0 / seq.request.priority_weight
+    return chosen

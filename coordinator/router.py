@@ -59,6 +59,16 @@ class ModelRouter:
         if self.default_model is None:
             self.default_model = entry.info.name
 
+    def forget_speculation_choices(self) -> None:
+        """A fresh goodput guard for every open scheduler (nothing may be in flight): a benchmark's runs
+        of different speculation variants then each start from the same state instead of inheriting
+        what the guard learned from another variant."""
+        from coordinator.guard import GoodputGuard
+
+        for entry in self.entries.values():
+            if entry.scheduler is not None:
+                entry.scheduler.guard, entry.scheduler.cache_guard = GoodputGuard(), GoodputGuard()
+
     def models(self) -> list[ModelInfo]:
         return [entry.info for entry in self.entries.values()]
 

@@ -45,7 +45,7 @@ from coordinator.guard import GoodputGuard
 from coordinator.links import verify_error
 from coordinator.patience import Patience
 from coordinator.recovery import WorkerRecovery
-from coordinator.policies import SpeculationPolicy
+from coordinator.policies import SpeculationPolicy, fair_share
 from coordinator.sequence import DraftAction, Sequence
 from duospec.internal.sampling_wire import sampling_to_proto
 from duospec.internal.v1 import pearl_pb2 as pb
@@ -133,6 +133,9 @@ class Scheduler(WorkerRecovery):
         self.verify_cost = VerifyCostModel()
         self.pearl_draft_length: int | None = None  # None: not measured yet, use each policy's max
         self.guard = GoodputGuard()  # speculate only while it beats the target alone (coordinator/guard.py)
+        # The same measured switch one level down: while speculating, hedge for the speculation cache
+        # only while that commits more per second than speculating without (hedges cost draft steps).
+        self.cache_guard = GoodputGuard()
         # Acceptance of this model's drafts lately: a new sequence's prior (floored, _acceptance_prior),
         # so a good drafter speculates fully from a request's first round.
         self.recent_acceptance = Ewma(decay=0.95)
@@ -206,6 +209,7 @@ class Scheduler(WorkerRecovery):
         self._vtime[request.tenant] = max(self._vtime.get(request.tenant, 0.0), min(others, default=0.0))
         if self._guarded(seq) and not any(self._guarded(s) for s in self.sequences.values()):
             self.guard.work_arrived()
+            self.cache_guard.work_arrived()
         if use_draft:
             # Target-only by the guard: the drafter holds the sequence but neither prefills nor drafts
             # until speculation resumes (then a RESET feeds it everything).
@@ -233,9 +237,10 @@ class Scheduler(WorkerRecovery):
             )
         )
 
-    @staticmethod
-    def _max_hedges(seq: Sequence) -> int:
-        return 0 if seq.draft_paused else seq.policy.max_hedges()
+    def _max_hedges(self, seq: Sequence) -> int:
+        if seq.draft_paused or (self._guarded(seq) and not self.cache_guard.speculating):
+            return 0
+        return seq.policy.max_hedges()
 
     # -- drafts in -----------------------------------------------------------------------------
     def _on_draft_batch(self, batch: pb.DraftChunkBatch) -> None:
@@ -300,7 +305,7 @@ class Scheduler(WorkerRecovery):
         if not self._target_releases and self.patience.hold(self._drafts_to_wait_for(s) for s in ready):
             return
         self.patience.end()
-        chosen = self._fair_share(ready)
+        chosen = fair_share(ready, self._vtime, self.config.max_batch_size)
         items = [self._verify_item(seq) for seq in chosen]
         batch = pb.VerifyBatch(batch_id=next(self._batch_ids), items=items, release_seq_ids=self._target_releases)
         self._target_releases = []
@@ -379,22 +384,6 @@ class Scheduler(WorkerRecovery):
                 seq.draft_paused = False
                 self._abort(seq)
 
-    def _fair_share(self, ready: list[Sequence]) -> list[Sequence]:
-        """Weighted fair share of the target when more sequences are ready than fit in a batch."""
-        limit = self.config.max_batch_size
-        if len(ready) <= limit:
-            return ready
-        vtime = dict(self._vtime)
-        chosen: list[Sequence] = []
-        pool = sorted(ready, key=lambda s: s.started_at)
-        while pool and len(chosen) < limit:
-            seq = min(pool, key=lambda s: vtime.get(s.request.tenant, 0.0))
-            pool.remove(seq)
-            chosen.append(seq)
-            # Expected tokens per verify ~ 1 + drafts; charge provisionally so one tenant can't take all.
-            vtime[seq.request.tenant] = vtime.get(seq.request.tenant, 0.0) + 1.0 / seq.request.priority_weight
-        return chosen
-
     def _verify_item(self, seq: Sequence) -> pb.VerifyItem:
         k = min(seq.policy.verify_count(len(seq.drafts), seq.remaining), self._draft_limit(seq)) if seq.uses_draft else 0
         # Past an exhausted chunk no draft will come: the bonus is the only way on. Which positions
@@ -403,11 +392,8 @@ class Scheduler(WorkerRecovery):
         bonus = pb.BONUS_POLICY_SKIP if self._prefill_only(seq, k) else seq.policy.bonus(seq.greedy, drafting)
         tokens, probs = seq.take_verify_chunk(k)
         parents: list[int] = []
-        if tokens and seq.greedy and seq.policy.tree_nodes and self._max_hedges(seq) and seq.hedges:
-            seq.add_branches(seq.policy.tree_nodes)  # hedges ride along as a token tree (greedy only)
-            if seq.branch_tokens:
-                parents = [*range(-1, len(tokens) - 1), *seq.branch_parents]
-                tokens = tokens + seq.branch_tokens
+        if tokens and seq.greedy and seq.policy.tree_nodes and self._max_hedges(seq):
+            tokens, parents = seq.add_branches(seq.policy.tree_nodes)  # hedges ride along as a token tree
         return pb.VerifyItem(
             seq_id=seq.seq_id,
             epoch=seq.epoch,
@@ -454,6 +440,10 @@ class Scheduler(WorkerRecovery):
                 committed_guarded += kept if self._guarded(seq) else 0
             if guarded:
                 was_speculating = self.guard.speculating
+                if was_speculating and any(s.policy.max_hedges() for s in guarded):
+                    self.cache_guard.observe_round(committed_guarded, len(guarded), drafted)
+                else:  # its next round is timed from now, not across target-only rounds
+                    self.cache_guard.work_arrived()
                 self.guard.observe_round(committed_guarded, len(guarded), drafted)
                 if self.guard.speculating and not was_speculating:  # a probe or a switch back: really try
                     for seq in guarded:
@@ -478,11 +468,7 @@ class Scheduler(WorkerRecovery):
         accepted, branch, branch_accepted = seq.tree_outcome(verdict.path) if verdict.path else (None, None, 0)
         rejected = verdict.kind == pb.NEXT_TOKEN_KIND_RECOVERED and (branch is not None or verdict.n_accepted < k)
         hedge = seq.hedges.get(branch) if branch is not None else None
-        kept, action = seq.apply_verdict(verdict.n_accepted, next_token, rejected,
-                                         accepted if branch is not None else None, branch_accepted)
-        if branch is not None:  # the drafter's main line differs from the committed tokens from there
-            seq.stats.tree_hits += 1
-            seq.draft_fed_len = min(seq.draft_fed_len, branch[0])
+        kept, action = seq.apply_verdict(verdict.n_accepted, next_token, rejected, accepted, branch, branch_accepted)
         if k:
             self.recent_acceptance.observe(seq.acceptance.alpha)
         tenant = seq.request.tenant
@@ -505,9 +491,7 @@ class Scheduler(WorkerRecovery):
         elif seq.draft_paused or action is DraftAction.ABORT:  # resuming needs a catch-up reset too
             resuming, seq.draft_paused = seq.draft_paused, False
             if branch is not None:  # the path went into a hedge: the drafter continues on that branch
-                rest = hedge[0][branch_accepted - 1:] if hedge else []
-                follows = next_token is not None and rest[:1] == [next_token]  # the hedge guessed it too
-                self._abort(seq, (rest[1:], hedge[1][branch_accepted:]) if follows else ([], []), branch)
+                self._abort(seq, seq.branch_rest(hedge, branch_accepted, next_token), branch)
             else:
                 self._abort(seq, None if resuming or not self._max_hedges(seq) else seq.take_hedge())
         elif kept:  # (nothing committed, e.g. a prefill-only round: the drafter has nothing new to hear)
@@ -530,11 +514,10 @@ class Scheduler(WorkerRecovery):
     def _abort(self, seq: Sequence, hedge: tuple[list[int], list[bytes]] | None = None,
                key: tuple[int, int] | None = None) -> None:
         """Rejection: new epoch; the drafter rolls back to what it shares with the committed prefix.
-        With `hedge` (the continuation of the hedge `key`; default: the token just committed, a
-        speculation-cache hit) its tokens become this epoch's drafts at once, and the drafter adopts
-        the branch it drafted them on."""
-        pos, token = key if key is not None else (len(seq.committed) - 1, seq.committed[-1])
-        key = pb.HedgeKey(pos=pos, token=token)
+        With `hedge` (tokens of the hedge `key`, default the token just committed: a cache hit) they
+        become this epoch's drafts at once, and the drafter adopts the branch it drafted them on."""
+        key = pb.HedgeKey(pos=key[0], token=key[1]) if key else pb.HedgeKey(pos=len(seq.committed) - 1,
+                                                                           token=seq.committed[-1])
         start = seq.start_new_epoch()
         tail = seq.committed[start:]
         if hedge is not None:
@@ -598,6 +581,7 @@ class Scheduler(WorkerRecovery):
             },
             "pearl_draft_length": self.pearl_draft_length,
             "guard": self.guard.stats(),
+            "cache_guard": self.cache_guard.stats(),
             "patience": {"holds": self.patience.holds, "draft_step_s": self.patience.draft_step_s.value,
                          "round_overhead_s": self.patience.round_overhead_s.value},
             "draft": {

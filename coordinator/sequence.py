@@ -147,11 +147,12 @@ class Sequence:
         self.stats.cache_hits += 1
         return hit
 
-    def add_branches(self, max_nodes: int) -> None:
+    def add_branches(self, max_nodes: int) -> tuple[list[int], list[int]]:
         """Hangs this epoch's hedges off the main chain just taken for verification (a token tree):
         a hedge at the position of main-chain draft i (or the bonus position after the last) becomes a
         sibling of that draft, its continuation a chain below it; at most `max_nodes` nodes, nearest
-        positions first, none past the request's length limit."""
+        positions first, none past the request's length limit. Returns the tree's tokens and parents
+        (no parents: no branch fitted, a chain)."""
         chain = self.verify_tokens or []
         first = len(self.committed)
         self._clear_branches()
@@ -165,6 +166,18 @@ class Sequence:
             nodes = [token, *tokens][:room]
             self.branch_parents += [offset - 1, *range(node, node + len(nodes) - 1)]
             self.branch_tokens += nodes
+        if not self.branch_tokens:
+            return list(chain), []
+        return chain + self.branch_tokens, [*range(-1, len(chain) - 1), *self.branch_parents]
+
+    @staticmethod
+    def branch_rest(hedge, branch_accepted: int, next_token: int | None) -> tuple[list[int], list[bytes]]:
+        """After a path into a hedge's branch: the hedge's tokens past the verdict's next token when
+        the hedge guessed that token too (the next round's drafts), else none."""
+        rest = hedge[0][branch_accepted - 1:] if hedge else []
+        if next_token is None or rest[:1] != [next_token]:
+            return [], []
+        return rest[1:], hedge[1][branch_accepted:]
 
     def tree_outcome(self, path) -> tuple[list[int], tuple[int, int] | None, int]:
         """A verdict's accepted tokens from its path through the in-flight tree, the hedge key of the
@@ -206,10 +219,16 @@ class Sequence:
         self.verify_tokens, self.verify_probs = None, []
 
     def apply_verdict(self, n_accepted: int, next_token: int | None, rejected: bool,
-                      accepted: list[int] | None = None, branch_accepted: int = 0) -> tuple[list[int], DraftAction]:
-        """Commits the verdict of the in-flight chunk (`accepted`: its tokens when the path left the
-        main chain, the last `branch_accepted` of them on a branch). Returns (tokens kept, what the
-        drafter needs). Draft statistics count the main chain; tree_nodes counts the branches."""
+                      accepted: list[int] | None = None, branch: tuple[int, int] | None = None,
+                      branch_accepted: int = 0) -> tuple[list[int], DraftAction]:
+        """Commits the verdict of the in-flight chunk. A path into the branch of hedge `branch`:
+        `accepted` are its tokens, the last `branch_accepted` of them on the branch. Returns (tokens
+        kept, what the drafter needs). Draft statistics count the main chain; tree_nodes the branches."""
+        if branch is None:
+            accepted = None
+        else:  # the drafter's main line differs from the committed tokens from the branch on
+            self.stats.tree_hits += 1
+            self.draft_fed_len = min(self.draft_fed_len, branch[0])
         chunk = self.verify_tokens or []
         self.verify_tokens, self.verify_probs = None, []
         k = len(chunk)

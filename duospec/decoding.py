@@ -60,11 +60,11 @@ def _router(target, draft, *, gamma: int, max_lookahead: int, max_batch_size: in
         eos_token_ids=tuple(target.eos_token_ids),
         draft_method=proposer.method.value if proposer is not None else None,
     )
-    config = types.SimpleNamespace(
-        speculation=types.SimpleNamespace(
-            mode=SpeculationMode.PEARL, max_draft_tokens=gamma, max_lookahead=max_lookahead, adaptive=adaptive
-        ),
-    )
+    from coordinator.config import SpeculationDefaults
+
+    # The model's defaults otherwise (the speculation cache and token trees on), as `duospec serve` has them.
+    config = types.SimpleNamespace(speculation=SpeculationDefaults(
+        mode=SpeculationMode.PEARL, max_draft_tokens=gamma, max_lookahead=max_lookahead, adaptive=adaptive))
     sched_config = SchedulerConfig(max_batch_size=max_batch_size, max_sequences=min(runner.max_slots, 64))
 
     async def open_scheduler() -> Scheduler:

@@ -200,3 +200,20 @@ async def test_greedy_through_the_server_for_each_method(target_dir, hf_target, 
                     assert_greedy_equal(hf_target, prompt, got, hf_greedy(hf_target, prompt, N_NEW))
                     drafted += messages[-1].stats.drafted_tokens
                 assert drafted > 0, (method, mode)
+
+
+def test_the_speculation_cache_and_token_trees_keep_greedy_output_exact(target, target_dir, hf_target):
+    """The first-layer draft agrees often enough that hedges get hit through the cache and through
+    tree branches; every token still equals transformers' greedy output."""
+    proposer = build_proposer(LAYERS, str(target_dir), device="cpu", dtype="float32", max_slots=32)
+    prompts = _prompts()
+    requests = [_request(p, N_NEW, "pearl", SamplingParams(), 4, True) for p in prompts]
+    events = stream_events(target, proposer, requests)
+    results = [_as_result(events[r.request_id]) for r in requests]
+    _check_greedy(hf_target, prompts, results, "pearl")
+    totals = collections.Counter()
+    for r in results:
+        totals.update(cache_lookups=r.stats.cache_lookups, cache_hits=r.stats.cache_hits,
+                      tree_nodes=r.stats.tree_nodes, tree_hits=r.stats.tree_hits)
+    assert totals["cache_lookups"] > 0 and totals["tree_nodes"] > 0, totals
+    assert totals["cache_hits"] + totals["tree_hits"] > 0, f"no hedge was ever used: {totals}"

@@ -251,3 +251,17 @@ async def test_going_target_only_on_a_rejection_rolls_the_drafter_back():
     last = [c for m in draft.sent for c in m.commands if c.seq_id == seq.seq_id][-1]
     assert last.kind == pb.DRAFT_COMMAND_KIND_RESET and last.epoch == seq.epoch == 1
     assert list(last.tail)[-1] == 99 and last.draft_until == len(seq.committed)
+
+
+def test_a_benchmark_can_make_every_speculation_variant_learn_on_its_own():
+    import types
+
+    from coordinator.router import ModelRouter
+
+    router = ModelRouter()
+    scheduler = types.SimpleNamespace(guard=GoodputGuard(), cache_guard=GoodputGuard())
+    scheduler.guard.state = scheduler.cache_guard.state = GuardState.TARGET_ONLY  # what one variant taught
+    router.entries = {"m": types.SimpleNamespace(scheduler=scheduler), "unopened": types.SimpleNamespace(scheduler=None)}
+    router.forget_speculation_choices()
+    assert scheduler.guard.state is GuardState.SPECULATE and scheduler.guard.goodput == {}
+    assert scheduler.cache_guard.state is GuardState.SPECULATE

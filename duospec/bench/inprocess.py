@@ -76,6 +76,7 @@ async def timed_request(coordinator, request, prompt_id: str) -> RequestRecord:
     if final is not None:
         record.drafted, record.accepted = final.drafted_tokens, final.accepted_tokens
         record.cache_lookups, record.cache_hits = final.cache_lookups, final.cache_hits
+        record.tree_nodes, record.tree_hits = final.tree_nodes, final.tree_hits
         record.target_forwards, record.accepted_per_pos = final.target_forwards, list(final.accepted_per_pos)
     return record
 
@@ -87,6 +88,7 @@ def _no_tick() -> None:
 async def run_coordinator_mode(coordinator, prompts: list[EncodedPrompt], mode: str, max_new_tokens: int,
                                gamma: int, path: str, tag: str, tick: Callable[[], None] = _no_tick) -> Run:
     """Every prompt once, one request at a time, through a LocalCoordinator or PipelineCoordinator."""
+    coordinator.forget_speculation_choices()  # each pearl variant learns on its own (records.OUR_MODES)
     before = await coordinator.stats()
     started = time.perf_counter()
     records = []

@@ -36,6 +36,8 @@ class RequestRecord:
     accepted_per_pos: list[int] = field(default_factory=list)
     cache_lookups: int = 0
     cache_hits: int = 0
+    tree_nodes: int = 0
+    tree_hits: int = 0
 
 
 @dataclass
@@ -90,6 +92,18 @@ class Run:
         """Speculation-cache hits per lookup (a lookup: a rejection while the cache was on)."""
         lookups = sum(r.cache_lookups for r in self.records)
         return sum(r.cache_hits for r in self.records) / lookups if lookups else None
+
+    @property
+    def tree_nodes_per_forward(self) -> float | None:
+        """Hedge tokens verified as token-tree branches per target forward."""
+        forwards = self.forwards
+        return sum(r.tree_nodes for r in self.records) / forwards if forwards else None
+
+    @property
+    def tree_hit_rate(self) -> float | None:
+        """Target forwards whose accepted path went into a branch, per forward."""
+        forwards = self.forwards
+        return sum(r.tree_hits for r in self.records) / forwards if forwards else None
 
     def accepted_per_pos(self) -> list[int]:
         width = max((len(r.accepted_per_pos) for r in self.records), default=0)

@@ -49,7 +49,9 @@ def _mode_table(path: str, block: dict) -> list[str]:
               f"{_num(pearl.get('ideal_tokens_per_s'), 1)} tokens/s, efficiency "
               f"{_num(pearl.get('efficiency'), 0, 100, ' %')}; pearl verified drafts in "
               f"{_num(pearl.get('speculated_share'), 0, 100, ' %')} of its rounds (the rest: target-only, by the "
-              "goodput guard or the adaptive length).", ""]
+              f"goodput guard or the adaptive length); token trees: {_num(pearl.get('tree_nodes_per_forward'))} "
+              f"branch tokens per verify, {_num(pearl.get('tree_hit_rate'), 0, 100, ' %')} of verifies took a "
+              "branch.", ""]
     return lines
 
 

@@ -74,11 +74,13 @@ async def client_request(client, prompt: EncodedPrompt, mode: str, max_new_token
         record.drafted, record.accepted, record.target_forwards = (final.drafted_tokens, final.accepted_tokens,
                                                                    final.target_forwards)
         record.cache_lookups, record.cache_hits = final.cache_lookups, final.cache_hits
+        record.tree_nodes, record.tree_hits = final.tree_nodes, final.tree_hits
     return record
 
 
 async def run_client_mode(served: Served, prompts: list[EncodedPrompt], mode: str, max_new_tokens: int, gamma: int,
                           tick: Callable[[], None]) -> Run:
+    served.coordinator.forget_speculation_choices()  # each pearl variant learns on its own
     before = await served.coordinator.stats()
     started = time.perf_counter()
     records = []

@@ -256,15 +256,15 @@ class ReplayRunner(ModelRunner):
             return self._miss(entry.greedy[-1], f"target position {generated} past the recorded greedy path"), None
         own = generated - on_path  # the drafter's own tokens after the last on-path one
         drafts = entry.drafts[on_path] if on_path < len(entry.drafts) else ()
-        if own and drafts and state.history[pos + 1 - own] != drafts[0]:
-            # Neither the target's token nor the draft's own choice: a hedge on another alternative
-            # (draft_worker/hedges.py). Nothing can hit it, so any continuation will do; not a miss.
+        known = list(drafts[:own])  # the recorded part of the drafter's own tokens
+        if own and state.history[pos + 1 - own : pos + 1 - own + len(known)] != known:
+            # Off both the target's path and the draft's own: a hedge on another alternative (draft_worker/
+            # hedges.py) — the main line only ever holds the draft's recorded choices. Nothing can hit
+            # it, so any continuation will do; not a miss.
             self.off_path_branches += 1
-            return drafts[0], None
+            return (drafts[0] if drafts else entry.greedy[-1]), None
         if own >= len(drafts):
             return self._miss(entry.greedy[-1], f"draft depth {own} after {on_path} committed tokens not recorded"), None
-        if own and state.history[pos + 1 - own : pos + 1] != list(drafts[:own]):
-            return self._miss(drafts[own], "the drafter's own tokens differ from the recorded draft"), None
         second = entry.seconds[on_path] if own == 0 and on_path < len(entry.seconds) else None
         return drafts[own], second
 
