@@ -275,7 +275,7 @@ class Scheduler(WorkerRecovery):
                 seq.stats.wasted_draft_tokens += len(chunk.tokens)
                 continue
             exhausted = chunk.outlook == pb.DRAFT_OUTLOOK_EXHAUSTED
-            if not seq.add_drafts(chunk.start_pos, chunk.tokens, chunk.draft_probs, exhausted):
+            if not seq.add_drafts(chunk.start_pos, chunk.tokens, chunk.draft_probs, exhausted, chunk.alternatives):
                 log.warning("seq %d: draft chunk at %d, expected %d; resyncing", seq.seq_id, chunk.start_pos,
                             seq.next_draft_pos)
                 seq.stats.wasted_draft_tokens += len(chunk.tokens) + len(seq.drafts)

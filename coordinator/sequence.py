@@ -64,6 +64,7 @@ class Sequence:
     branch_tokens: list[int] = field(default_factory=list)
     branch_parents: list[int] = field(default_factory=list)
     branch_keys: dict[int, tuple[int, int]] = field(default_factory=dict)
+    alternatives: dict[int, int] = field(default_factory=dict)  # pos -> the drafter's next-best token there
 
     # -- facts ------------------------------------------------------------------------------------
     @property
@@ -105,7 +106,7 @@ class Sequence:
         """Stop speculating for now. Only the committed prefix of the drafter's cache stays trusted:
         what it drafted past it may not be what the target commits meanwhile."""
         self.draft_paused = True
-        self.hedges = {}
+        self.hedges, self.alternatives = {}, {}
         self.drop_drafts()
         self.draft_fed_len = min(self.draft_fed_len, len(self.committed))
 
@@ -116,12 +117,13 @@ class Sequence:
         return ids
 
     # -- transitions ------------------------------------------------------------------------------
-    def add_drafts(self, start_pos: int, tokens, probs, exhausted: bool = False) -> bool:
+    def add_drafts(self, start_pos: int, tokens, probs, exhausted: bool = False, alternatives=()) -> bool:
         """Appends a draft chunk of the current epoch; False if it does not continue the drafts."""
         if start_pos != self.next_draft_pos:
             return False
         self.drafts.extend(tokens)
         self.draft_probs.extend(probs)
+        self.alternatives.update((start_pos + i, a) for i, a in enumerate(alternatives) if a >= 0)
         # Drafting position P needed P-1 fed; an empty (exhausted) chunk at P says the same of P-1,
         # so the next RESET does not resend what the drafter already holds.
         self.draft_fed_len = max(self.draft_fed_len, start_pos + len(tokens) - 1)
@@ -156,16 +158,29 @@ class Sequence:
         chain = self.verify_tokens or []
         first = len(self.committed)
         self._clear_branches()
-        for (pos, token), (tokens, _) in sorted(self.hedges.items()):
-            offset = pos - first  # the main-chain draft this hedge replaces (len(chain): the bonus)
-            room = min(max_nodes - len(self.branch_tokens), self.remaining - offset)
-            if not 0 <= offset <= len(chain) or room < 1 or (offset < len(chain) and chain[offset] == token):
+        # Every draft's runner-up becomes a sibling leaf (free for the drafter: it comes with the
+        # draft's own logits); a hedge for it, where one exists, brings its continuation along.
+        candidates = dict(self.hedges)
+        for i, token in enumerate(chain):
+            alt = self.alternatives.get(first + i)
+            if alt is not None and alt != token:
+                candidates.setdefault((first + i, alt), ([], []))
+        roots = []  # first every candidate's own token (nearest positions first), then continuations
+        for (pos, token), (tokens, _) in sorted(candidates.items()):
+            offset = pos - first  # the main-chain draft this one replaces (len(chain): the bonus)
+            if not 0 <= offset <= len(chain) or offset >= self.remaining or (
+                    offset < len(chain) and chain[offset] == token) or len(self.branch_tokens) >= max_nodes:
                 continue
             node = len(chain) + len(self.branch_tokens)
             self.branch_keys[node] = (pos, token)
-            nodes = [token, *tokens][:room]
-            self.branch_parents += [offset - 1, *range(node, node + len(nodes) - 1)]
-            self.branch_tokens += nodes
+            self.branch_tokens.append(token)
+            self.branch_parents.append(offset - 1)
+            roots.append((node, offset, tokens))
+        for node, offset, tokens in roots:
+            room = min(max_nodes - len(self.branch_tokens), self.remaining - offset - 1)
+            for i, token in enumerate(tokens[: max(0, room)]):
+                self.branch_parents.append(node if i == 0 else len(chain) + len(self.branch_tokens) - 1)
+                self.branch_tokens.append(token)
         if not self.branch_tokens:
             return list(chain), []
         return chain + self.branch_tokens, [*range(-1, len(chain) - 1), *self.branch_parents]
@@ -257,16 +272,17 @@ class Sequence:
         return kept, DraftAction.ADVANCE
 
     def _decided(self) -> None:
-        """Hedges at committed positions can no longer be hit."""
+        """Hedges and alternatives at committed positions can no longer be hit."""
         if self.hedges:
             self.hedges = {key: hedge for key, hedge in self.hedges.items() if key[0] >= len(self.committed)}
+        self.alternatives = {pos: a for pos, a in self.alternatives.items() if pos >= len(self.committed)}
 
     def start_new_epoch(self) -> int:
         """After an abort: drafts are gone (a verdict still in flight is now stale and will be
         dropped); returns where the drafter's cache stops matching the committed prefix."""
         self.epoch += 1
         self.draft_exhausted = False
-        self.hedges = {}
+        self.hedges, self.alternatives = {}, {}
         self.drafts, self.draft_probs = [], []
         self.verify_tokens, self.verify_probs = None, []
         self._clear_branches()

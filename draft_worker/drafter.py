@@ -188,7 +188,9 @@ class Drafter:
 
     @staticmethod
     def _chunk(seq: DraftState, start: int, tokens, probs, exhausted: bool, hedge=None) -> pb.DraftChunk:
+        alternatives = [seq.alternatives.get(start + i, (-1,))[0] for i in range(len(tokens))]
         return pb.DraftChunk(
+            alternatives=alternatives if hedge is None and any(a >= 0 for a in alternatives) else [],
             seq_id=seq.seq_id,
             epoch=seq.epoch,
             start_pos=start,

@@ -119,10 +119,12 @@ def merge_batches(batches: list[pb.DraftChunkBatch]) -> pb.DraftChunkBatch:
                 prev is not None
                 and prev.epoch == chunk.epoch
                 and prev.start_pos + len(prev.tokens) == chunk.start_pos
-                and (not chunk.tokens or not prev.tokens or bool(prev.draft_probs) == bool(chunk.draft_probs))
+                and (not chunk.tokens or not prev.tokens or (bool(prev.draft_probs) == bool(chunk.draft_probs)
+                                                             and bool(prev.alternatives) == bool(chunk.alternatives)))
             ):
                 prev.tokens.extend(chunk.tokens)
                 prev.draft_probs.extend(chunk.draft_probs)
+                prev.alternatives.extend(chunk.alternatives)
                 prev.outlook = chunk.outlook  # what follows the merged chunk is what follows its last part
             else:
                 merged.chunks.append(chunk)

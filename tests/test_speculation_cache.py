@@ -157,9 +157,11 @@ def _tree_verdict(scheduler, target, seq, path, kind, next_token):
 async def test_hedges_ride_along_as_a_tree_and_a_path_into_one_is_adopted():
     scheduler, target, draft, seq = _tree_setup()
     item = target.sent[-1].items[0]
-    assert list(item.draft_tokens) == [14, 40, 41, 42, 50, 51]
-    assert list(item.draft_parents) == [-1, -1, 1, 2, 0, 4]
-    _tree_verdict(scheduler, target, seq, [1, 2], pb.NEXT_TOKEN_KIND_RECOVERED, 99)  # 40, 41 kept; 42 rejected
+    # Every hedge's own token first (a sibling of 14, a child of 14 at the bonus position), then their
+    # continuations below them.
+    assert list(item.draft_tokens) == [14, 40, 50, 41, 42, 51]
+    assert list(item.draft_parents) == [-1, -1, 0, 1, 3, 2]
+    _tree_verdict(scheduler, target, seq, [1, 3], pb.NEXT_TOKEN_KIND_RECOVERED, 99)  # 40, 41 kept; 42 rejected
     assert seq.committed == [1, 2, 3, 10, 11, 12, 13, 40, 41, 99] and seq.epoch == 1
     assert seq.stats.tree_hits == 1 and seq.stats.tree_nodes == 5
     reset = _commands(draft, RESET)[-1]
@@ -170,7 +172,7 @@ async def test_hedges_ride_along_as_a_tree_and_a_path_into_one_is_adopted():
 
 async def test_a_bonus_past_a_branch_leaf_and_a_path_that_stays_on_the_main_chain():
     scheduler, target, draft, seq = _tree_setup()
-    _tree_verdict(scheduler, target, seq, [0, 4, 5], pb.NEXT_TOKEN_KIND_BONUS, 77)  # 14, 50, 51, then 77
+    _tree_verdict(scheduler, target, seq, [0, 2, 5], pb.NEXT_TOKEN_KIND_BONUS, 77)  # 14, 50, 51, then 77
     assert seq.committed[-4:] == [14, 50, 51, 77] and seq.stats.tree_hits == 1
     assert (_commands(draft, RESET)[-1].adopt.pos, _commands(draft, RESET)[-1].adopt.token) == (8, 50)
     scheduler, target, draft, seq = _tree_setup()
@@ -182,12 +184,32 @@ async def test_a_bonus_past_a_branch_leaf_and_a_path_that_stays_on_the_main_chai
 async def test_a_tree_budget_cuts_a_hedge_and_what_follows_becomes_the_drafts():
     scheduler, target, draft, seq = _tree_setup(tree_nodes=2, cont=(41, 42, 43))
     item = target.sent[-1].items[0]
-    assert list(item.draft_tokens) == [14, 40, 41] and list(item.draft_parents) == [-1, -1, 1]
-    _tree_verdict(scheduler, target, seq, [1, 2], pb.NEXT_TOKEN_KIND_BONUS, 42)  # the hedge guessed the bonus
-    assert seq.committed[-3:] == [40, 41, 42]
+    assert list(item.draft_tokens) == [14, 40, 50] and list(item.draft_parents) == [-1, -1, 0]  # no room for more
+    _tree_verdict(scheduler, target, seq, [1], pb.NEXT_TOKEN_KIND_BONUS, 41)  # 40, then the hedge's own next token
+    assert seq.committed[-2:] == [40, 41]
     next_item = target.sent[-1].items[0]
-    assert list(next_item.context) == [42] and list(next_item.draft_tokens) == [43]
-    assert list(_commands(draft, RESET)[-1].tail)[-2:] == [42, 43]
+    assert list(next_item.context) == [41] and list(next_item.draft_tokens) == [42, 43]
+    assert list(_commands(draft, RESET)[-1].tail)[-3:] == [41, 42, 43]
+
+
+async def test_every_drafts_runner_up_is_a_sibling_in_the_tree():
+    scheduler, target, draft, seq = _prefilled(_cache_policy(tree_nodes=8))
+    scheduler._on_draft_batch(pb.DraftChunkBatch(chunks=[pb.DraftChunk(
+        seq_id=seq.seq_id, epoch=seq.epoch, start_pos=6, tokens=[13, 14], alternatives=[23, -1])]))
+    _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_BONUS, 13)  # [12] accepted, bonus 13 = the draft
+    item = target.sent[-1].items[0]
+    assert list(item.draft_tokens) == [14] and not item.draft_parents  # 13's runner-up is decided now
+    scheduler, target, draft, seq = _prefilled(_cache_policy(tree_nodes=8))
+    _chunks(scheduler, seq, 6, [13])
+    scheduler._on_draft_batch(pb.DraftChunkBatch(chunks=[pb.DraftChunk(
+        seq_id=seq.seq_id, epoch=seq.epoch, start_pos=7, tokens=[14, 15], alternatives=[24, 25])]))
+    _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_BONUS, 13)
+    item = target.sent[-1].items[0]  # [14, 15] with runners-up 24 (beside 14) and 25 (beside 15)
+    assert list(item.draft_tokens) == [14, 15, 24, 25] and list(item.draft_parents) == [-1, 0, -1, 0]
+    _tree_verdict(scheduler, target, seq, [0, 3], pb.NEXT_TOKEN_KIND_BONUS, 30)  # 14, 25, then 30
+    assert seq.committed[-3:] == [14, 25, 30] and seq.stats.tree_hits == 1
+    reset = _commands(draft, RESET)[-1]
+    assert (reset.adopt.pos, reset.adopt.token) == (8, 25) and reset.start_pos <= 8  # no such hedge: a plain reset
 
 
 async def test_sampled_requests_are_verified_as_chains():

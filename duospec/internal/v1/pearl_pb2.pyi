@@ -113,7 +113,7 @@ class DraftControl(_message.Message):
     def __init__(self, commands: _Optional[_Iterable[_Union[DraftCommand, _Mapping]]] = ...) -> None: ...
 
 class DraftChunk(_message.Message):
-    __slots__ = ("seq_id", "epoch", "start_pos", "tokens", "draft_probs", "outlook", "hedge")
+    __slots__ = ("seq_id", "epoch", "start_pos", "tokens", "draft_probs", "outlook", "hedge", "alternatives")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class DraftChunk(_message.Message):
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     OUTLOOK_FIELD_NUMBER: _ClassVar[int]
     HEDGE_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     epoch: int
     start_pos: int
@@ -128,7 +129,8 @@ class DraftChunk(_message.Message):
     draft_probs: _containers.RepeatedScalarFieldContainer[bytes]
     outlook: DraftOutlook
     hedge: HedgeKey
-    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., start_pos: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[bytes]] = ..., outlook: _Optional[_Union[DraftOutlook, str]] = ..., hedge: _Optional[_Union[HedgeKey, _Mapping]] = ...) -> None: ...
+    alternatives: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., start_pos: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[bytes]] = ..., outlook: _Optional[_Union[DraftOutlook, str]] = ..., hedge: _Optional[_Union[HedgeKey, _Mapping]] = ..., alternatives: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftChunkBatch(_message.Message):
     __slots__ = ("chunks", "busy_seconds", "idle_seconds", "failed_seq_ids")
