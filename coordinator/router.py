@@ -67,7 +67,7 @@ class ModelRouter:
 
         for entry in self.entries.values():
             if entry.scheduler is not None:
-                entry.scheduler.guard, entry.scheduler.cache_guard = GoodputGuard(), GoodputGuard()
+                entry.scheduler.guard = GoodputGuard()
 
     def models(self) -> list[ModelInfo]:
         return [entry.info for entry in self.entries.values()]

@@ -133,9 +133,6 @@ class Scheduler(WorkerRecovery):
         self.verify_cost = VerifyCostModel()
         self.pearl_draft_length: int | None = None  # None: not measured yet, use each policy's max
         self.guard = GoodputGuard()  # speculate only while it beats the target alone (coordinator/guard.py)
-        # The same measured switch one level down: while speculating, hedge for the speculation cache
-        # only while that commits more per second than speculating without (hedges cost draft steps).
-        self.cache_guard = GoodputGuard()
         # Acceptance of this model's drafts lately: a new sequence's prior (floored, _acceptance_prior),
         # so a good drafter speculates fully from a request's first round.
         self.recent_acceptance = Ewma(decay=0.95)
@@ -209,7 +206,6 @@ class Scheduler(WorkerRecovery):
         self._vtime[request.tenant] = max(self._vtime.get(request.tenant, 0.0), min(others, default=0.0))
         if self._guarded(seq) and not any(self._guarded(s) for s in self.sequences.values()):
             self.guard.work_arrived()
-            self.cache_guard.work_arrived()
         if use_draft:
             # Target-only by the guard: the drafter holds the sequence but neither prefills nor drafts
             # until speculation resumes (then a RESET feeds it everything).
@@ -237,10 +233,9 @@ class Scheduler(WorkerRecovery):
             )
         )
 
-    def _max_hedges(self, seq: Sequence) -> int:
-        if seq.draft_paused or (self._guarded(seq) and not self.cache_guard.speculating):
-            return 0
-        return seq.policy.max_hedges()
+    @staticmethod
+    def _max_hedges(seq: Sequence) -> int:
+        return 0 if seq.draft_paused else seq.policy.max_hedges()
 
     # -- drafts in -----------------------------------------------------------------------------
     def _on_draft_batch(self, batch: pb.DraftChunkBatch) -> None:
@@ -440,10 +435,6 @@ class Scheduler(WorkerRecovery):
                 committed_guarded += kept if self._guarded(seq) else 0
             if guarded:
                 was_speculating = self.guard.speculating
-                if was_speculating and any(s.policy.max_hedges() for s in guarded):
-                    self.cache_guard.observe_round(committed_guarded, len(guarded), drafted)
-                else:  # its next round is timed from now, not across target-only rounds
-                    self.cache_guard.work_arrived()
                 self.guard.observe_round(committed_guarded, len(guarded), drafted)
                 if self.guard.speculating and not was_speculating:  # a probe or a switch back: really try
                     for seq in guarded:
@@ -581,7 +572,6 @@ class Scheduler(WorkerRecovery):
             },
             "pearl_draft_length": self.pearl_draft_length,
             "guard": self.guard.stats(),
-            "cache_guard": self.cache_guard.stats(),
             "patience": {"holds": self.patience.holds, "draft_step_s": self.patience.draft_step_s.value,
                          "round_overhead_s": self.patience.round_overhead_s.value},
             "draft": {

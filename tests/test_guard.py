@@ -259,9 +259,8 @@ def test_a_benchmark_can_make_every_speculation_variant_learn_on_its_own():
     from coordinator.router import ModelRouter
 
     router = ModelRouter()
-    scheduler = types.SimpleNamespace(guard=GoodputGuard(), cache_guard=GoodputGuard())
-    scheduler.guard.state = scheduler.cache_guard.state = GuardState.TARGET_ONLY  # what one variant taught
+    scheduler = types.SimpleNamespace(guard=GoodputGuard())
+    scheduler.guard.state = GuardState.TARGET_ONLY  # what one variant's runs taught it
     router.entries = {"m": types.SimpleNamespace(scheduler=scheduler), "unopened": types.SimpleNamespace(scheduler=None)}
     router.forget_speculation_choices()
     assert scheduler.guard.state is GuardState.SPECULATE and scheduler.guard.goodput == {}
-    assert scheduler.cache_guard.state is GuardState.SPECULATE

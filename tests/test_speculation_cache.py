@@ -340,20 +340,3 @@ def test_hedges_never_keep_a_new_sequence_out(draft_dir):
     assert set(drafter.sequences) == {1, 2, 3} and drafter.hedges.live() == 0
     with pytest.raises(SlotsExhausted):
         _start(drafter, 4, PROMPT[:3], 3, 6)
-
-
-async def test_the_cache_guard_switches_hedging_for_greedy_adaptive_pearl_only():
-    from coordinator.guard import GuardState
-    from duospec.sampling import SamplingParams as Sampling
-
-    scheduler, target, draft, _ = _scheduler()
-    scheduler.cache_guard.state = GuardState.TARGET_ONLY  # measured: hedging does not pay here
-    adaptive = SpeculationPolicy(mode=SpeculationMode.PEARL, max_draft_tokens=4, max_lookahead=8, adaptive=True,
-                                 hedges=4, tree_nodes=8)
-    greedy = scheduler._add(_request(n=20), adaptive)
-    sampled = scheduler._add(_request(n=20, tenant="b", sampling=Sampling(temperature=1.0, seed=1)), adaptive)
-    fixed = scheduler._add(_request(n=20, tenant="c"), _cache_policy())  # adaptive off: not governed
-    starts = {c.seq_id: c.max_hedges for c in _commands(draft, pb.DRAFT_COMMAND_KIND_START)}
-    assert starts == {greedy.seq_id: 0, sampled.seq_id: 4, fixed.seq_id: 4}
-    scheduler.cache_guard.state = GuardState.SPECULATE
-    assert scheduler._max_hedges(greedy) == 4
