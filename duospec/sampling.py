@@ -79,6 +79,14 @@ class Purpose(enum.IntEnum):
     ACCEPT = 2  # the verifier's accept test u < p(x)/q(x)
     RESIDUAL = 3  # the recovered token from norm(max(0, p - q))
     TARGET = 4  # bonus token, or any target-only draw (mode "off")
+    SIBLING_ACCEPT = 5  # token trees: the accept test of a position's j-th candidate, j >= 1
+    SIBLING_RESIDUAL = 6  # token trees: the recovered token after j >= 2 candidates were rejected
+
+
+def sibling_key(position: int, rank: int) -> int:
+    """The position key of a token tree's rank-th candidate at `position` (rank < 64): distinct
+    from every other position's and rank's, so its draws are independent of all others."""
+    return (position << 6) | rank
 
 
 def _mix64(x):

@@ -32,8 +32,19 @@ Token trees (`verify_tree`; DESIGN.md §3b):
   after all its siblings were rejected) or at a leaf (the argmax is the bonus token). The committed
   tokens are exactly the target's greedy continuation, whatever the tree, since every committed token
   is an argmax of p given the committed tokens before it.
-- Sampling over trees (a multi-candidate rule such as SpecInfer's recursive residual) is not
-  implemented: sampled requests are verified as chains.
+- Sampling (the recursive residual over siblings, SpecInfer's rule with each candidate's own q): at
+  a position with candidates c_1 .. c_m (children of the same node, in index order; c_1 usually
+  the main chain's draft, the rest deterministic alternatives whose q is the point mass at their
+  token), start from r_0 = p. Candidate c_j is accepted with probability min(1, r_{j-1}(c_j) /
+  q_j(c_j)) (u keyed by position and rank: ACCEPT for the first, SIBLING_ACCEPT after); if it is
+  rejected, r_j = norm(max(0, r_{j-1} - q_j)). Every candidate rejected: the recovered token is
+  drawn from r_m (RESIDUAL for m = 1, SIBLING_RESIDUAL after). Each stage is one standard
+  speculative step — target r_{j-1}, proposal q_j, candidate c_j drawn from q_j (a point mass is a
+  proposal like any other, fixed before the stage's uniform is drawn) — so what it emits is
+  distributed as r_{j-1}; by induction from the last stage back, the position's token is
+  distributed as p. A chain (m = 1 everywhere) is exactly the rule above. The scheduler sends
+  sampled requests as chains all the same: which alternatives a verify carries depends on chunk
+  timing, and seeded output must not (module coordinator/scheduler.py, `_verify_item`).
 """
 
 from __future__ import annotations
@@ -52,6 +63,7 @@ from duospec.sampling import (
     probs_from_logits,
     sample_target,
     sample_token,
+    sibling_key,
     uniform,
 )
 
@@ -158,24 +170,76 @@ def verify_tree(
     params: SamplingParams,
     start_pos: int,
     *,
+    draft_probs: Sequence | None = None,
     sample_bonus: bool = True,
 ) -> TreeVerdict:
-    """The longest accepted path through a tree of drafts (greedy; see the module docstring).
+    """The longest accepted path through a tree of drafts (the rules: module docstring).
 
     Args:
         draft_tokens: ``[k]`` node tokens; a node sits at ``start_pos + depth - 1`` (roots at start_pos).
         parents: ``[k]`` parent node index, ``-1`` for a root; ``parents[i] < i``.
         target_logits: ``[k+1, V]``; row 0 predicts the roots' position, row ``i + 1`` the position
             after node ``i`` (its children's, or the bonus).
+        draft_probs: sampling only: q of the first nodes (DraftProbs or ``[V]`` arrays; typically the
+            main chain's); nodes past them are deterministic candidates (q = the point mass).
     """
     k = _check_inputs(draft_tokens, target_logits, params, start_pos)
     if len(parents) != k or any(not -1 <= int(p) < i for i, p in enumerate(parents)):
         raise ValueError(f"parents {list(parents)}: need one per draft token, each in [-1, its own index)")
-    if not params.greedy:
-        raise ValueError("verify_tree: sampled requests are verified as chains (no multi-candidate rule yet)")
-    path, verdict = _walk_greedy([int(t) for t in draft_tokens], [int(p) for p in parents],
-                                 target_logits.detach().cpu(), sample_bonus)
+    tokens, parents = [int(t) for t in draft_tokens], [int(p) for p in parents]
+    target_logits = target_logits.detach().cpu()
+    if params.greedy:
+        path, verdict = _walk_greedy(tokens, parents, target_logits, sample_bonus)
+    else:
+        path, verdict = _walk_sampled(tokens, parents, target_logits, draft_probs, params, start_pos, sample_bonus)
     return TreeVerdict(tuple(path), verdict)
+
+
+def _walk_sampled(tokens: list[int], parents: list[int], target_logits: torch.Tensor, draft_probs,
+                  params: SamplingParams, start_pos: int, sample_bonus: bool) -> tuple[list[int], Verdict]:
+    """The recursive residual over each position's candidates (module docstring)."""
+    vocab = target_logits.shape[1]
+    given = list(draft_probs) if draft_probs is not None else []
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents):
+        children.setdefault(parent, []).append(i)
+    path, node = [], -1
+    while True:
+        pos = start_pos + len(path)
+        options = children.get(node, ())
+        if not options:
+            if not sample_bonus:
+                return path, Verdict(len(path), None, NextTokenKind.NONE)
+            return path, Verdict(len(path), sample_target(target_logits[node + 1], params, pos), NextTokenKind.BONUS)
+        residual = probs_from_logits(target_logits[node + 1 : node + 2], params)[0].numpy().astype(np.float64)
+        match = None
+        for rank, child in enumerate(options):
+            x = tokens[child]
+            q = _dense_q(given[child] if child < len(given) else None, x, vocab)
+            a = float(acceptance_probability(residual[x] / residual.sum(), q[x]))
+            u = uniform(params.seed, pos, Purpose.ACCEPT) if rank == 0 else uniform(
+                params.seed, sibling_key(pos, rank), Purpose.SIBLING_ACCEPT)
+            if a >= 1.0 or u < a:
+                match = child
+                break
+            residual = residual_distribution(residual / residual.sum(), q)
+        if match is None:
+            u = uniform(params.seed, pos, Purpose.RESIDUAL) if len(options) == 1 else uniform(
+                params.seed, sibling_key(pos, len(options)), Purpose.SIBLING_RESIDUAL)
+            return path, Verdict(len(path), sample_token(torch.from_numpy(residual), u), NextTokenKind.RECOVERED)
+        path.append(match)
+        node = match
+
+
+def _dense_q(q, token: int, vocab: int) -> np.ndarray:
+    """A candidate's q as float64 [V]: its DraftProbs, or the point mass at its token."""
+    if q is None:
+        dense = np.zeros(vocab)
+        dense[token] = 1.0
+        return dense
+    if isinstance(q, DraftProbs):
+        return q.dense(vocab).numpy().astype(np.float64)
+    return np.asarray(q, dtype=np.float64)
 
 
 def _walk_greedy(tokens: list[int], parents: list[int], target_logits: torch.Tensor,

@@ -1,5 +1,7 @@
-"""The token-tree verify rule (duospec.verify.verify_tree), greedy: scenario tables, and a chain is the
-one-child tree (the same verdicts as `verify` over randomized cases)."""
+"""The token-tree verify rule (duospec.verify.verify_tree): greedy scenario tables; a chain is the
+one-child tree (the same verdicts as `verify`, greedy and sampled, over randomized cases); and with
+sampling the token a position emits follows p (chi-square over 100k seeded draws) for several
+(p, q, tree shape) cases, including disjoint supports and top-k / top-p."""
 
 from __future__ import annotations
 
@@ -65,8 +67,70 @@ def test_a_chain_is_the_one_child_tree():
 @pytest.mark.parametrize("parents, params, match", [
     ([-1, 1], GREEDY, "parents"),
     ([-1], GREEDY, "parents"),
-    ([-1, 0], SamplingParams(temperature=1.0, seed=1), "chains"),
 ])
 def test_bad_trees_are_refused(parents, params, match):
     with pytest.raises(ValueError, match=match):
         verify_tree([1, 2], parents, _logits([1, 2, 3]), params, 0)
+
+
+def test_a_sampled_chain_is_the_one_child_tree():
+    gen = torch.Generator().manual_seed(1)
+    params = SamplingParams(temperature=1.0, seed=0)
+    for seed in range(300):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        k = int(torch.randint(1, 5, (1,), generator=gen))
+        logits = torch.randn(k + 1, V, generator=gen) * 2
+        q = torch.softmax(torch.randn(k, V, generator=gen) * 2, dim=-1)
+        drafts = torch.multinomial(q, 1, generator=gen).flatten().tolist()
+        for bonus in (True, False):
+            chain = verify(drafts, logits, q, params, 5, sample_bonus=bonus)
+            tree = verify_tree(drafts, list(range(-1, k - 1)), logits, params, 5, draft_probs=q.double().numpy(),
+                               sample_bonus=bonus)
+            assert tree.verdict == chain and tree.path == tuple(range(chain.n_accepted))
+
+
+def _first_token_counts(p_logits, q_row, siblings, params, n):
+    """Histogram of the token emitted at the first position over n seeds: the main draft x ~ q_row
+    (node 0) and deterministic siblings (nodes 1..), all candidates for the same position."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    xs = rng.choice(V, size=n, p=q_row)
+    logits = p_logits.expand(len(siblings) + 2, V).clone()  # rows: the position, then after each node
+    counts = np.zeros(V)
+    for seed, x in enumerate(xs.tolist()):
+        tokens = [x, *siblings]
+        result = verify_tree(tokens, [-1] * len(tokens), logits, SamplingParams(
+            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=seed), 7,
+            draft_probs=[q_row], sample_bonus=False)
+        counts[tokens[result.path[0]] if result.path else result.verdict.next_token] += 1
+    return counts
+
+
+@pytest.mark.parametrize("name, p_logits, q_row, siblings, params", [
+    ("main + one sibling", [2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2], [0.4, 0.3, 0.1, 0.1, 0.05, 0.05, 0.0, 0.0],
+     [6], SamplingParams(temperature=1.0)),
+    ("main + two siblings", [0.0, 0.3, 2.0, 1.0, 0.5, 0.1, 1.2, -1.0], [0.05, 0.05, 0.1, 0.5, 0.2, 0.05, 0.0, 0.05],
+     [2, 6], SamplingParams(temperature=1.0)),
+    ("disjoint supports", [-9.0, -9.0, 1.0, 0.5, 0.0, 0.8, 0.3, 0.1], [0.6, 0.4, 0, 0, 0, 0, 0, 0],
+     [1, 3], SamplingParams(temperature=1.0)),
+    ("top-k and top-p", [1.0, 0.8, 0.6, 0.4, 0.2, 0.0, -0.2, -0.4], [0.2, 0.1, 0.3, 0.1, 0.1, 0.1, 0.05, 0.05],
+     [5, 1], SamplingParams(temperature=0.7, top_k=5, top_p=0.9)),
+])
+def test_sampled_trees_emit_tokens_distributed_as_p(name, p_logits, q_row, siblings, params):
+    import numpy as np
+
+    from duospec.sampling import probs_from_logits
+    from exactness import chi_square_pvalue
+
+    n = 100_000
+    logits = torch.tensor([p_logits])
+    q = np.asarray(q_row, dtype=np.float64)
+    q /= q.sum()
+    counts = _first_token_counts(logits, q, siblings, params, n)
+    p = probs_from_logits(logits, SamplingParams(temperature=params.temperature, top_k=params.top_k,
+                                                 top_p=params.top_p, seed=0))[0].double().numpy()
+    assert counts[p == 0].sum() == 0, f"{name}: emitted a token the target never would"
+    joint = {t: float(p[t]) for t in range(V) if p[t] > 0}
+    pvalue = chi_square_pvalue(joint, {t: counts[t] for t in joint}, n)
+    assert pvalue > 1e-4, f"{name}: chi-square p-value {pvalue:.2g}; counts {counts.tolist()}, expected {(p * n).round()}"
