@@ -1,6 +1,6 @@
 """`duospec serve` configuration: typed, validated at load, errors that name the field and the fix.
 
-    server:   {host: 0.0.0.0, port: 50051, metrics_port: 9400, max_concurrent_requests: 64,
+    server:   {host: 0.0.0.0, port: 50051, metrics_port: 9400, metrics_host: null (= host), max_concurrent_requests: 64,
                max_queued_requests: 256, max_new_tokens_limit: 2048, grace_period_s: 10,
                tls: {cert_file: ..., key_file: ..., client_ca_file: ...}}
     ledger: /var/lib/duospec/usage.db
@@ -59,6 +59,7 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 9400  # 0 = no metrics endpoint
+    metrics_host: str | None = None  # where /metrics listens; None = `host`
     max_concurrent_requests: int = 64  # streams generating at once (all tenants)
     max_queued_requests: int = 256  # waiting for a generation slot; beyond this RESOURCE_EXHAUSTED
     max_new_tokens_limit: int = 2048  # a request asking for more is INVALID_ARGUMENT
@@ -159,6 +160,7 @@ def _parse_server(f: "_Fields", base_dir: pathlib.Path) -> ServerSettings:
         host=f.get("host", str, default=d.host),
         port=f.int_in("port", 0, 65535, default=d.port),
         metrics_port=f.int_in("metrics_port", 0, 65535, default=d.metrics_port),
+        metrics_host=f.get("metrics_host", str, default=None) if f.raw.get("metrics_host") is not None else None,
         max_concurrent_requests=f.int_in("max_concurrent_requests", 1, 1 << 20, default=d.max_concurrent_requests),
         max_queued_requests=f.int_in("max_queued_requests", 0, 1 << 20, default=d.max_queued_requests),
         max_new_tokens_limit=f.int_in("max_new_tokens_limit", 1, 1 << 24, default=d.max_new_tokens_limit),

@@ -120,7 +120,7 @@ class ServerMetrics:
                     if value is not None:
                         gauge.labels(model, actor).set(value)
 
-    def serve(self, port: int, host: str = "0.0.0.0"):
+    def serve(self, port: int, host: str = "127.0.0.1"):
         """Starts the /metrics HTTP endpoint on its own thread; returns (server, thread)."""
         return start_http_server(port, addr=host, registry=self.registry)
 

@@ -132,7 +132,8 @@ class DuospecServer:
         await server.start()
         self._server = server
         if self.settings.metrics_port:
-            self._metrics_http = self.metrics.serve(self.settings.metrics_port)
+            self._metrics_http = self.metrics.serve(self.settings.metrics_port,
+                                                    self.settings.metrics_host or self.settings.host)
         self._health_task = asyncio.create_task(self._health_loop())
         return self.port
 

@@ -155,7 +155,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             tenant = self._authenticate(context)
         except AuthError as exc:
             await context.abort(grpc.StatusCode[exc.code], str(exc))
-        cards = [self._card(m) for m in self.models.values() if tenant.may_use(m.name)]
+        cards = [self._card(m, reveal=tenant.admin) for m in self.models.values() if tenant.may_use(m.name)]
         return pb.ListModelsResponse(models=cards)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
@@ -281,13 +281,15 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 authorization = value
         return self.registry.authenticate(authorization)
 
-    def _card(self, m: ModelInfo) -> pb.ModelCard:
+    def _card(self, m: ModelInfo, *, reveal: bool) -> pb.ModelCard:
+        """What a tenant may know of a model; checkpoint paths and Ray node ids only for an admin."""
         mode = self.default_modes.get(m.name, SpeculationMode.PEARL) if m.has_draft else SpeculationMode.OFF
-        return pb.ModelCard(
-            name=m.name, target=m.target_path, draft=m.draft_path or "", vocab_size=m.vocab_size,
-            max_context=m.max_context, default_mode=_MODE_TO_PB[mode],
-            target_node_id=m.target_node_id, draft_node_id=m.draft_node_id, draft_method=m.draft_method or "",
-        )
+        card = pb.ModelCard(name=m.name, vocab_size=m.vocab_size, max_context=m.max_context,
+                            default_mode=_MODE_TO_PB[mode], draft_method=m.draft_method or "")
+        if reveal:
+            card.target, card.draft = m.target_path, m.draft_path or ""
+            card.target_node_id, card.draft_node_id = m.target_node_id, m.draft_node_id
+        return card
 
     def _update_queue_gauges(self) -> None:
         self.metrics.streams_running.set(self.admission.running)

@@ -7,6 +7,7 @@ Tenants file (YAML):
         key_hashes: ["sha256:9f2c…"]      # written by `duospec tenants add`; never the key itself
         allowed_models: ["*"]             # "*" = every model the server hosts
         priority_weight: 3.0              # share of the target when it is saturated
+        admin: false                      # true: ListModels also shows checkpoint paths and Ray node ids
         limits:                           # each optional; absent = unlimited
           requests_per_minute: 600
           tokens_per_minute: 200000       # prompt + completion tokens
@@ -64,13 +65,15 @@ class Tenant:
     allowed_models: tuple[str, ...] = ("*",)
     priority_weight: float = 1.0
     limits: TenantLimits = field(default_factory=TenantLimits)
+    admin: bool = False  # may see the deployment's internals (checkpoint paths, Ray node ids) in ListModels
 
     def may_use(self, model: str) -> bool:
         return "*" in self.allowed_models or model in self.allowed_models
 
 
 # Used for every request when auth is off (loopback development, or --insecure-no-auth).
-ANONYMOUS = Tenant(name="default")
+# With auth off the caller is the operator on loopback (or one who chose --insecure-no-auth).
+ANONYMOUS = Tenant(name="default", admin=True)
 
 
 def new_api_key() -> str:
@@ -143,7 +146,7 @@ def parse_tenants(raw: Any, source: str = "tenants") -> list[Tenant]:
 def _parse_tenant(entry: Any, where: str) -> Tenant:
     if not isinstance(entry, dict):
         raise TenantsFileError(f"{where}: expected a mapping with name, key_hashes, ...")
-    unknown = set(entry) - {"name", "key_hashes", "allowed_models", "priority_weight", "limits"}
+    unknown = set(entry) - {"name", "key_hashes", "allowed_models", "priority_weight", "limits", "admin"}
     if unknown:
         raise TenantsFileError(f"{where}.{sorted(unknown)[0]}: unknown key; check the spelling")
     name = entry.get("name")
@@ -161,7 +164,11 @@ def _parse_tenant(entry: Any, where: str) -> Tenant:
     weight = entry.get("priority_weight", 1.0)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
         raise TenantsFileError(f"{where}.priority_weight: {weight!r}; use a positive number (default 1.0)")
+    admin = entry.get("admin", False)
+    if not isinstance(admin, bool):
+        raise TenantsFileError(f"{where}.admin: {admin!r}; use true or false (default false)")
     return Tenant(
+        admin=admin,
         name=name,
         key_hashes=tuple(hashes),
         allowed_models=tuple(models),
@@ -191,6 +198,7 @@ def dump_tenants(tenants: list[Tenant]) -> dict:
             "key_hashes": list(t.key_hashes),
             "allowed_models": list(t.allowed_models),
             "priority_weight": t.priority_weight,
+            **({"admin": True} if t.admin else {}),
         }
         limits = {k: getattr(t.limits, k) for k in _LIMIT_KEYS if getattr(t.limits, k) is not None}
         if limits:

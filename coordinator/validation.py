@@ -67,6 +67,9 @@ def validate_request(
 ) -> ValidatedRequest:
     if len(req.request_id) > MAX_REQUEST_ID_CHARS:
         raise invalid("request_id", f"{len(req.request_id)} characters; use at most {MAX_REQUEST_ID_CHARS}")
+    if not (req.request_id.isascii() and req.request_id.isprintable()):
+        # It goes into log lines and the ledger: no control characters, no line breaks.
+        raise invalid("request_id", "use printable ASCII characters only (no control characters or line breaks)")
     prompt_ids = _prompt_token_ids(req, info, tokenizer)
     max_new = _max_new_tokens(req.stopping, len(prompt_ids), info, settings)
     stops = _stop_strings(req.stopping)

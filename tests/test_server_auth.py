@@ -15,7 +15,7 @@ from duospec.v1 import generation_pb2 as pb
 from test_server_support import MODEL, collect, request, rpc_error, running_server, server_coordinator
 from test_server_support import tiny_pair  # noqa: F401  (fixture)
 
-KEYS = {name: new_api_key() for name in ("alpha", "beta", "nomodels", "tight", "heavy", "light")}
+KEYS = {name: new_api_key() for name in ("alpha", "beta", "nomodels", "tight", "heavy", "light", "ops")}
 
 
 def tenant(name: str, **kwargs) -> Tenant:
@@ -27,6 +27,7 @@ TENANTS = [
     tenant("beta"),
     tenant("nomodels", allowed_models=("other-model",)),
     tenant("tight", limits=TenantLimits(tokens_per_minute=60, max_concurrent_streams=1)),
+    tenant("ops", admin=True),
 ]
 
 
@@ -143,3 +144,34 @@ async def test_fair_share_follows_weights(tiny_pair):  # noqa: F811
     ratio = committed["heavy"] / max(1, committed["light"])
     assert committed["light"] > 0
     assert 3.0 * 0.85 <= ratio <= 3.0 * 1.15, committed
+
+
+async def test_listing_shows_paths_and_node_ids_to_admins_only(harness):
+    async def card(name):
+        reply = await harness.stub.ListModels(pb.ListModelsRequest(),
+                                              metadata=(("authorization", f"Bearer {KEYS[name]}"),))
+        (only,) = reply.models
+        return only
+
+    tenant_card, admin_card = await card("alpha"), await card("ops")
+    assert tenant_card.name == admin_card.name == MODEL and tenant_card.max_context == admin_card.max_context
+    assert (tenant_card.target, tenant_card.draft, tenant_card.target_node_id, tenant_card.draft_node_id) == ("",) * 4
+    assert admin_card.target and admin_card.draft  # the checkpoint paths
+
+
+@pytest.mark.parametrize("request_id", ["line\nbreak", "tab\there", "bell\x07", "non-ascii-é"])
+async def test_request_ids_that_could_forge_log_lines_are_refused(harness, request_id):
+    err = await rpc_error(harness.stub, request(request_id=request_id), api_key=KEYS["alpha"])
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in err.details()
+
+
+async def test_the_metrics_endpoint_binds_to_the_server_host(tiny_pair):  # noqa: F811
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    settings = ServerSettings(host="127.0.0.1", port=0, metrics_port=port)
+    async with running_server(server_coordinator(tiny_pair), settings, tenants=TENANTS) as h:
+        server, _thread = h.server._metrics_http
+        assert server.server_address[0] == "127.0.0.1"  # not 0.0.0.0: no wider than the API itself
