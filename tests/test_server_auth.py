@@ -51,6 +51,9 @@ async def test_bad_or_missing_key_is_unauthenticated_and_keys_never_logged(harne
     for key in KEYS.values():
         assert key not in logged  # ...but never a key
     assert "ds_wrong" not in logged
+    assert "def fib(n):" not in logged  # nor the prompt
+    completion = "".join(m.text for m in messages).strip()
+    assert len(completion) < 4 or completion not in logged  # nor the completion
 
 
 async def test_model_not_allowed_is_permission_denied_and_hidden_from_listing(harness):
