@@ -235,7 +235,12 @@ class Scheduler(WorkerRecovery):
 
     @staticmethod
     def _max_hedges(seq: Sequence) -> int:
-        return 0 if seq.draft_paused else seq.policy.max_hedges()
+        """Hedges pay only on a rejection but cost draft steps always: adaptive pearl keeps
+        2·(1 - α) of the configured number (at least one), α the sequence's acceptance."""
+        n = 0 if seq.draft_paused else seq.policy.max_hedges()
+        if n and seq.policy.adaptive:
+            n = min(n, max(1, round(2 * n * (1 - seq.acceptance.alpha))))
+        return n
 
     # -- drafts in -----------------------------------------------------------------------------
     def _on_draft_batch(self, batch: pb.DraftChunkBatch) -> None:

@@ -340,3 +340,18 @@ def test_hedges_never_keep_a_new_sequence_out(draft_dir):
     assert set(drafter.sequences) == {1, 2, 3} and drafter.hedges.live() == 0
     with pytest.raises(SlotsExhausted):
         _start(drafter, 4, PROMPT[:3], 3, 6)
+
+
+async def test_adaptive_pearl_hedges_less_the_more_its_drafts_are_accepted():
+    from coordinator.adaptive import AcceptanceTracker
+
+    scheduler, target, draft, _ = _scheduler()
+    adaptive = SpeculationPolicy(mode=SpeculationMode.PEARL, max_draft_tokens=4, max_lookahead=8, adaptive=True,
+                                 hedges=4)
+    seq = scheduler._add(_request(n=20), adaptive)
+    for alpha, hedges in ((0.5, 4), (0.75, 2), (0.95, 1)):
+        seq.acceptance = AcceptanceTracker.with_prior(alpha)
+        assert scheduler._max_hedges(seq) == hedges, alpha
+    fixed = scheduler._add(_request(n=20, tenant="b"), _cache_policy())  # adaptive off: the configured number
+    fixed.acceptance = AcceptanceTracker.with_prior(0.95)
+    assert scheduler._max_hedges(fixed) == 4
