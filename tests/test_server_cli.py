@@ -41,10 +41,14 @@ def test_tenants_add_list_remove(tmp_path, capsys):
     assert tenant.allowed_models == ("m1", "m2") and tenant.limits.tokens_per_minute == 1000
     assert run_admin(["tenants", "add", "team-a", "--tenants", str(path)]) == 2
     assert run_admin(["tenants", "add", "team-b", "--tenants", str(path), "--rpm", "0"]) == 2
+    assert run_admin(["tenants", "add", "ops", "--tenants", str(path), "--admin"]) == 0
+    capsys.readouterr()
+    assert [t.admin for t in load_tenants(path)] == [False, True]
     assert run_admin(["tenants", "list", "--tenants", str(path)]) == 0
     listing = capsys.readouterr().out
-    assert "team-a" in listing and "ds_" not in listing and "sha256" not in listing
+    assert "team-a" in listing and "ops (admin)" in listing and "ds_" not in listing and "sha256" not in listing
     assert run_admin(["tenants", "remove", "team-a", "--tenants", str(path)]) == 0
+    assert run_admin(["tenants", "remove", "ops", "--tenants", str(path)]) == 0
     assert yaml.safe_load(path.read_text()) == {"tenants": []}
     assert run_admin(["tenants", "remove", "team-a", "--tenants", str(path)]) == 2
 

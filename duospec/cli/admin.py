@@ -22,6 +22,8 @@ def register(subparsers) -> None:
     add.add_argument("--tpm", type=int, help="tokens (prompt + completion) per minute")
     add.add_argument("--max-concurrent", type=int, help="concurrent streams")
     add.add_argument("--max-tokens-per-request", type=int, help="prompt + max_new_tokens per request")
+    add.add_argument("--admin", action="store_true",
+                     help="may see checkpoint paths and Ray node ids in ListModels (operators only)")
     add.set_defaults(func=tenants_add)
 
     ls = sub.add_parser("list", help="list tenants (never keys)")
@@ -65,6 +67,7 @@ def tenants_add(args: argparse.Namespace) -> int:
         models = tuple(m.strip() for m in args.allowed_models.split(",") if m.strip()) or ("*",)
         tenant = Tenant(
             name=args.name, key_hashes=(hash_api_key(key),), allowed_models=models, priority_weight=args.weight,
+            admin=args.admin,
             limits=TenantLimits(requests_per_minute=args.rpm, tokens_per_minute=args.tpm,
                                 max_concurrent_streams=args.max_concurrent,
                                 max_tokens_per_request=args.max_tokens_per_request),
@@ -89,7 +92,8 @@ def tenants_list(args: argparse.Namespace) -> int:
     rows = [("NAME", "WEIGHT", "MODELS", "KEYS", "RPM", "TPM", "STREAMS", "TOKENS/REQ")]
     for t in tenants:
         lim = t.limits
-        rows.append((t.name, f"{t.priority_weight:g}", ",".join(t.allowed_models), str(len(t.key_hashes)),
+        rows.append((t.name + (" (admin)" if t.admin else ""), f"{t.priority_weight:g}", ",".join(t.allowed_models),
+                     str(len(t.key_hashes)),
                      *(str(v) if v else "-" for v in (lim.requests_per_minute, lim.tokens_per_minute,
                                                        lim.max_concurrent_streams, lim.max_tokens_per_request))))
     _print_table(rows)
