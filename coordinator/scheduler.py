@@ -461,10 +461,8 @@ class Scheduler(WorkerRecovery):
         """Commits a verdict and tells the drafter what it needs; returns the tokens committed."""
         k = len(seq.verify_tokens or ())
         next_token = verdict.next_token if verdict.kind != pb.NEXT_TOKEN_KIND_NONE else None
-        accepted, branch, branch_accepted = seq.tree_outcome(verdict.path) if verdict.path else (None, None, 0)
-        rejected = verdict.kind == pb.NEXT_TOKEN_KIND_RECOVERED and (branch is not None or verdict.n_accepted < k)
-        hedge = seq.hedges.get(branch) if branch is not None else None
-        kept, action = seq.apply_verdict(verdict.n_accepted, next_token, rejected, accepted, branch, branch_accepted)
+        kept, action, branch = seq.apply_verdict(verdict.n_accepted, next_token,
+                                                 verdict.kind == pb.NEXT_TOKEN_KIND_RECOVERED, verdict.path)
         if k:
             self.recent_acceptance.observe(seq.acceptance.alpha)
         tenant = seq.request.tenant
@@ -487,7 +485,7 @@ class Scheduler(WorkerRecovery):
         elif seq.draft_paused or action is DraftAction.ABORT:  # resuming needs a catch-up reset too
             resuming, seq.draft_paused = seq.draft_paused, False
             if branch is not None:  # the path went into a hedge: the drafter continues on that branch
-                self._abort(seq, seq.branch_rest(hedge, branch_accepted, next_token), branch)
+                self._abort(seq, (branch.drafts, branch.probs), branch.key)
             else:
                 self._abort(seq, None if resuming or not self._max_hedges(seq) else seq.take_hedge())
         elif kept:  # (nothing committed, e.g. a prefill-only round: the drafter has nothing new to hear)

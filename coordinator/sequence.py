@@ -22,6 +22,16 @@ from coordinator.api import FinishReason, GenerationRequest, SpecStats, Speculat
 from coordinator.policies import SpeculationPolicy
 
 
+@dataclass(frozen=True)
+class BranchTaken:
+    """A verdict's path went into the branch of hedge `key`: the drafter adopts that branch, and the
+    hedge's tokens past the verdict (`drafts`, `probs`) are the next round's drafts."""
+
+    key: tuple[int, int]
+    drafts: list[int]
+    probs: list[bytes]
+
+
 class DraftAction(enum.Enum):
     """What the drafter must be told after a verdict."""
 
@@ -185,26 +195,25 @@ class Sequence:
             return list(chain), []
         return chain + self.branch_tokens, [*range(-1, len(chain) - 1), *self.branch_parents]
 
-    @staticmethod
-    def branch_rest(hedge, branch_accepted: int, next_token: int | None) -> tuple[list[int], list[bytes]]:
-        """After a path into a hedge's branch: the hedge's tokens past the verdict's next token when
-        the hedge guessed that token too (the next round's drafts), else none."""
-        rest = hedge[0][branch_accepted - 1:] if hedge else []
-        if next_token is None or rest[:1] != [next_token]:
-            return [], []
-        return rest[1:], hedge[1][branch_accepted:]
-
-    def tree_outcome(self, path) -> tuple[list[int], tuple[int, int] | None, int]:
+    def _tree_outcome(self, path) -> tuple[list[int], tuple[int, int] | None, int]:
         """A verdict's accepted tokens from its path through the in-flight tree, the hedge key of the
         branch it went into (None: it stayed on the main chain) and how many of that branch's nodes
         it accepted."""
-        chain = self.verify_tokens or []
-        tokens = chain + self.branch_tokens
+        tokens = (self.verify_tokens or []) + self.branch_tokens
         accepted = [tokens[i] for i in path]
         for depth, node in enumerate(path):
             if node in self.branch_keys:
                 return accepted, self.branch_keys[node], len(path) - depth
         return accepted, None, 0
+
+    def _branch_rest(self, key, branch_accepted: int, next_token: int | None) -> tuple[list[int], list[bytes]]:
+        """After a path into hedge `key`'s branch: the hedge's tokens past the verdict's next token when
+        the hedge guessed that token too (the next round's drafts), else none."""
+        hedge = self.hedges.get(key)
+        rest = hedge[0][branch_accepted - 1:] if hedge else []
+        if next_token is None or rest[:1] != [next_token]:
+            return [], []
+        return rest[1:], hedge[1][branch_accepted:]
 
     def drop_drafts(self) -> int:
         """Discards the drafts not under verification (the in-flight chunk still gets its verdict)."""
@@ -233,18 +242,22 @@ class Sequence:
             self.draft_probs = self.verify_probs + self.draft_probs
         self.verify_tokens, self.verify_probs = None, []
 
-    def apply_verdict(self, n_accepted: int, next_token: int | None, rejected: bool,
-                      accepted: list[int] | None = None, branch: tuple[int, int] | None = None,
-                      branch_accepted: int = 0) -> tuple[list[int], DraftAction]:
-        """Commits the verdict of the in-flight chunk. A path into the branch of hedge `branch`:
-        `accepted` are its tokens, the last `branch_accepted` of them on the branch. Returns (tokens
-        kept, what the drafter needs). Draft statistics count the main chain; tree_nodes the branches."""
-        if branch is None:
-            accepted = None
-        else:  # the drafter's main line differs from the committed tokens from the branch on
+    def apply_verdict(self, n_accepted: int, next_token: int | None, recovered: bool,
+                      path=()) -> tuple[list[int], DraftAction, BranchTaken | None]:
+        """Commits the verdict of the in-flight chunk (`recovered`: its next token is a correction;
+        `path`: the accepted nodes of a token tree). Returns (tokens kept, what the drafter needs, and
+        when the path went into a hedge's branch, which one and what of it is left to draft on).
+        Draft statistics count the main chain; tree_nodes the branches."""
+        accepted, branch, branch_accepted = self._tree_outcome(path) if path else (None, None, 0)
+        taken = None
+        if branch is not None:  # the drafter's main line differs from the committed tokens from the branch on
             self.stats.tree_hits += 1
             self.draft_fed_len = min(self.draft_fed_len, branch[0])
+            taken = BranchTaken(branch, *self._branch_rest(branch, branch_accepted, next_token))
+        else:
+            accepted = None
         chunk = self.verify_tokens or []
+        rejected = recovered and (branch is not None or n_accepted < len(chunk))
         self.verify_tokens, self.verify_probs = None, []
         k = len(chunk)
         self.stats.tree_nodes += len(self.branch_tokens)
@@ -257,19 +270,19 @@ class Sequence:
         n_accepted -= branch_accepted  # of the main chain
         self._count(k, n_accepted, len(kept), rejected, first_of_round=old_len == self.round_start)
         if self.finish_reason is not None or not self.uses_draft:
-            return kept, DraftAction.NONE
+            return kept, DraftAction.NONE, None
         if rejected or accepted is not None:  # a path into a branch leaves the main line too
             self.stats.wasted_draft_tokens += (k - n_accepted) + len(self.drafts)
-            return kept, DraftAction.ABORT
+            return kept, DraftAction.ABORT, taken
         if next_token is not None:  # bonus: keep the speculation past it only if the drafter guessed it
             if self.drafts and self.drafts[0] == next_token:
                 self.drafts, self.draft_probs = self.drafts[1:], self.draft_probs[1:]
                 self._decided()
-                return kept, DraftAction.ADVANCE
+                return kept, DraftAction.ADVANCE, None
             self.stats.wasted_draft_tokens += len(self.drafts)
-            return kept, DraftAction.ABORT
+            return kept, DraftAction.ABORT, taken
         self._decided()
-        return kept, DraftAction.ADVANCE
+        return kept, DraftAction.ADVANCE, None
 
     def _decided(self) -> None:
         """Hedges and alternatives at committed positions can no longer be hit."""

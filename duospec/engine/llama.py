@@ -303,13 +303,15 @@ class LeanLlamaRunner(ModelRunner):
         contexts = [s + n for s, n in zip(starts, sizes)]
         max_ctx = max(contexts)
         cache_index = list(chain.from_iterable(range(s, s + n) for s, n in zip(starts, sizes)))
-        depths = [c.depths() for c in chunks]
-        positions = list(chain.from_iterable([s + d for d in ds] for s, ds in zip(starts, depths)))
+        trees = [(b, c) for b, c in enumerate(chunks) if c.parents is not None]
+        depths = [c.depths() for c in chunks] if trees else None  # chains: position == cache index
+        positions = cache_index if not trees else list(
+            chain.from_iterable([s + d for d in ds] for s, ds in zip(starts, depths)))
         token_slots = list(chain.from_iterable([c.slot] * n for c, n in zip(chunks, sizes)))
         tokens = list(chain.from_iterable(c.token_ids for c in chunks))
         # One host->device copy for all per-token indices.
-        flat = torch.tensor([tokens, positions, token_slots, cache_index], dtype=torch.long).to(
-            self.device, non_blocking=True)
+        rows = [tokens, positions, token_slots] + ([cache_index] if trees else [])
+        flat = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
         uniform = all(n == max_len for n in sizes)
         pad_index = None
         if not uniform:
@@ -320,9 +322,9 @@ class LeanLlamaRunner(ModelRunner):
         batch_slots = (slice(slots[0], slots[0] + n_chunks) if consecutive
                        else torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True))
         last = [end - 1 for end in accumulate(sizes)]
-        trees = [(b, c) for b, c in enumerate(chunks) if c.parents is not None]
         masks = {w: self._mask(starts, sizes, contexts, max_len, max_ctx, w, depths, trees) for w in self._windows}
-        return _Batch(tokens=flat[0], positions=flat[1], cache_index=flat[3], slots=flat[2], batch_slots=batch_slots,
+        return _Batch(tokens=flat[0], positions=flat[1], cache_index=flat[3] if trees else flat[1], slots=flat[2],
+                      batch_slots=batch_slots,
                       pad_index=pad_index, masks=masks,
                       last_rows=torch.tensor(last, dtype=torch.long).to(self.device, non_blocking=True),
                       sizes=sizes, n_chunks=n_chunks, max_len=max_len, max_ctx=max_ctx)

@@ -208,9 +208,7 @@ class ReplayRunner(ModelRunner):
         entry = state.entry
         p_len = len(entry.prompt)
         state.on_path = min(state.on_path, max(0, chunk.start_pos - p_len))
-        while (state.on_path < len(entry.greedy) and p_len + state.on_path < len(state.history)
-               and state.history[p_len + state.on_path] == entry.greedy[state.on_path]):
-            state.on_path += 1
+        _extend_on_path(state)
         if chunk.parents is not None:
             return self._tree_choices(state, chunk)
         first = chunk.start_pos + len(chunk.token_ids) - 1 if last_only else chunk.start_pos
@@ -225,10 +223,7 @@ class ReplayRunner(ModelRunner):
             paths.append((paths[parent] if parent >= 0 else []) + [chunk.token_ids[i]])
             node = _SlotState()
             node.entry, node.history = state.entry, prefix + paths[i]
-            p_len = len(state.entry.prompt)
-            while (node.on_path < len(state.entry.greedy) and p_len + node.on_path < len(node.history)
-                   and node.history[p_len + node.on_path] == state.entry.greedy[node.on_path]):
-                node.on_path += 1
+            _extend_on_path(node)
             rows.append(self._next_token(node, len(node.history) - 1))
         return rows
 
@@ -273,6 +268,14 @@ class ReplayRunner(ModelRunner):
             log.warning("replay %s: %s (further misses are only counted)", self.role, why)
         self.misses += 1
         return token
+
+
+def _extend_on_path(state: _SlotState) -> None:
+    """Counts on: how many generated tokens of the slot's history follow the greedy path."""
+    entry, p_len = state.entry, len(state.entry.prompt)
+    while (state.on_path < len(entry.greedy) and p_len + state.on_path < len(state.history)
+           and state.history[p_len + state.on_path] == entry.greedy[state.on_path]):
+        state.on_path += 1
 
 
 def load_replay_runner(directory: pathlib.Path, config, *, max_slots: int, max_context: int) -> ReplayRunner:
