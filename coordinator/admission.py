@@ -1,4 +1,4 @@
-"""Admission: per-tenant quotas (token buckets, concurrent streams) and the server-wide stream cap.
+"""Admission: per-tenant quotas (token buckets, concurrent streams) and the one place requests wait.
 
 A request is admitted in this order, failing fast before it holds anything:
   1. the server is not draining (else UNAVAILABLE);
@@ -6,9 +6,13 @@ A request is admitted in this order, failing fast before it holds anything:
   3. the tenant has a free concurrent stream;
   4. the tenant's requests/min and tokens/min buckets cover it (tokens/min reserves prompt +
      max_new_tokens up front; the unused part is refunded when the request finishes);
-  5. a server-wide generation slot is free, else it waits in a queue (bounded by max_queued_requests).
+  5. a generation slot is free — server-wide (max_concurrent_requests) and on the model
+     (models[].max_num_seqs, the sequences its scheduler holds) — else it waits in the queue.
 The queue is weighted: when a slot frees, it goes to the waiting tenant with the fewest running
-streams per unit of priority_weight, so a tenant that floods the queue cannot starve the others.
+streams per unit of priority_weight. Because the model's slots are handed out here and nowhere else,
+no admitted request waits in a FIFO further down. Each tenant's part of the queue is bounded by its
+weighted share of max_queued_requests (weights of every tenant in the tenants file), so a tenant
+that floods the queue is refused on its own share and cannot crowd the others out of theirs.
 Quota failures carry `retry_after_s`, which the server sends as `retry-after-s` trailing metadata.
 """
 
@@ -20,7 +24,7 @@ import math
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 from coordinator.tenancy import Tenant
 
@@ -68,6 +72,7 @@ class Ticket:
 
     tenant: Tenant
     reserved_tokens: int
+    model: str = ""
     released: bool = False
 
 
@@ -81,20 +86,36 @@ class _TenantState:
 
 
 class Admission:
-    def __init__(self, max_concurrent: int, max_queued: int, clock: Callable[[], float] = time.monotonic):
+    """`model_slots`: name -> max_num_seqs; a model not listed is bounded only by max_concurrent."""
+
+    def __init__(self, max_concurrent: int, max_queued: int, clock: Callable[[], float] = time.monotonic,
+                 *, model_slots: dict[str, int] | None = None, tenants: Iterable[Tenant] = ()):
         self.max_concurrent = max_concurrent
         self.max_queued = max_queued
+        self.model_slots = dict(model_slots or {})
         self.draining = False
         self.running = 0
         self._clock = clock
         self._tenants: dict[str, _TenantState] = {}
-        self._waiters: dict[str, deque[tuple[int, asyncio.Future]]] = defaultdict(deque)
+        self._model_running: dict[str, int] = defaultdict(int)
+        self._waiters: dict[str, deque[tuple[int, str, asyncio.Future]]] = defaultdict(deque)
         self._weights: dict[str, float] = {}
         self._arrival = itertools.count()
+        self.set_tenants(tenants)
+
+    def set_tenants(self, tenants: Iterable[Tenant]) -> None:
+        """The tenants whose weights split the queue (the tenants file; again after a reload)."""
+        self._known_weights = {t.name: t.priority_weight for t in tenants}
 
     @property
     def waiting(self) -> int:
         return sum(len(q) for q in self._waiters.values())
+
+    def queue_share(self, tenant: Tenant) -> int:
+        """How many of this tenant's requests may wait at once: its weighted share of the queue."""
+        weights = dict(self._known_weights)
+        weights[tenant.name] = tenant.priority_weight
+        return max(1, math.floor(self.max_queued * tenant.priority_weight / sum(weights.values())))
 
     def _state(self, tenant: Tenant) -> _TenantState:
         state = self._tenants.get(tenant.name)
@@ -102,7 +123,7 @@ class Admission:
             state = self._tenants[tenant.name] = _TenantState(tenant, self._clock)
         return state
 
-    async def admit(self, tenant: Tenant, tokens: int) -> Ticket:
+    async def admit(self, tenant: Tenant, tokens: int, model: str = "") -> Ticket:
         """`tokens` = prompt tokens + max_new_tokens. Raises AdmissionError; may wait for a slot."""
         if self.draining:
             raise AdmissionError("UNAVAILABLE", "server is shutting down; retry on another replica", 1.0)
@@ -110,13 +131,12 @@ class Admission:
         state = self._state(tenant)
         state.streams += 1
         try:
-            await self._take_slot(tenant)
+            await self._take_slot(tenant, model)
         except BaseException:
             state.streams -= 1
             self._refund(state, tokens, 1)
             raise
-        return Ticket(tenant=tenant, reserved_tokens=tokens)
-
+        return Ticket(tenant=tenant, reserved_tokens=tokens, model=model)
     def _check_quota(self, tenant: Tenant, tokens: int) -> None:
         limits, state = tenant.limits, self._state(tenant)
         if limits.max_tokens_per_request and tokens > limits.max_tokens_per_request:
@@ -149,11 +169,19 @@ class Admission:
                     )
                 raise _rate_error(tenant, "tokens_per_minute", limits.tokens_per_minute, wait)
 
-    async def _take_slot(self, tenant: Tenant) -> None:
+    def _has_room(self, model: str) -> bool:
+        return (self.running < self.max_concurrent
+                and self._model_running[model] < self.model_slots.get(model, self.max_concurrent))
+
+    def _count(self, tenant_name: str, model: str, delta: int) -> None:
+        self.running += delta
+        self._model_running[model] += delta
+        self._tenants[tenant_name].running += delta
+
+    async def _take_slot(self, tenant: Tenant, model: str) -> None:
         state = self._state(tenant)
-        if self.running < self.max_concurrent and not self.waiting:
-            self.running += 1
-            state.running += 1
+        if self._has_room(model) and not any(m == model for q in self._waiters.values() for _, m, _ in q):
+            self._count(tenant.name, model, +1)
             return
         if self.waiting >= self.max_queued:
             raise AdmissionError(
@@ -161,16 +189,23 @@ class Admission:
                 f"server is at capacity ({self.running} streams running, {self.waiting} queued); retry shortly",
                 1.0,
             )
+        share = self.queue_share(tenant)
+        if len(self._waiters[tenant.name]) >= share:
+            raise AdmissionError(
+                "RESOURCE_EXHAUSTED",
+                f"tenant {tenant.name!r} already has {share} requests queued, its share of the queue "
+                f"(by priority_weight); retry when one starts",
+                1.0,
+            )
         future = asyncio.get_running_loop().create_future()
-        entry = (next(self._arrival), future)
+        entry = (next(self._arrival), model, future)
         self._weights[tenant.name] = tenant.priority_weight
         self._waiters[tenant.name].append(entry)
         try:
             await future  # resolved by _hand_out_slots with the slot already counted as running
         except BaseException:
             if future.done() and not future.cancelled():
-                self.running -= 1  # slot was handed over just as we were cancelled: return it
-                state.running -= 1
+                self._count(tenant.name, model, -1)  # slot was handed over just as we were cancelled
                 self._hand_out_slots()
             else:
                 self._waiters[tenant.name].remove(entry)
@@ -183,8 +218,7 @@ class Admission:
         ticket.released = True
         state = self._state(ticket.tenant)
         state.streams -= 1
-        state.running -= 1
-        self.running -= 1
+        self._count(ticket.tenant.name, ticket.model, -1)
         if state.tokens is not None and used_tokens < ticket.reserved_tokens:
             state.tokens.give_back(ticket.reserved_tokens - used_tokens)
         self._hand_out_slots()
@@ -197,16 +231,21 @@ class Admission:
 
     def _hand_out_slots(self) -> None:
         while self.running < self.max_concurrent:
-            candidates = [name for name, q in self._waiters.items() if q]
+            # Each tenant's earliest request for a model with a free slot.
+            candidates = []
+            for name, queue in self._waiters.items():
+                entry = next((e for e in queue if self._has_room(e[1])), None)
+                if entry is not None:
+                    candidates.append((name, entry))
             if not candidates:
                 return
             # Fewest running streams per unit of weight first; ties go to the earliest arrival.
-            name = min(candidates, key=lambda n: (self._running_of(n) / self._weights[n], self._waiters[n][0][0]))
-            _, future = self._waiters[name].popleft()
+            name, entry = min(candidates, key=lambda c: (self._running_of(c[0]) / self._weights[c[0]], c[1][0]))
+            self._waiters[name].remove(entry)
+            _, model, future = entry
             if future.done():
                 continue
-            self.running += 1
-            self._tenants[name].running += 1
+            self._count(name, model, +1)
             future.set_result(None)
 
     def _running_of(self, name: str) -> int:

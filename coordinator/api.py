@@ -110,7 +110,9 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...] = ()
     draft_node_id: str = ""  # Ray node of the draft actor ("" in-process / no draft)
     target_node_id: str = ""  # Ray node of the target actor
-
+    # live sequences the model's scheduler holds at once (models[].max_num_seqs): the server's
+    # weighted admission queue hands out exactly this many per model, so no request waits elsewhere
+    max_num_seqs: int = 16
 
     @property
     def has_draft(self) -> bool:

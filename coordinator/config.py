@@ -15,7 +15,9 @@
                                              #    pool: tenant|sequence, pool_tokens: 16000, max_pools: 16}
         device: auto                         # auto|cpu|cuda
         dtype: auto                          # auto|float32|bfloat16|float16
-        max_batch_size: 8
+        max_batch_size: 8                    # sequences per verify forward
+        max_num_seqs: 16                     # live sequences (KV slots per worker); more wait in the
+                                             # server's weighted queue
         max_model_len: 8192                  # optional; positions per sequence (default: the model's
                                              # max_position_embeddings); KV memory is sized from it
         speculation: {mode: pearl, max_draft_tokens: 4, max_lookahead: 9, adaptive: true,
@@ -93,6 +95,7 @@ class ModelConfig:
     device: str = "auto"
     dtype: str = "auto"
     max_batch_size: int = 8
+    max_num_seqs: int = 16  # live sequences at once (vLLM's name); KV slots on each worker
     speculation: SpeculationDefaults = field(default_factory=SpeculationDefaults)
     # Positions per sequence (prompt + output), on every layer alike: request validation, the
     # coordinator, the drafter and the target. None = the model's max_position_embeddings.
@@ -214,6 +217,7 @@ def _parse_model(f: "_Fields", base_dir: pathlib.Path) -> ModelConfig:
         device=f.choice("device", DEVICES, default="auto"),
         dtype=f.choice("dtype", DTYPES, default="auto"),
         max_batch_size=f.int_in("max_batch_size", 1, 4096, default=8),
+        max_num_seqs=f.int_in("max_num_seqs", 1, 4096, default=16),
         speculation=spec,
         max_model_len=f.int_in("max_model_len", 2, 1 << 24, default=2) if f.raw.get("max_model_len") is not None else None,
     )

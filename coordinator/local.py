@@ -39,7 +39,7 @@ class LocalCoordinator(ModelRouter):
             spec = getattr(config, "draft", None)
             preloaded = (runners or {}).get(config.name)
             if preloaded is None:  # load now: health turns SERVING only once the models are in memory
-                max_slots = scheduler_config(config).max_sequences
+                max_slots = scheduler_config(config).max_num_seqs
                 proposer = None
                 if spec is not None:
                     proposer = build_proposer(spec, info.target_path, device=resolve_device(config.device),

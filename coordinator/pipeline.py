@@ -118,7 +118,7 @@ def start_pipeline(models: list, *, ray_address: str | None = None, placement_ti
                 getattr(config, "draft", None),
                 device=getattr(config, "device", "auto"),
                 dtype=getattr(config, "dtype", "auto"),
-                max_slots=scheduler_config(config).max_sequences,
+                max_slots=scheduler_config(config).max_num_seqs,
                 max_context=info.max_context,
                 placement_timeout_s=placement_timeout_s,
                 deployment_secret=secret,

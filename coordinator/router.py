@@ -42,7 +42,7 @@ class ModelEntry:
 def scheduler_config(model_config) -> SchedulerConfig:
     return SchedulerConfig(
         max_batch_size=int(getattr(model_config, "max_batch_size", 8)),
-        max_sequences=int(getattr(model_config, "max_sequences", 16)),
+        max_num_seqs=int(getattr(model_config, "max_num_seqs", 16)),
     )
 
 

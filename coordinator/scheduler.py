@@ -97,7 +97,7 @@ class _Failure:
 @dataclass
 class SchedulerConfig:
     max_batch_size: int = 8  # sequences per verify batch
-    max_sequences: int = 16  # live sequences (KV slots on each worker)
+    max_num_seqs: int = 16  # live sequences (KV slots on each worker)
     stats_window: list = field(default_factory=list)
 
 
@@ -124,7 +124,7 @@ class Scheduler(WorkerRecovery):
         self._batch_ids = itertools.count(1)
         self._target_releases: list[int] = []
         self._vtime: dict[str, float] = {}  # weighted fair share: committed tokens / weight per tenant
-        self._slots = asyncio.Semaphore(config.max_sequences)
+        self._slots = asyncio.Semaphore(config.max_num_seqs)
         self._tasks: list[asyncio.Task] = []
         self._idle_since = time.monotonic()
         self._deferring = False  # True while a batch is being applied: dispatch once, at its end

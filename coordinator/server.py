@@ -95,7 +95,9 @@ class DuospecServer:
         self.settings = settings
         self.metrics = metrics or ServerMetrics()
         self.lifecycle = Lifecycle()
-        self.admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests)
+        self.admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests,
+                                   model_slots={m.name: m.max_num_seqs for m in coordinator.models()},
+                                   tenants=tenants or ())
         self.ledger = UsageLedger(ledger_path) if ledger_path else None
         self.health = health.aio.HealthServicer()
         self.servicer = GenerationServicer(

@@ -168,7 +168,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 self.default_modes.get(info.name, SpeculationMode.PEARL), uuid.uuid4().hex,
             )
             ticket = await self.admission.admit(tenant, len(validated.request.prompt_token_ids)
-                                                + validated.request.max_new_tokens)
+                                                + validated.request.max_new_tokens, info.name)
         except (AuthError, RequestError) as exc:
             await context.abort(grpc.StatusCode[exc.code], str(exc))
         except AdmissionError as exc:

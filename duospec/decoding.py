@@ -65,7 +65,7 @@ def _router(target, draft, *, gamma: int, max_lookahead: int, max_batch_size: in
     # The model's defaults otherwise (the speculation cache and token trees on), as `duospec serve` has them.
     config = types.SimpleNamespace(speculation=SpeculationDefaults(
         mode=SpeculationMode.PEARL, max_draft_tokens=gamma, max_lookahead=max_lookahead, adaptive=adaptive))
-    sched_config = SchedulerConfig(max_batch_size=max_batch_size, max_sequences=min(runner.max_slots, 64))
+    sched_config = SchedulerConfig(max_batch_size=max_batch_size, max_num_seqs=min(runner.max_slots, 64))
 
     async def open_scheduler() -> Scheduler:
         draft_link = LocalDraftLink(Drafter(proposer)) if proposer is not None else None

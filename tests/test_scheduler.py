@@ -130,7 +130,7 @@ async def test_mean_accepted_length_counts_committed_tokens():
 
 
 async def test_queued_request_fails_fast_once_the_target_is_lost():
-    scheduler, target, draft, policy = _scheduler(max_sequences=1)
+    scheduler, target, draft, policy = _scheduler(max_num_seqs=1)
 
     async def consume():
         return [e async for e in scheduler.generate(_request(), policy)]

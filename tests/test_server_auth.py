@@ -15,7 +15,7 @@ from duospec.v1 import generation_pb2 as pb
 from test_server_support import MODEL, collect, request, rpc_error, running_server, server_coordinator
 from test_server_support import tiny_pair  # noqa: F401  (fixture)
 
-KEYS = {name: new_api_key() for name in ("alpha", "beta", "nomodels", "tight", "heavy", "light", "ops")}
+KEYS = {name: new_api_key() for name in ("alpha", "beta", "nomodels", "tight", "heavy", "light", "flood", "ops")}
 
 
 def tenant(name: str, **kwargs) -> Tenant:
@@ -119,33 +119,63 @@ def test_non_loopback_without_tenants_refuses_to_start(tiny_pair):  # noqa: F811
         DuospecServer(object(), settings, tokenizers={})
 
 
+async def _share_of_tokens(h, streams: dict[str, int], warmup_s: float, window_s: float):
+    """Each tenant keeps `streams[name]` streams busy; returns (committed tokens in the window, refusals)."""
+    committed = dict.fromkeys(streams, 0)
+    refused = dict.fromkeys(streams, 0)
+    window_open = asyncio.Event()
+
+    async def keep_busy(name: str):
+        while True:
+            req = request("def f():", 6)
+            req.stopping.ignore_eos = True
+            try:
+                async for m in h.stub.Generate(req, metadata=(("authorization", f"Bearer {KEYS[name]}"),)):
+                    if window_open.is_set():
+                        committed[name] += len(m.token_ids)
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                refused[name] += 1
+                await asyncio.sleep(0.05)
+
+    tasks = [asyncio.ensure_future(keep_busy(name)) for name, n in streams.items() for _ in range(n)]
+    await asyncio.sleep(warmup_s)  # let the queue fill before measuring
+    window_open.set()
+    await asyncio.sleep(window_s)
+    window_open.clear()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return committed, refused
+
+
 async def test_fair_share_follows_weights(tiny_pair):  # noqa: F811
     """Two tenants weighted 3:1 flood the server; committed tokens over a window split ~3:1 (±15 %)."""
     tenants = [tenant("heavy", priority_weight=3.0), tenant("light", priority_weight=1.0)]
     settings = ServerSettings(host="127.0.0.1", port=0, metrics_port=0, max_concurrent_requests=4,
                               max_queued_requests=64)
-    committed = {"heavy": 0, "light": 0}
-    window_open = asyncio.Event()
-
-    async def flood(h, name: str):
-        while True:
-            req = request("def f():", 6)
-            req.stopping.ignore_eos = True
-            async for m in h.stub.Generate(req, metadata=(("authorization", f"Bearer {KEYS[name]}"),)):
-                if window_open.is_set():
-                    committed[name] += len(m.token_ids)
-
     async with running_server(server_coordinator(tiny_pair, step_delay_s=0.005), settings, tenants=tenants) as h:
-        tasks = [asyncio.ensure_future(flood(h, n)) for n in ["heavy"] * 6 + ["light"] * 6]
-        await asyncio.sleep(1.0)  # let the queue fill before measuring
-        window_open.set()
-        await asyncio.sleep(4.0)
-        window_open.clear()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        committed, _ = await _share_of_tokens(h, {"heavy": 6, "light": 6}, 1.0, 4.0)
     ratio = committed["heavy"] / max(1, committed["light"])
     assert committed["light"] > 0
+    assert 3.0 * 0.85 <= ratio <= 3.0 * 1.15, committed
+
+
+async def test_fair_share_at_the_default_config_and_a_flood_starves_no_one(tiny_pair):  # noqa: F811
+    """Default settings (64 streams, 16 sequences per model): tenants weighted 3:1 each keep 32 streams
+    busy while a third floods the queue with 150. The weighted queue is the only place requests wait:
+    committed tokens split 3:1 (±15 %), and the flood is refused on its own share of the queue,
+    never the other two."""
+    tenants = [tenant("heavy", priority_weight=3.0), tenant("light", priority_weight=1.0),
+               tenant("flood", priority_weight=1.0)]
+    settings = ServerSettings(host="127.0.0.1", port=0, metrics_port=0)  # the defaults
+    assert (settings.max_concurrent_requests, settings.max_queued_requests) == (64, 256)
+    async with running_server(server_coordinator(tiny_pair), settings, tenants=tenants) as h:
+        assert h.server.admission.model_slots == {MODEL: 16}
+        committed, refused = await _share_of_tokens(h, {"heavy": 32, "light": 32, "flood": 150}, 1.5, 5.0)
+    ratio = committed["heavy"] / max(1, committed["light"])
+    assert refused["heavy"] == refused["light"] == 0, refused
+    assert refused["flood"] > 0 and committed["flood"] > 0, (refused, committed)
     assert 3.0 * 0.85 <= ratio <= 3.0 * 1.15, committed
 
 

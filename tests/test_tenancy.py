@@ -125,3 +125,40 @@ async def test_queue_bound_and_cancelled_waiter_returns_nothing():
     admission.release(first, 10)
     assert admission.running == 0
     await admission.admit(t, 90)  # the cancelled waiter's 10 tokens were refunded
+
+
+async def test_model_slots_are_handed_out_by_weight_and_a_full_model_blocks_only_itself():
+    admission = Admission(max_concurrent=64, max_queued=100, model_slots={"big": 2, "small": 4})
+    heavy, light = Tenant("heavy", priority_weight=3.0), Tenant("light", priority_weight=1.0)
+    holders = [await admission.admit(light, 1, "big") for _ in range(2)]
+    waiters = [asyncio.ensure_future(admission.admit(t, 1, "big")) for t in [light] * 4 + [heavy] * 4]
+    await asyncio.sleep(0)
+    assert admission.waiting == 8 and not any(w.done() for w in waiters)
+    other = await asyncio.wait_for(admission.admit(light, 1, "small"), 1.0)  # "small" has room: no wait
+    for h in holders:
+        admission.release(h, 1)
+    await asyncio.sleep(0)
+    assert sorted(w.result().tenant.name for w in waiters if w.done()) == ["heavy", "heavy"]
+    admission.release(other, 1)
+    for w in waiters:
+        w.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+    assert admission.waiting == 0
+
+
+async def test_each_tenant_queues_at_most_its_weighted_share():
+    heavy, light, flood = Tenant("heavy", priority_weight=3.0), Tenant("light"), Tenant("flood")
+    admission = Admission(max_concurrent=1, max_queued=10, tenants=[heavy, light, flood])
+    assert [admission.queue_share(t) for t in (heavy, light, flood)] == [6, 2, 2]
+    holder = await admission.admit(flood, 1)
+    flooders = [asyncio.ensure_future(admission.admit(flood, 1)) for _ in range(2)]
+    await asyncio.sleep(0)
+    with pytest.raises(AdmissionError, match="share of the queue"):
+        await admission.admit(flood, 1)
+    others = [asyncio.ensure_future(admission.admit(t, 1)) for t in [light] * 2 + [heavy] * 6]
+    await asyncio.sleep(0)
+    assert admission.waiting == 10 and not any(o.done() for o in others)  # all queued, none refused
+    admission.release(holder, 1)
+    for w in flooders + others:
+        w.cancel()
+    await asyncio.gather(*flooders, *others, return_exceptions=True)
