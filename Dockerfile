@@ -32,4 +32,4 @@ RUN --mount=type=bind,from=wheel,source=/tmp/wheels,target=/tmp/wheels \
     --mount=type=cache,target=/home/ray/.cache/pip,uid=1000,gid=100 \
     pip install /tmp/wheels/duospec-*.whl
 # gRPC (duospec.v1.GenerationService, health, reflection) and Prometheus metrics.
-EXPOSE 50051 9400
+EXPOSE 50051 8000 9400

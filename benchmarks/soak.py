@@ -244,7 +244,7 @@ async def soak(args: argparse.Namespace, target: str, draft: str, scratch: pathl
 
     tenants, keys = make_tenants()
     coordinator = start_coordinator(args.backend, target, draft)
-    settings = ServerSettings(port=0, metrics_port=0, max_concurrent_requests=args.max_concurrent,
+    settings = ServerSettings(port=0, metrics_port=0, http_port=0, max_concurrent_requests=args.max_concurrent,
                               max_queued_requests=args.max_queued, grace_period_s=10.0)
     server = DuospecServer(coordinator, settings, tenants=tenants, ledger_path=str(scratch / "usage.db"))
     port = await server.start()

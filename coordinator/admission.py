@@ -4,8 +4,9 @@ A request is admitted in this order, failing fast before it holds anything:
   1. the server is not draining (else UNAVAILABLE);
   2. prompt + max_new_tokens fits the tenant's max_tokens_per_request;
   3. the tenant has a free concurrent stream;
-  4. the tenant's requests/min and tokens/min buckets cover it (tokens/min reserves prompt +
-     max_new_tokens up front; the unused part is refunded when the request finishes);
+  4. the tenant's requests/min and tokens/min buckets cover it (requests/min is charged first, by
+     `charge_request`, before the request is even tokenized, so rejected requests count too;
+     tokens/min reserves prompt + max_new_tokens up front; the unused part is refunded at the end);
   5. a generation slot is free — server-wide (max_concurrent_requests) and on the model
      (models[].max_num_seqs, the sequences its scheduler holds) — else it waits in the queue.
 The queue is weighted: when a slot frees, it goes to the waiting tenant with the fewest running
@@ -78,11 +79,15 @@ class Ticket:
 
 class _TenantState:
     def __init__(self, tenant: Tenant, clock: Callable[[], float]):
-        limits = tenant.limits
-        self.requests = TokenBucket(limits.requests_per_minute, clock) if limits.requests_per_minute else None
-        self.tokens = TokenBucket(limits.tokens_per_minute, clock) if limits.tokens_per_minute else None
         self.streams = 0  # running + waiting for a slot
         self.running = 0
+        self.set_limits(tenant.limits, clock)
+
+    def set_limits(self, limits, clock: Callable[[], float]) -> None:
+        """New buckets, full, for new limits (a tenants-file reload); the stream counts carry over."""
+        self.limits = limits
+        self.requests = TokenBucket(limits.requests_per_minute, clock) if limits.requests_per_minute else None
+        self.tokens = TokenBucket(limits.tokens_per_minute, clock) if limits.tokens_per_minute else None
 
 
 class Admission:
@@ -104,8 +109,14 @@ class Admission:
         self.set_tenants(tenants)
 
     def set_tenants(self, tenants: Iterable[Tenant]) -> None:
-        """The tenants whose weights split the queue (the tenants file; again after a reload)."""
+        """The tenants whose weights split the queue (the tenants file; again after a reload, when a
+        tenant whose limits changed gets buckets for its new limits)."""
+        tenants = list(tenants)
         self._known_weights = {t.name: t.priority_weight for t in tenants}
+        for t in tenants:
+            state = self._tenants.get(t.name)
+            if state is not None and state.limits != t.limits:
+                state.set_limits(t.limits, self._clock)
 
     @property
     def waiting(self) -> int:
@@ -124,7 +135,8 @@ class Admission:
         return state
 
     async def admit(self, tenant: Tenant, tokens: int, model: str = "") -> Ticket:
-        """`tokens` = prompt tokens + max_new_tokens. Raises AdmissionError; may wait for a slot."""
+        """`tokens` = prompt tokens + max_new_tokens; call `charge_request` first. Raises AdmissionError;
+        may wait for a slot."""
         if self.draining:
             raise AdmissionError("UNAVAILABLE", "server is shutting down; retry on another replica", 1.0)
         self._check_quota(tenant, tokens)
@@ -134,9 +146,19 @@ class Admission:
             await self._take_slot(tenant, model)
         except BaseException:
             state.streams -= 1
-            self._refund(state, tokens, 1)
+            if state.tokens is not None:
+                state.tokens.give_back(tokens)
             raise
         return Ticket(tenant=tenant, reserved_tokens=tokens, model=model)
+    def charge_request(self, tenant: Tenant) -> None:
+        """Counts one request against requests/min before anything else is done for it (tokenizing,
+        templating), so requests that are then rejected still count. Raises AdmissionError."""
+        state = self._state(tenant)
+        if state.requests is not None:
+            wait = state.requests.try_take(1)
+            if wait:
+                raise _rate_error(tenant, "requests_per_minute", tenant.limits.requests_per_minute, wait)
+
     def _check_quota(self, tenant: Tenant, tokens: int) -> None:
         limits, state = tenant.limits, self._state(tenant)
         if limits.max_tokens_per_request and tokens > limits.max_tokens_per_request:
@@ -152,15 +174,9 @@ class Admission:
                 f"{limits.max_concurrent_streams}); retry when one finishes",
                 1.0,
             )
-        if state.requests is not None:
-            wait = state.requests.try_take(1)
-            if wait:
-                raise _rate_error(tenant, "requests_per_minute", limits.requests_per_minute, wait)
         if state.tokens is not None:
             wait = state.tokens.try_take(tokens)
             if wait:
-                if state.requests is not None:
-                    state.requests.give_back(1)
                 if math.isinf(wait):
                     raise AdmissionError(
                         "RESOURCE_EXHAUSTED",
@@ -222,12 +238,6 @@ class Admission:
         if state.tokens is not None and used_tokens < ticket.reserved_tokens:
             state.tokens.give_back(ticket.reserved_tokens - used_tokens)
         self._hand_out_slots()
-
-    def _refund(self, state: _TenantState, tokens: int, requests: int) -> None:
-        if state.tokens is not None:
-            state.tokens.give_back(tokens)
-        if state.requests is not None:
-            state.requests.give_back(requests)
 
     def _hand_out_slots(self) -> None:
         while self.running < self.max_concurrent:

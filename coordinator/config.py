@@ -1,6 +1,7 @@
 """`duospec serve` configuration: typed, validated at load, errors that name the field and the fix.
 
-    server:   {host: 0.0.0.0, port: 50051, metrics_port: 9400, metrics_host: null (= host), max_concurrent_requests: 64,
+    server:   {host: 0.0.0.0, port: 50051, http_port: 8000 (OpenAI-compatible HTTP; 0 = off), metrics_port: 9400,
+               metrics_host: null (= host), max_concurrent_requests: 64,
                max_queued_requests: 256, max_new_tokens_limit: 2048, grace_period_s: 10,
                tls: {cert_file: ..., key_file: ..., client_ca_file: ...}}
     ledger: /var/lib/duospec/usage.db
@@ -60,6 +61,7 @@ class TlsSettings:
 class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 50051
+    http_port: int = 8000  # the OpenAI-compatible HTTP API, on `host`; 0 = off
     metrics_port: int = 9400  # 0 = no metrics endpoint
     metrics_host: str | None = None  # where /metrics listens; None = `host`
     max_concurrent_requests: int = 64  # streams generating at once (all tenants)
@@ -162,6 +164,7 @@ def _parse_server(f: "_Fields", base_dir: pathlib.Path) -> ServerSettings:
     settings = ServerSettings(
         host=f.get("host", str, default=d.host),
         port=f.int_in("port", 0, 65535, default=d.port),
+        http_port=f.int_in("http_port", 0, 65535, default=d.http_port),
         metrics_port=f.int_in("metrics_port", 0, 65535, default=d.metrics_port),
         metrics_host=f.get("metrics_host", str, default=None) if f.raw.get("metrics_host") is not None else None,
         max_concurrent_requests=f.int_in("max_concurrent_requests", 1, 1 << 20, default=d.max_concurrent_requests),

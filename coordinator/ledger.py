@@ -1,7 +1,16 @@
-"""Usage ledger: one SQLite row per finished request, committed as the request finishes.
+"""Usage ledger: one SQLite row per request, written when it is admitted and kept current while it streams.
 
-WAL mode with synchronous=FULL: each commit is on disk before `record` returns, so a `kill -9` of the
-server (or a power cut) loses no finished request. Readers (`duospec usage`) never block the writer.
+A row's life: `start()` inserts it as the request is admitted (status RUNNING), `progress()` notes
+the tokens delivered so far, and a flusher thread writes every stream's latest progress in one
+transaction each `flush_interval_s` (1 s): one fsync per second for the whole server, however many
+streams are open. `finish()` writes the final row at once. WAL mode with synchronous=FULL: what a
+write committed is on disk, so a `kill -9` of the server (or a power cut) loses at most the last
+second of a stream's usage and never a row. Rows are keyed by a server-made unique `id`; the
+client's request id is kept as `request_id` (clients may reuse theirs).
+
+A row still RUNNING when a server opens the ledger was cut off by a crash: it is closed then as
+finish_reason `interrupted`, status UNAVAILABLE, keeping the tokens it had delivered. One server
+writes one ledger file. Readers (`duospec usage`) never block the writer.
 """
 
 from __future__ import annotations
@@ -12,21 +21,25 @@ import sqlite3
 import threading
 from dataclasses import astuple, dataclass, fields
 
+RUNNING = "RUNNING"  # status_code of a row whose request is still streaming
+FLUSH_INTERVAL_S = 1.0
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (
-    request_id           TEXT NOT NULL,
+    id                   TEXT,            -- server-made, unique per request
+    request_id           TEXT NOT NULL,   -- the client's id (or the server's when the client sent none)
     tenant               TEXT NOT NULL,
     model                TEXT NOT NULL,
     prompt_tokens        INTEGER NOT NULL,
-    completion_tokens    INTEGER NOT NULL,
+    completion_tokens    INTEGER NOT NULL,  -- tokens the client received (none past a stop string)
     drafted              INTEGER NOT NULL,
     accepted             INTEGER NOT NULL,
     target_forwards      INTEGER NOT NULL,
     mean_accepted_length REAL NOT NULL,
-    finish_reason        TEXT NOT NULL,   -- length|stop|eos|cancelled, or the gRPC status name on error
-    status_code          TEXT NOT NULL,   -- OK or the gRPC status name
+    finish_reason        TEXT NOT NULL,   -- length|stop|eos|cancelled|running|interrupted, or the gRPC status name
+    status_code          TEXT NOT NULL,   -- OK, RUNNING, or the gRPC status name
     started_at           REAL NOT NULL,   -- unix seconds
-    finished_at          REAL NOT NULL
+    finished_at          REAL NOT NULL    -- while RUNNING: the last update
 );
 CREATE INDEX IF NOT EXISTS usage_tenant_time ON usage (tenant, finished_at);
 """
@@ -34,6 +47,7 @@ CREATE INDEX IF NOT EXISTS usage_tenant_time ON usage (tenant, finished_at);
 
 @dataclass(frozen=True)
 class UsageRecord:
+    id: str
     request_id: str
     tenant: str
     model: str
@@ -50,31 +64,88 @@ class UsageRecord:
 
 
 _COLUMNS = [f.name for f in fields(UsageRecord)]
+_INSERT = f"INSERT INTO usage ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
+_UPDATE = f"UPDATE usage SET {', '.join(f'{c} = ?' for c in _COLUMNS[1:])} WHERE id = ?"
 
 
 class UsageLedger:
-    def __init__(self, path: str | pathlib.Path):
+    def __init__(self, path: str | pathlib.Path, flush_interval_s: float = FLUSH_INTERVAL_S):
         self.path = pathlib.Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the connection and the pending progress
         self._conn = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=FULL")
         self._conn.execute("PRAGMA busy_timeout=5000")
         self._conn.executescript(_SCHEMA)
+        self._migrate()
+        self._conn.execute(
+            "UPDATE usage SET finish_reason = 'interrupted', status_code = 'UNAVAILABLE' WHERE status_code = ?",
+            (RUNNING,),
+        )
+        self._pending: dict[str, UsageRecord] = {}
+        self._closed = threading.Event()
+        self._flush_interval_s = flush_interval_s
+        self._flusher = threading.Thread(target=self._flush_loop, name="duospec-ledger", daemon=True)
+        self._flusher.start()
 
-    def record(self, rec: UsageRecord) -> None:
-        sql = f"INSERT INTO usage ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
+    def _migrate(self) -> None:
+        """Ledgers written before rows had a server-made id: add the column (old rows keep NULL)."""
+        columns = {row[1] for row in self._conn.execute("PRAGMA table_info(usage)")}
+        if "id" not in columns:
+            self._conn.execute("ALTER TABLE usage ADD COLUMN id TEXT")
+        self._conn.execute("CREATE UNIQUE INDEX IF NOT EXISTS usage_id ON usage (id)")
+
+    def start(self, rec: UsageRecord) -> None:
+        """The request was admitted: its row exists (durable) before the first token goes out."""
         with self._lock:
-            self._conn.execute(sql, astuple(rec))  # autocommit: durable when this returns
+            self._conn.execute(_INSERT, astuple(rec))
 
-    async def record_async(self, rec: UsageRecord) -> None:
-        """Writes off the event loop: an fsync must not stall every other stream."""
-        await asyncio.to_thread(self.record, rec)
+    def progress(self, rec: UsageRecord) -> None:
+        """The latest state of a running request; written by the flusher within flush_interval_s."""
+        with self._lock:
+            self._pending[rec.id] = rec
+
+    def finish(self, rec: UsageRecord) -> None:
+        """The final row, durable when this returns (inserted if `start` never ran for it)."""
+        with self._lock:
+            self._pending.pop(rec.id, None)
+            if self._conn.execute(_UPDATE, _update_args(rec)).rowcount == 0:
+                self._conn.execute(_INSERT, astuple(rec))
+
+    # Off the event loop: an fsync must not stall every other stream.
+    async def start_async(self, rec: UsageRecord) -> None:
+        await asyncio.to_thread(self.start, rec)
+
+    async def finish_async(self, rec: UsageRecord) -> None:
+        await asyncio.to_thread(self.finish, rec)
+
+    def flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            if pending:
+                with self._conn:  # one transaction, one fsync
+                    self._conn.execute("BEGIN")
+                    self._conn.executemany(_UPDATE, [_update_args(r) for r in pending.values()])
+
+    def _flush_loop(self) -> None:
+        while not self._closed.wait(self._flush_interval_s):
+            try:
+                self.flush()
+            except sqlite3.Error:  # a full disk or a locked file: keep the server up, retry next tick
+                pass
 
     def close(self) -> None:
+        self._closed.set()
+        self._flusher.join(timeout=5)
+        self.flush()
         with self._lock:
             self._conn.close()
+
+
+def _update_args(rec: UsageRecord) -> tuple:
+    values = astuple(rec)
+    return values[1:] + values[:1]
 
 
 def query_usage(path: str | pathlib.Path, tenant: str | None = None, since: float | None = None) -> list[UsageRecord]:
@@ -84,7 +155,9 @@ def query_usage(path: str | pathlib.Path, tenant: str | None = None, since: floa
         raise FileNotFoundError(f"{path}: no usage ledger there; pass --ledger with the server's ledger path")
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     try:
-        sql, params = f"SELECT {', '.join(_COLUMNS)} FROM usage WHERE 1=1", []
+        columns = {row[1] for row in conn.execute("PRAGMA table_info(usage)")}
+        select = ", ".join(c if c in columns else f"NULL AS {c}" for c in _COLUMNS)  # an unmigrated ledger
+        sql, params = f"SELECT {select} FROM usage WHERE 1=1", []
         if tenant is not None:
             sql += " AND tenant = ?"
             params.append(tenant)
@@ -98,16 +171,18 @@ def query_usage(path: str | pathlib.Path, tenant: str | None = None, since: floa
 
 
 def summarize(records: list[UsageRecord]) -> list[dict]:
-    """Per (tenant, model) totals, for the `duospec usage` table."""
+    """Per (tenant, model) totals, for the `duospec usage` table. Running requests count with the
+    tokens delivered so far; they are not errors."""
     totals: dict[tuple[str, str], dict] = {}
     for r in records:
         t = totals.setdefault(
             (r.tenant, r.model),
-            {"tenant": r.tenant, "model": r.model, "requests": 0, "errors": 0, "prompt_tokens": 0,
+            {"tenant": r.tenant, "model": r.model, "requests": 0, "running": 0, "errors": 0, "prompt_tokens": 0,
              "completion_tokens": 0, "drafted": 0, "accepted": 0, "target_forwards": 0},
         )
         t["requests"] += 1
-        t["errors"] += r.status_code != "OK"
+        t["running"] += r.status_code == RUNNING
+        t["errors"] += r.status_code not in ("OK", RUNNING)
         for key in ("prompt_tokens", "completion_tokens", "drafted", "accepted", "target_forwards"):
             t[key] += getattr(r, key)
     for t in totals.values():

@@ -7,6 +7,10 @@
 Shutdown (`shutdown()`): stop admitting (new Generate calls get UNAVAILABLE, health NOT_SERVING), let
 in-flight streams finish for `grace_period_s`, then end the rest with finish_reason CANCELLED, stop
 the gRPC server and close the coordinator.
+
+Tenants (`tenants_path`): the file is re-read when it changes (checked every TENANTS_POLL_S) or on
+`reload_tenants()` (SIGHUP in `duospec serve`); new keys, limits and weights apply at once and the open
+streams of a removed key end with UNAUTHENTICATED.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from coordinator.api import Coordinator, SpeculationMode
 from coordinator.config import ConfigError, ServerSettings, TlsSettings
 from coordinator.ledger import UsageLedger
 from coordinator.metrics import ServerMetrics
-from coordinator.service import GenerationServicer, Lifecycle
-from coordinator.tenancy import Tenant, TenantRegistry
+from coordinator.gateway import Gateway, Lifecycle
+from coordinator.service import GenerationServicer
+from coordinator.tenancy import Tenant, TenantRegistry, TenantsFileError, load_tenants
 from duospec.v1 import generation_pb2 as pb
 from duospec.v1 import generation_pb2_grpc as pb_grpc
 
@@ -35,6 +40,7 @@ log = logging.getLogger("duospec.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 HEALTH_POLL_S = 1.0
+TENANTS_POLL_S = 2.0  # how often the tenants file is checked for changes (SIGHUP reloads at once)
 _HARD_STOP_WAIT_S = 5.0  # after the grace period: how long cancelled streams get to send their last message
 
 
@@ -89,6 +95,8 @@ class DuospecServer:
         tokenizers: dict[str, Any] | None = None,
         default_modes: dict[str, SpeculationMode] | None = None,
         health_poll_s: float = HEALTH_POLL_S,
+        tenants_path: str | pathlib.Path | None = None,
+        tenants_poll_s: float = TENANTS_POLL_S,
     ):
         auth_on = check_auth_policy(settings.host, tenants, insecure_no_auth)
         self.coordinator = coordinator
@@ -100,14 +108,22 @@ class DuospecServer:
                                    tenants=tenants or ())
         self.ledger = UsageLedger(ledger_path) if ledger_path else None
         self.health = health.aio.HealthServicer()
-        self.servicer = GenerationServicer(
+        self.gateway = Gateway(
             coordinator, settings, tokenizers if tokenizers is not None else load_tokenizers(coordinator),
             registry=TenantRegistry(tenants or []) if auth_on else None,
             admission=self.admission, lifecycle=self.lifecycle, metrics=self.metrics, ledger=self.ledger,
             default_modes=default_modes,
         )
+        self.servicer = GenerationServicer(self.gateway)
         self.health_poll_s = health_poll_s
+        self.tenants_path = pathlib.Path(tenants_path) if tenants_path and auth_on else None
+        self.tenants_poll_s = tenants_poll_s
+        self._tenants_stamp = _file_stamp(self.tenants_path)
+        self._tenants_task: asyncio.Task | None = None
         self.port: int | None = None
+        self.http_port: int | None = None  # bound HTTP port; None = HTTP off
+        self._http = None
+        self._serving = False
         self._server: grpc.aio.Server | None = None
         self._health_task: asyncio.Task | None = None
         self._metrics_http = None
@@ -131,13 +147,43 @@ class DuospecServer:
         if self.port == 0:
             raise OSError(f"could not bind {address}; is the port in use? pick another with --port")
         await self._set_health(False)
+        if self.settings.http_port:
+            from coordinator.http_server import HttpFront, create_app
+
+            self._http = HttpFront(create_app(self.gateway, lambda: self._serving), self.settings.host,
+                                   self.settings.http_port, self.settings.tls)
+            self.http_port = await self._http.start()
         await server.start()
         self._server = server
         if self.settings.metrics_port:
             self._metrics_http = self.metrics.serve(self.settings.metrics_port,
                                                     self.settings.metrics_host or self.settings.host)
         self._health_task = asyncio.create_task(self._health_loop())
+        if self.tenants_path is not None:
+            self._tenants_task = asyncio.create_task(self._watch_tenants())
         return self.port
+
+    def reload_tenants(self) -> bool:
+        """Re-reads the tenants file (SIGHUP, or its change seen by the watcher). A malformed file is
+        logged and the tenants in force stay. Returns whether new tenants took effect."""
+        if self.tenants_path is None:
+            return False
+        self._tenants_stamp = _file_stamp(self.tenants_path)
+        try:
+            tenants = load_tenants(self.tenants_path)
+        except (TenantsFileError, OSError) as exc:
+            log.error("tenants file not reloaded, the previous tenants stay in force: %s", exc)
+            return False
+        ended = self.gateway.reload_tenants(tenants)
+        log.info("tenants reloaded from %s: %d tenants, %d streams of revoked keys ended",
+                 self.tenants_path, len(tenants), ended)
+        return True
+
+    async def _watch_tenants(self) -> None:
+        while True:
+            await asyncio.sleep(self.tenants_poll_s)
+            if _file_stamp(self.tenants_path) != self._tenants_stamp:
+                self.reload_tenants()
 
     async def wait_ready(self, timeout: float | None = None) -> None:
         """Returns once health is SERVING (the coordinator reported ready)."""
@@ -168,10 +214,13 @@ class DuospecServer:
         await self._close()
 
     async def _close(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
+        for task in (self._health_task, self._tenants_task):
+            if task is not None:
+                task.cancel()
         if self._server is not None:
             await self._server.stop(1.0)
+        if self._http is not None:
+            await self._http.stop()
         if self._metrics_http is not None:
             http_server, _thread = self._metrics_http
             http_server.shutdown()
@@ -197,6 +246,7 @@ class DuospecServer:
             await asyncio.sleep(self.health_poll_s)
 
     async def _set_health(self, serving: bool) -> None:
+        self._serving = serving
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         await self.health.set("", status)
         await self.health.set(SERVICE_NAME, status)
@@ -209,3 +259,14 @@ def _coordinator_ready(stats: Any) -> bool:
     if isinstance(stats, dict) and "ready" in stats:
         return bool(stats["ready"])
     return True
+
+
+def _file_stamp(path: pathlib.Path | None):
+    """What changes when the file is rewritten (or a Kubernetes Secret mount swaps it)."""
+    if path is None:
+        return None
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size, st.st_ino

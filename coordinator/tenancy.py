@@ -93,6 +93,10 @@ class TenantRegistry:
 
     def authenticate(self, authorization: str | None) -> Tenant:
         """`authorization` is the metadata value `Bearer <key>`; raises AuthError(UNAUTHENTICATED)."""
+        return self.identify(authorization)[0]
+
+    def identify(self, authorization: str | None) -> tuple[Tenant, str]:
+        """The tenant and the hash of the key that matched (to recheck it after a reload)."""
         if not authorization:
             raise AuthError("UNAUTHENTICATED", "missing API key: send metadata `authorization: Bearer <key>`")
         scheme, _, key = authorization.strip().partition(" ")
@@ -105,7 +109,12 @@ class TenantRegistry:
                 found = tenant
         if found is None:
             raise AuthError("UNAUTHENTICATED", "invalid API key")
-        return found
+        return found, presented.decode("ascii")
+
+    def holds(self, key_hash: str, tenant_name: str) -> bool:
+        """Whether this key (by hash) still belongs to that tenant."""
+        tenant = self.tenants.get(tenant_name)
+        return tenant is not None and key_hash in tenant.key_hashes
 
 
 def authorize_model(tenant: Tenant, model: str) -> None:

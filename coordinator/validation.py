@@ -33,13 +33,14 @@ _MODES = {
 class RequestError(Exception):
     """A user error; `code` is the gRPC status name, the message names the field and the fix."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, field: str | None = None):
         super().__init__(message)
         self.code = code
+        self.field = field  # the GenerateRequest field path (e.g. "sampling.temperature"), when one is at fault
 
 
 def invalid(field: str, problem: str) -> RequestError:
-    return RequestError("INVALID_ARGUMENT", f"{field}: {problem}")
+    return RequestError("INVALID_ARGUMENT", f"{field}: {problem}", field)
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,8 @@ def resolve_model(model: str, models: dict[str, ModelInfo], default_model: str) 
     name = model or default_model
     info = models.get(name)
     if info is None:
-        raise RequestError("NOT_FOUND", f"model: {name!r} is not served here; available: {', '.join(models)}")
+        raise RequestError("NOT_FOUND", f"model: {name!r} is not served here; available: {', '.join(models)}",
+                           "model")
     return info
 
 

@@ -127,7 +127,7 @@ async def test_deadline_frees_slots_on_both_workers(harness):
 
 
 async def test_cancel_while_queued_for_a_slot_leaks_nothing(tiny_pair):  # noqa: F811
-    settings = ServerSettings(port=0, metrics_port=0, max_concurrent_requests=1, max_queued_requests=4)
+    settings = ServerSettings(port=0, metrics_port=0, http_port=0, max_concurrent_requests=1, max_queued_requests=4)
     async with running_server(server_coordinator(tiny_pair), settings) as h:
         await warm_up(h)
         baseline = await idle_baseline(h.coordinator, MODEL)

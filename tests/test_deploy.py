@@ -345,6 +345,7 @@ def test_serve_commands_match_the_config_ports_and_address():
         where = f"{source}: `duospec {shlex.join(argv)}`"
         assert flags.get("--port") == str(server["port"]), f"{where}: --port differs from serve.yaml"
         assert flags.get("--metrics-port") == str(server["metrics_port"]), f"{where}: --metrics-port differs"
+        assert flags.get("--http-port") == str(server["http_port"]), f"{where}: --http-port differs"
         assert flags.get("--host") == server["host"] == "0.0.0.0", f"{where}: must listen on 0.0.0.0"
         assert flags.get("--address") == "auto", f"{where}: the server joins the cluster it runs on"
         # Bound beyond loopback the server requires a tenants file (DESIGN.md section 7).
@@ -393,16 +394,17 @@ def head_serve_flags() -> dict[str, str]:
 
 def test_kuberay_ports_agree_between_server_service_and_probe():
     server = serve_config()["server"]
-    grpc_port, metrics_port = server["port"], server["metrics_port"]
+    grpc_port, http_port, metrics_port = server["port"], server["http_port"], server["metrics_port"]
     container = head_pod_spec()["containers"][0]
     flags = head_serve_flags()
-    assert (flags["--port"], flags["--metrics-port"]) == (str(grpc_port), str(metrics_port))
+    assert (flags["--port"], flags["--http-port"], flags["--metrics-port"]) == \
+        (str(grpc_port), str(http_port), str(metrics_port))
     assert container["readinessProbe"]["grpc"]["port"] == grpc_port
     container_ports = {p["containerPort"] for p in container["ports"]}
-    assert {grpc_port, metrics_port} <= container_ports
+    assert {grpc_port, http_port, metrics_port} <= container_ports
     service = the_doc("Service")
     targets = {p["targetPort"] for p in service["spec"]["ports"]}
-    assert targets == {grpc_port, metrics_port}, f"Service targetPorts {targets}"
+    assert targets == {grpc_port, http_port, metrics_port}, f"Service targetPorts {targets}"
     head_labels = {"ray.io/cluster": the_doc("RayCluster")["metadata"]["name"], "ray.io/node-type": "head"}
     assert service["spec"]["selector"] == head_labels
 
@@ -496,7 +498,8 @@ def test_kuberay_pods_run_the_image_the_readme_builds():
     groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
     assert {c["image"] for g in groups for c in g["template"]["spec"]["containers"]} == {image}
     exposed = {int(p) for line in re.findall(r"^EXPOSE (.+)$", dockerfile(), flags=re.M) for p in line.split()}
-    assert exposed == {serve_config()["server"]["port"], serve_config()["server"]["metrics_port"]}
+    server = serve_config()["server"]
+    assert exposed == {server["port"], server["http_port"], server["metrics_port"]}
 
 
 def test_gpu_workers_request_one_gpu_each():
@@ -529,7 +532,7 @@ def test_head_command_starts_ray_without_block_then_execs_serve(tmp_path):
 
 def test_kuberay_exposes_only_the_api_and_metrics_beyond_the_raycluster():
     """The dashboard (job submission runs code), GCS and the workers' data-plane ports are reachable
-    only from the RayCluster's own pods; from elsewhere only gRPC 50051 and metrics 9400 (head)."""
+    only from the RayCluster's own pods; from elsewhere only gRPC 50051, HTTP 8000 and metrics 9400 (head)."""
     cluster = the_doc("RayCluster")["metadata"]["name"]
     policies = [d for _, d in kuberay_docs() if d.get("kind") == "NetworkPolicy"]
     own_pods = {"podSelector": {"matchLabels": {"ray.io/cluster": cluster}}}
@@ -546,11 +549,11 @@ def test_kuberay_exposes_only_the_api_and_metrics_beyond_the_raycluster():
             ports = {p["port"] for p in rule.get("ports", [])}
             assert ports, f"{policy['metadata']['name']}: a rule open to other pods must name its ports"
             opened_to_outside.setdefault(selected.get("ray.io/node-type", "all"), set()).update(ports)
-    assert opened_to_outside == {"head": {50051, 9400}}
+    assert opened_to_outside == {"head": {50051, 8000, 9400}}
     assert any(p["spec"]["podSelector"]["matchLabels"] == {"ray.io/cluster": cluster} for p in policies), \
         "every pod of the RayCluster must be covered by a policy"
     service = next(d for _, d in kuberay_docs() if d.get("kind") == "Service")
     assert service["spec"].get("type", "ClusterIP") == "ClusterIP" and {p["port"] for p in service["spec"]["ports"]} \
-        == {50051, 9400}
+        == {50051, 8000, 9400}
     head_service = cluster_head_service = the_doc("RayCluster")["spec"]["headGroupSpec"]["headService"]["spec"]
     assert cluster_head_service.get("clusterIP") == "None" and head_service.get("type", "ClusterIP") == "ClusterIP"

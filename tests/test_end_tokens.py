@@ -14,10 +14,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from coordinator.config import ModelConfig
 from duospec.v1 import generation_pb2 as pb
 from test_server_support import collect, running_server
-from tiny_models import make_tiny_checkpoint
+from tiny_models import CHAT_TEMPLATE, make_tiny_checkpoint
 
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")
+TEMPLATE = CHAT_TEMPLATE
 MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def fib(n):"}]
 
 

@@ -65,7 +65,7 @@ class ServerThread:
 
 @pytest.fixture(scope="module")
 def served(tiny_pair):  # noqa: F811
-    server_settings = ServerSettings(port=0, metrics_port=0, max_new_tokens_limit=8, default_max_new_tokens=4)
+    server_settings = ServerSettings(port=0, metrics_port=0, http_port=0, max_new_tokens_limit=8, default_max_new_tokens=4)
     box = ServerThread(server_coordinator(tiny_pair), server_settings, TENANTS)
     channel = grpc.insecure_channel(f"127.0.0.1:{box.port}",
                                     options=[("grpc.max_send_message_length", 64 << 20)])

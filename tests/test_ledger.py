@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.ledger import UsageLedger, UsageRecord, query_usage, summarize
+from coordinator.ledger import RUNNING, UsageLedger, UsageRecord, query_usage, summarize
 from duospec.cli import admin
 from duospec.v1 import generation_pb2 as pb
 from duospec.v1 import generation_pb2_grpc as pb_grpc
@@ -23,16 +23,18 @@ TESTS_DIR = Path(__file__).resolve().parent
 REPO = TESTS_DIR.parent
 
 
-def record(i: int, tenant: str = "a", finished_at: float = 1000.0, status: str = "OK") -> UsageRecord:
-    return UsageRecord(f"r{i}", tenant, "m", 5, 10, 8, 6, 4, 2.5, "length" if status == "OK" else status, status,
+def record(i: int, tenant: str = "a", finished_at: float = 1000.0, status: str = "OK", tokens: int = 10,
+           finish: str | None = None) -> UsageRecord:
+    finish = finish or ("length" if status == "OK" else status)
+    return UsageRecord(f"id{i}", f"r{i}", tenant, "m", 5, tokens, 8, 6, 4, 2.5, finish, status,
                        finished_at - 1, finished_at)
 
 
 def test_rows_round_trip_and_filter(tmp_path):
     ledger = UsageLedger(tmp_path / "u.db")
     for i, (tenant, t) in enumerate([("a", 100.0), ("b", 200.0), ("a", 300.0)]):
-        ledger.record(record(i, tenant, t))
-    ledger.record(record(9, "a", 400.0, status="INTERNAL"))
+        ledger.finish(record(i, tenant, t))
+    ledger.finish(record(9, "a", 400.0, status="INTERNAL"))
     assert [r.request_id for r in query_usage(tmp_path / "u.db", tenant="a")] == ["r0", "r2", "r9"]
     assert [r.request_id for r in query_usage(tmp_path / "u.db", since=250.0)] == ["r2", "r9"]
     [a, b] = summarize(query_usage(tmp_path / "u.db"))
@@ -40,6 +42,50 @@ def test_rows_round_trip_and_filter(tmp_path):
     assert a["acceptance"] == pytest.approx(0.75) and a["mean_accepted_length"] == pytest.approx(2.5)
     assert b["requests"] == 1
     ledger.close()
+
+
+def test_a_row_exists_from_admission_and_follows_the_stream(tmp_path):
+    ledger = UsageLedger(tmp_path / "u.db", flush_interval_s=3600)  # flushed by hand below
+    ledger.start(record(1, tokens=0, status=RUNNING, finish="running"))
+    [row] = query_usage(tmp_path / "u.db")
+    assert (row.id, row.request_id, row.status_code, row.completion_tokens) == ("id1", "r1", RUNNING, 0)
+    ledger.progress(record(1, tokens=7, status=RUNNING, finish="running"))
+    ledger.progress(record(1, tokens=9, status=RUNNING, finish="running"))  # only the latest is written
+    ledger.flush()
+    assert query_usage(tmp_path / "u.db")[0].completion_tokens == 9
+    ledger.finish(record(1, tokens=12))
+    ledger.flush()  # the finished row is not overwritten by older progress
+    [row] = query_usage(tmp_path / "u.db")
+    assert (row.completion_tokens, row.status_code, row.finish_reason) == (12, "OK", "length")
+    [summary] = summarize([row, record(2, tokens=3, status=RUNNING, finish="running")])
+    assert (summary["requests"], summary["running"], summary["errors"], summary["completion_tokens"]) == (2, 1, 0, 15)
+    ledger.close()
+
+
+def test_rows_left_running_by_a_crash_are_closed_as_interrupted_on_reopen(tmp_path):
+    ledger = UsageLedger(tmp_path / "u.db")
+    ledger.start(record(1, tokens=4, status=RUNNING, finish="running"))
+    ledger.close()
+    UsageLedger(tmp_path / "u.db").close()
+    [row] = query_usage(tmp_path / "u.db")
+    assert (row.finish_reason, row.status_code, row.completion_tokens) == ("interrupted", "UNAVAILABLE", 4)
+
+
+def test_a_ledger_from_before_row_ids_is_migrated(tmp_path):
+    import sqlite3
+
+    conn = sqlite3.connect(tmp_path / "old.db")
+    columns = [c for c in UsageRecord.__dataclass_fields__ if c != "id"]
+    conn.execute(f"CREATE TABLE usage ({', '.join(columns)})")
+    conn.execute(f"INSERT INTO usage VALUES ({', '.join('?' * len(columns))})",
+                 ("old-1", "a", "m", 5, 10, 8, 6, 4, 2.5, "length", "OK", 1.0, 2.0))
+    conn.commit()
+    conn.close()
+    assert query_usage(tmp_path / "old.db")[0].id is None  # readable before the server migrates it
+    ledger = UsageLedger(tmp_path / "old.db")
+    ledger.finish(record(1))
+    ledger.close()
+    assert [(r.id, r.request_id) for r in query_usage(tmp_path / "old.db")] == [(None, "old-1"), ("id1", "r1")]
 
 
 def cli_main(argv: list[str]) -> int:
@@ -52,12 +98,12 @@ def cli_main(argv: list[str]) -> int:
 
 def test_usage_command_prints_a_table(tmp_path, capsys):
     ledger = UsageLedger(tmp_path / "u.db")
-    ledger.record(record(1, "team-a", time.time()))
+    ledger.finish(record(1, "team-a", time.time()))
     ledger.close()
     assert cli_main(["usage", "--ledger", str(tmp_path / "u.db"), "--since", "1h"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].split()[:3] == ["TENANT", "MODEL", "REQUESTS"]
-    assert out[1].split()[:5] == ["team-a", "m", "1", "0", "5"]
+    assert out[1].split()[:6] == ["team-a", "m", "1", "0", "0", "5"]
     assert cli_main(["usage", "--ledger", str(tmp_path / "missing.db")]) == 2
 
 
@@ -75,8 +121,8 @@ from coordinator.server import DuospecServer
 from test_server_support import TargetOnlyCoordinator
 
 async def main():
-    coord = TargetOnlyCoordinator({target!r}, None)
-    server = DuospecServer(coord, ServerSettings(port=0, metrics_port=0), ledger_path={ledger!r})
+    coord = TargetOnlyCoordinator({target!r}, None, step_delay_s={step_delay_s!r})
+    server = DuospecServer(coord, ServerSettings(port=0, metrics_port=0, http_port=0), ledger_path={ledger!r})
     port = await server.start()
     await server.wait_ready(30)
     print(port, flush=True)
@@ -86,11 +132,17 @@ asyncio.run(main())
 """
 
 
+def _server_process(target, ledger_path, step_delay_s: float) -> subprocess.Popen:
+    """A real server in a child process, for a real kill -9; its first stdout line is the port."""
+    script = _SERVER_SCRIPT.format(tests=str(TESTS_DIR), target=str(target), ledger=str(ledger_path),
+                                   step_delay_s=step_delay_s)
+    return subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+
+
 def test_ledger_keeps_every_finished_request_across_kill_9(tmp_path, tiny_pair):  # noqa: F811
     ledger_path = tmp_path / "usage.db"
-    script = _SERVER_SCRIPT.format(tests=str(TESTS_DIR), target=str(tiny_pair[0]), ledger=str(ledger_path))
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+    proc = _server_process(tiny_pair[0], ledger_path, 0.0)
     try:
         port = int(proc.stdout.readline())
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -106,4 +158,35 @@ def test_ledger_keeps_every_finished_request_across_kill_9(tmp_path, tiny_pair):
             proc.kill()
     rows = query_usage(ledger_path)
     assert sorted(r.request_id for r in rows) == [f"kill-{i}" for i in range(5)]
+    assert len({r.id for r in rows}) == 5
     assert all(r.completion_tokens == 3 and r.status_code == "OK" and r.tenant == "default" for r in rows)
+
+
+def test_kill_9_mid_stream_leaves_a_row_with_the_tokens_delivered(tmp_path, tiny_pair):  # noqa: F811
+    """The row exists from admission and is rewritten each second: a kill -9 loses at most the last second."""
+    ledger_path = tmp_path / "usage.db"
+    proc = _server_process(tiny_pair[0], ledger_path, 0.02)
+    received, checkpoint = 0, None
+    try:
+        port = int(proc.stdout.readline())
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            req = pb.GenerateRequest(prompt="def f():", request_id="mid-stream",
+                                     stopping=pb.StoppingCriteria(max_new_tokens=200, ignore_eos=True))
+            t0 = None
+            for message in stub.Generate(req, timeout=60):
+                received += len(message.token_ids)
+                if received >= 20 and t0 is None:
+                    t0 = time.monotonic()
+                    checkpoint = received  # delivered more than a flush interval before the kill
+                if t0 is not None and time.monotonic() - t0 > 1.5:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    break
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert received < 200, "the stream finished before the kill; slow the server down"
+    [row] = query_usage(ledger_path)
+    assert (row.request_id, row.status_code, row.finish_reason) == ("mid-stream", RUNNING, "running")
+    assert checkpoint <= row.completion_tokens <= received, (checkpoint, row.completion_tokens, received)

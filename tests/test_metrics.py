@@ -52,7 +52,7 @@ def _free_port() -> int:
 
 async def test_metrics_endpoint_serves_request_metrics(tiny_pair):  # noqa: F811
     port = _free_port()
-    settings = ServerSettings(host="127.0.0.1", port=0, metrics_port=port)
+    settings = ServerSettings(host="127.0.0.1", port=0, metrics_port=port, http_port=0)
     async with running_server(server_coordinator(tiny_pair), settings) as h:
         await collect(h.stub, request(max_new_tokens=5))
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()

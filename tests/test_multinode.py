@@ -172,7 +172,7 @@ def test_draft_and_target_run_on_different_nodes(two_node_cluster, tiny_serve_co
     port = free_port()
     log = tmp_path / "serve.log"
     cmd = [*DUOSPEC_CLI, "serve", "--address", two_node_cluster.gcs_address, "--host", "127.0.0.1",
-           "--port", str(port), "--metrics-port", "0", "--config", str(tiny_serve_config)]
+           "--port", str(port), "--metrics-port", "0", "--http-port", "0", "--config", str(tiny_serve_config)]
     with log.open("w") as out:
         server = subprocess.Popen(cmd, env=two_node_cluster.env, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -195,7 +195,7 @@ def test_draft_and_target_run_on_different_nodes(two_node_cluster, tiny_serve_co
 
 def test_serve_fails_fast_when_no_cluster_is_reachable(tiny_serve_config):
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
-    cmd = [*DUOSPEC_CLI, "serve", "--address", address, "--port", str(free_port()), "--metrics-port", "0",
+    cmd = [*DUOSPEC_CLI, "serve", "--address", address, "--port", str(free_port()), "--metrics-port", "0", "--http-port", "0",
            "--config", str(tiny_serve_config)]
     started = time.monotonic()
     done = subprocess.run(cmd, env=isolated_env(), capture_output=True, text=True, timeout=120)

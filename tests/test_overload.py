@@ -83,7 +83,7 @@ def test_queue_bounds_come_from_the_serve_config():
 
 
 async def test_200_concurrent_clients_get_served_or_resource_exhausted(tiny_pair):  # noqa: F811
-    settings = ServerSettings(port=0, metrics_port=0, max_concurrent_requests=MAX_CONCURRENT,
+    settings = ServerSettings(port=0, metrics_port=0, http_port=0, max_concurrent_requests=MAX_CONCURRENT,
                               max_queued_requests=MAX_QUEUED)
     coordinator = server_coordinator(tiny_pair)
     async with running_server(coordinator, settings) as h:

@@ -457,7 +457,7 @@ def served_tiny_model(tmp_path_factory):
     make_tiny_checkpoint(root / "draft", "llama", seed=4, hidden_size=32, num_layers=1, tokenizer_dir=root / "target")
     repo = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "duospec", "serve", "--backend", "local", "--port", "0", "--metrics-port", "0",
+        [sys.executable, "-m", "duospec", "serve", "--backend", "local", "--port", "0", "--metrics-port", "0", "--http-port", "0",
          "--ledger", str(root / "usage.db"), "--model-dir", str(root)],
         cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True,

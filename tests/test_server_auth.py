@@ -114,7 +114,7 @@ async def test_concurrency_limit_trips(harness):
 
 
 def test_non_loopback_without_tenants_refuses_to_start(tiny_pair):  # noqa: F811
-    settings = ServerSettings(host="0.0.0.0", port=0, metrics_port=0)
+    settings = ServerSettings(host="0.0.0.0", port=0, metrics_port=0, http_port=0)
     with pytest.raises(ConfigError, match="--insecure-no-auth"):
         DuospecServer(object(), settings, tokenizers={})
 
@@ -152,7 +152,7 @@ async def _share_of_tokens(h, streams: dict[str, int], warmup_s: float, window_s
 async def test_fair_share_follows_weights(tiny_pair):  # noqa: F811
     """Two tenants weighted 3:1 flood the server; committed tokens over a window split ~3:1 (±15 %)."""
     tenants = [tenant("heavy", priority_weight=3.0), tenant("light", priority_weight=1.0)]
-    settings = ServerSettings(host="127.0.0.1", port=0, metrics_port=0, max_concurrent_requests=4,
+    settings = ServerSettings(host="127.0.0.1", port=0, metrics_port=0, http_port=0, max_concurrent_requests=4,
                               max_queued_requests=64)
     async with running_server(server_coordinator(tiny_pair, step_delay_s=0.005), settings, tenants=tenants) as h:
         committed, _ = await _share_of_tokens(h, {"heavy": 6, "light": 6}, 1.0, 4.0)
@@ -168,7 +168,7 @@ async def test_fair_share_at_the_default_config_and_a_flood_starves_no_one(tiny_
     never the other two."""
     tenants = [tenant("heavy", priority_weight=3.0), tenant("light", priority_weight=1.0),
                tenant("flood", priority_weight=1.0)]
-    settings = ServerSettings(host="127.0.0.1", port=0, metrics_port=0)  # the defaults
+    settings = ServerSettings(host="127.0.0.1", port=0, metrics_port=0, http_port=0)  # the defaults
     assert (settings.max_concurrent_requests, settings.max_queued_requests) == (64, 256)
     async with running_server(server_coordinator(tiny_pair), settings, tenants=tenants) as h:
         assert h.server.admission.model_slots == {MODEL: 16}
@@ -204,7 +204,53 @@ async def test_the_metrics_endpoint_binds_to_the_server_host(tiny_pair):  # noqa
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    settings = ServerSettings(host="127.0.0.1", port=0, metrics_port=port)
+    settings = ServerSettings(host="127.0.0.1", port=0, metrics_port=port, http_port=0)
     async with running_server(server_coordinator(tiny_pair), settings, tenants=TENANTS) as h:
         server, _thread = h.server._metrics_http
         assert server.server_address[0] == "127.0.0.1"  # not 0.0.0.0: no wider than the API itself
+
+
+async def test_tenants_file_changes_apply_without_a_restart_and_revoked_streams_end(tiny_pair, tmp_path):  # noqa: F811
+    """Removing a key from the tenants file ends that key's open stream with UNAUTHENTICATED and
+    refuses it from then on; a key added to the file works at once; a malformed file changes nothing."""
+    from coordinator.tenancy import save_tenants
+    from test_server_support import TargetOnlyCoordinator
+
+    path = tmp_path / "tenants.yaml"
+    save_tenants(path, [tenant("alpha"), tenant("tight")])
+    slow = TargetOnlyCoordinator(*tiny_pair, step_delay_s=0.05)  # a stream that outlives the reload
+    async with running_server(slow, tenants=[tenant("alpha"), tenant("tight")], tenants_path=path,
+                              tenants_poll_s=0.05) as h:
+        assert (await rpc_error(h.stub, request(max_new_tokens=2), api_key=KEYS["beta"])).code() == \
+            grpc.StatusCode.UNAUTHENTICATED
+        received = []
+        long_req = request(max_new_tokens=200)
+        long_req.stopping.ignore_eos = True
+        stream = h.stub.Generate(long_req, metadata=(("authorization", f"Bearer {KEYS['alpha']}"),))
+        survivor = asyncio.ensure_future(collect(h.stub, request(max_new_tokens=30), api_key=KEYS["tight"]))
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            async for m in stream:
+                received.append(m)
+                if len(received) == 3:
+                    save_tenants(path, [tenant("tight"), tenant("beta")])  # alpha's key revoked, beta's added
+        assert ended.value.code() == grpc.StatusCode.UNAUTHENTICATED and "revoked" in ended.value.details()
+        assert 3 <= len(received) < 150
+        assert (await rpc_error(h.stub, request(max_new_tokens=2), api_key=KEYS["alpha"])).code() == \
+            grpc.StatusCode.UNAUTHENTICATED
+        assert (await collect(h.stub, request(max_new_tokens=2), api_key=KEYS["beta"]))[-1].usage.completion_tokens
+        assert (await survivor)[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED  # other keys' streams go on
+        path.write_text("tenants: [{name: 'bad name!'}]\n")
+        await asyncio.sleep(0.3)
+        assert h.server.reload_tenants() is False  # logged; beta still works
+        assert (await collect(h.stub, request(max_new_tokens=2), api_key=KEYS["beta"]))[-1].usage.completion_tokens
+
+
+async def test_requests_rejected_after_the_rate_check_still_count(tiny_pair):  # noqa: F811
+    limited = tenant("alpha", limits=TenantLimits(requests_per_minute=2))
+    async with running_server(server_coordinator(tiny_pair), tenants=[limited]) as h:
+        for _ in range(2):
+            bad = request(max_new_tokens=2)
+            bad.sampling.temperature = -1.0
+            assert (await rpc_error(h.stub, bad, api_key=KEYS["alpha"])).code() == grpc.StatusCode.INVALID_ARGUMENT
+        err = await rpc_error(h.stub, request(max_new_tokens=2), api_key=KEYS["alpha"])
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "requests_per_minute" in err.details()

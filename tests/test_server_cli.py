@@ -60,7 +60,7 @@ def duospec_cmd(*args: str) -> list[str]:
 def test_serve_refuses_non_loopback_without_tenants(tiny_pair, tmp_path):  # noqa: F811
     model_dir = tiny_pair[0].parent
     proc = subprocess.run(duospec_cmd("serve", "--host", "0.0.0.0", "--model-dir", str(model_dir),
-                                      "--backend", "local", "--metrics-port", "0"),
+                                      "--backend", "local", "--metrics-port", "0", "--http-port", "0"),
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "--insecure-no-auth" in proc.stderr and "Traceback" not in proc.stderr
@@ -70,7 +70,7 @@ def test_serve_subprocess_streams_and_drains_on_sigterm(tiny_pair, tmp_path):  #
     pytest.importorskip("coordinator.local", reason="needs LocalCoordinator (the lead's coordinator/local.py)")
     model_dir = tiny_pair[0].parent
     proc = subprocess.Popen(
-        duospec_cmd("serve", "--backend", "local", "--port", "0", "--metrics-port", "0",
+        duospec_cmd("serve", "--backend", "local", "--port", "0", "--metrics-port", "0", "--http-port", "0",
                     "--model-dir", str(model_dir), "--ledger", str(tmp_path / "usage.db")),
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": str(REPO)},

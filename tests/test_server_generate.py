@@ -64,9 +64,14 @@ async def test_prompt_token_ids_and_client_request_id_are_echoed(harness):
 
 
 async def test_stop_string_truncates_text_and_finishes_stop(harness):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(harness.coordinator.models()[0].target_path)
     base = request("import os\n", 30)
     base.stopping.ignore_eos = True
-    full = "".join(m.text for m in await collect(harness.stub, base))
+    base_messages = await collect(harness.stub, base)
+    full = "".join(m.text for m in base_messages)
+    full_ids = [t for m in base_messages for t in m.token_ids]
     assert len(full) > 6
     stop = full[3:6]
     req = request("import os\n", 30)
@@ -75,6 +80,12 @@ async def test_stop_string_truncates_text_and_finishes_stop(harness):
     messages = await collect(harness.stub, req)
     assert "".join(m.text for m in messages) == full[: full.index(stop)]
     assert messages[-1].finish_reason == pb.FINISH_REASON_STOP
+    # The token ids sent (and counted as usage) end with the token that completed the stop string,
+    # even when speculation committed several tokens past it in one round.
+    sent = [t for m in messages for t in m.token_ids]
+    assert sent == full_ids[: len(sent)] and messages[-1].usage.completion_tokens == len(sent)
+    assert stop in tok.decode(sent, skip_special_tokens=True)
+    assert stop not in tok.decode(sent[:-1], skip_special_tokens=True)
 
 
 async def test_stop_token_id_finishes_stop(harness):

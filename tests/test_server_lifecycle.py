@@ -18,7 +18,7 @@ from test_server_support import tiny_pair  # noqa: F401  (fixture)
 
 async def _start(tiny_pair, delay):  # noqa: F811
     coordinator = server_coordinator(tiny_pair, step_delay_s=delay)
-    server = DuospecServer(coordinator, ServerSettings(port=0, metrics_port=0), health_poll_s=0.05)
+    server = DuospecServer(coordinator, ServerSettings(port=0, metrics_port=0, http_port=0), health_poll_s=0.05)
     port = await server.start()
     await server.wait_ready(30)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")

@@ -135,7 +135,7 @@ class Harness:
 
 @contextlib.asynccontextmanager
 async def running_server(coordinator, settings: ServerSettings | None = None, **server_kwargs):
-    settings = settings or ServerSettings(host="127.0.0.1", port=0, metrics_port=0)
+    settings = settings or ServerSettings(host="127.0.0.1", port=0, metrics_port=0, http_port=0)
     server = DuospecServer(coordinator, settings, health_poll_s=0.05, **server_kwargs)
     port = await server.start()
     await server.wait_ready(timeout=30)

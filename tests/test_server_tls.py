@@ -74,7 +74,7 @@ def pki(tmp_path_factory):
 def _settings(pki, mutual: bool) -> ServerSettings:
     tls = TlsSettings(cert_file=str(pki["server"][0]), key_file=str(pki["server"][1]),
                       client_ca_file=str(pki["ca"][0]) if mutual else None)
-    return ServerSettings(host="127.0.0.1", port=0, metrics_port=0, tls=tls)
+    return ServerSettings(host="127.0.0.1", port=0, metrics_port=0, http_port=0, tls=tls)
 
 
 async def test_tls_server_serves_a_client_that_trusts_its_ca(tiny_pair, pki):  # noqa: F811

@@ -34,7 +34,7 @@ def start_serve(tiny_pair, tmp_path: Path, grace_period_s: float) -> tuple[subpr
     target, draft = tiny_pair
     config = tmp_path / "serve.yaml"
     config.write_text(yaml.safe_dump({
-        "server": {"grace_period_s": grace_period_s, "metrics_port": 0},
+        "server": {"grace_period_s": grace_period_s, "metrics_port": 0, "http_port": 0},
         "models": [{"name": "tiny", "target": str(target), "draft": str(draft), "device": "cpu"}],
         "ledger": str(tmp_path / "usage.db"),
     }))

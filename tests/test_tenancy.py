@@ -83,8 +83,21 @@ async def test_concurrent_stream_and_request_rate_limits():
     admission.release(t1, 1)
     await admission.admit(tenant, 1)
     admission.release(t1, 1)  # double release is a no-op
+    for _ in range(3):  # charged before validation: requests later rejected count too
+        admission.charge_request(tenant)
     with pytest.raises(AdmissionError, match="requests_per_minute"):
-        await admission.admit(Tenant("a", limits=TenantLimits(requests_per_minute=3)), 1)
+        admission.charge_request(tenant)
+
+
+def test_a_reload_gives_changed_limits_new_buckets_and_keeps_the_stream_counts():
+    admission = Admission(8, 8, tenants=[Tenant("a", limits=TenantLimits(requests_per_minute=1))])
+    admission.charge_request(Tenant("a", limits=TenantLimits(requests_per_minute=1)))
+    with pytest.raises(AdmissionError):
+        admission.charge_request(Tenant("a", limits=TenantLimits(requests_per_minute=1)))
+    raised = Tenant("a", limits=TenantLimits(requests_per_minute=5), priority_weight=4.0)
+    admission.set_tenants([raised, Tenant("b")])
+    admission.charge_request(raised)
+    assert admission.queue_share(raised) == 6  # 8 * 4 / (4 + 1)
 
 
 async def test_draining_refuses_with_unavailable():

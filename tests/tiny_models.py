@@ -138,6 +138,11 @@ def _family_config(family: str, common: dict[str, Any], rope_scaling, attention_
     raise ValueError(f"family={family!r} is not one of {FAMILIES}")
 
 
+# A minimal chat template (role: content lines), for checkpoints that should look like chat models.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
 def make_tiny_checkpoint(
     out_dir: str | pathlib.Path,
     family: str = "llama",

@@ -35,7 +35,7 @@ async def served_pipeline(pair: BenchPair, gamma: int, max_lookahead: int, ray_a
 
     config = model_config(pair, gamma, max_lookahead)
     coordinator = start_pipeline([config], ray_address=ray_address)
-    server = DuospecServer(coordinator, ServerSettings(host="127.0.0.1", port=0, metrics_port=0),
+    server = DuospecServer(coordinator, ServerSettings(host="127.0.0.1", port=0, metrics_port=0, http_port=0),
                            default_modes={MODEL_NAME: config.speculation.mode})
     try:
         port = await server.start()

@@ -111,7 +111,7 @@ def tenants_remove(args: argparse.Namespace) -> int:
     if len(kept) == len(tenants):
         return _fail(f"no tenant {args.name!r} in {args.tenants}")
     save_tenants(args.tenants, kept)
-    print(f"removed tenant {args.name!r} (a running server picks this up on restart)")
+    print(f"removed tenant {args.name!r} (a running server picks this up within seconds and ends its open streams)")
     return 0
 
 
@@ -123,10 +123,10 @@ def usage_report(args: argparse.Namespace) -> int:
         records = query_usage(args.ledger, tenant=args.tenant, since=since)
     except (ValueError, FileNotFoundError) as exc:
         return _fail(str(exc))
-    rows = [("TENANT", "MODEL", "REQUESTS", "ERRORS", "PROMPT", "COMPLETION", "DRAFTED", "ACCEPTED", "ACCEPT%",
+    rows = [("TENANT", "MODEL", "REQUESTS", "RUNNING", "ERRORS", "PROMPT", "COMPLETION", "DRAFTED", "ACCEPTED", "ACCEPT%",
              "TOK/FWD")]
     for t in summarize(records):
-        rows.append((t["tenant"], t["model"], str(t["requests"]), str(t["errors"]), str(t["prompt_tokens"]),
+        rows.append((t["tenant"], t["model"], str(t["requests"]), str(t["running"]), str(t["errors"]), str(t["prompt_tokens"]),
                      str(t["completion_tokens"]), str(t["drafted"]), str(t["accepted"]),
                      f"{100 * t['acceptance']:.1f}", f"{t['mean_accepted_length']:.2f}"))
     _print_table(rows)

@@ -22,6 +22,8 @@ def register(subparsers) -> None:
     p.add_argument("--port", type=int, help="gRPC port (default 50051)")
     p.add_argument("--config", type=pathlib.Path, help="serve config, YAML or TOML (see coordinator/config.py)")
     p.add_argument("--tenants", type=pathlib.Path, help="tenants file (see `duospec tenants`); enables auth")
+    p.add_argument("--http-port", type=int,
+                   help="OpenAI-compatible HTTP port, /v1/completions etc. (default 8000; 0 = off)")
     p.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 9400; 0 = off)")
     p.add_argument("--address", help="Ray cluster to join (ADDR or 'auto'); default: start a local Ray")
     p.add_argument("--backend", choices=("ray", "local"), default="ray",
@@ -77,7 +79,7 @@ def build_config(args: argparse.Namespace):
     if args.model_dir is not None or not config.models:
         config = replace(config, models=[default_model(args.model_dir)])
     server = config.server
-    overrides = {"host": args.host, "port": args.port, "metrics_port": args.metrics_port,
+    overrides = {"host": args.host, "port": args.port, "http_port": args.http_port, "metrics_port": args.metrics_port,
                  "grace_period_s": args.grace_period}
     server = replace(server, **{k: v for k, v in overrides.items() if v is not None})
     config = replace(config, server=server)
@@ -136,16 +138,19 @@ async def _serve(config, args: argparse.Namespace) -> int:
     server = DuospecServer(
         coordinator, config.server, tenants=tenants, insecure_no_auth=args.insecure_no_auth,
         ledger_path=config.ledger, default_modes={m.name: m.speculation.mode for m in config.models},
+        tenants_path=config.tenants,
     )
     port = await server.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.shutdown()))
+    loop.add_signal_handler(signal.SIGHUP, server.reload_tenants)  # tenants file: new keys, revocations
     ready = asyncio.ensure_future(server.wait_ready())
     stopped = asyncio.ensure_future(server.wait_for_termination())
     await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
     if ready.done():  # health is SERVING: both actors are up
-        print(f"duospec serving on {config.server.host}:{port}", flush=True)
+        http = f", OpenAI-compatible HTTP on {config.server.host}:{server.http_port}" if server.http_port else ""
+        print(f"duospec serving on {config.server.host}:{port}{http}", flush=True)
     ready.cancel()
     await stopped
     return 0

@@ -1,0 +1,423 @@
+"""The one request path behind every front (gRPC `GenerationService`, the OpenAI-compatible HTTP API).
+
+One request, step by step:
+  1. `authenticate` the bearer key (UNAUTHENTICATED); the tenant's requests/min is charged first
+     thing in `generate`, so a request rejected later still counts;
+  2. resolve the model (NOT_FOUND, PERMISSION_DENIED), validate and tokenize off the event loop
+     (INVALID_ARGUMENT naming the field) — coordinator/validation.py;
+  3. admit against the tenant's quotas and the weighted queue (RESOURCE_EXHAUSTED + retry_after_s)
+     and write the request's ledger row (coordinator/ledger.py);
+  4. iterate `coordinator.generate`, turning committed token ids into text deltas, cutting text and
+     tokens at stop strings; the last delta carries finish_reason, usage and speculation stats;
+  5. on any exit (finish, stop string, client gone, deadline, shutdown, key revoked) close the
+     coordinator's generator — that frees the sequence's KV slots — release the admission ticket
+     and finish the ledger row with the tokens the client received.
+Fronts see `GatewayError` (a gRPC status name, a message that says what to fix, the field when there
+is one) and `Delta`s; they only translate. Logs carry ids, tenant, model and counts, never prompts,
+completions or keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from coordinator.admission import Admission, AdmissionError
+from coordinator.api import (
+    Coordinator, CoordinatorError, FinishEvent, FinishReason, ModelInfo, SpecStats, SpeculationMode, TokensEvent,
+)
+from coordinator.config import ServerSettings
+from coordinator.ledger import RUNNING, UsageLedger, UsageRecord
+from coordinator.metrics import ServerMetrics
+from coordinator.tenancy import ANONYMOUS, AuthError, Tenant, TenantRegistry, authorize_model
+from coordinator.validation import RequestError, ValidatedRequest, resolve_model, validate_request, with_tenant
+from duospec.v1 import generation_pb2 as pb
+
+log = logging.getLogger("duospec.server")
+
+
+class GatewayError(Exception):
+    """What a front returns to the client: `code` is a gRPC status name (fronts map it to theirs)."""
+
+    def __init__(self, code: str, message: str, retry_after_s: float | None = None, field: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.retry_after_s = retry_after_s
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Caller:
+    tenant: Tenant
+    key_hash: str | None  # None when auth is off
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Text and token ids new since the last delta; the last one has `finish_reason` set."""
+
+    request_id: str  # the client's id, or the server's when the client sent none
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0  # last delta only, like the usage figures below
+    completion_tokens: int = 0
+    stats: SpecStats | None = None
+
+
+class Lifecycle:
+    """Shared by the fronts and the server: draining flag, hard-stop signal, open stream count."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.hard_stop = asyncio.Event()
+        self.active_streams = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def stream_opened(self) -> None:
+        self.active_streams += 1
+        self.idle.clear()
+
+    def stream_closed(self) -> None:
+        self.active_streams -= 1
+        if self.active_streams == 0:
+            self.idle.set()
+
+
+class StopStringMatcher:
+    """Cuts streamed text before the first stop string, holding back only text that could start one.
+
+    The held tail is the longest suffix of the pending text that is a proper prefix of some stop
+    string; anything before it is safe to send because no stop string can begin there.
+    """
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to send now, whether a stop string was found)."""
+        if not self.stops:
+            return text, False
+        pending = self._held + text
+        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return pending[: min(hits)], True
+        keep = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(pending)), keep, -1):
+                if pending.endswith(s[:k]):
+                    keep = k
+                    break
+        self._held = pending[len(pending) - keep:] if keep else ""
+        return pending[: len(pending) - keep], False
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+@dataclass
+class _Stream:
+    """What one request has produced so far (for usage, ledger and metrics)."""
+
+    id: str  # server-made, unique
+    caller: Caller
+    model: str
+    client_request_id: str
+    prompt_tokens: int
+    started_at: float = field(default_factory=time.time)
+    t0: float = field(default_factory=time.monotonic)
+    last_token_t: float | None = None
+    completion_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    stats: SpecStats = field(default_factory=SpecStats)
+    status_code: str = "OK"
+    revoked: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def tenant(self) -> Tenant:
+        return self.caller.tenant
+
+
+class Gateway:
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        settings: ServerSettings,
+        tokenizers: dict[str, Any],
+        *,
+        registry: TenantRegistry | None,
+        admission: Admission,
+        lifecycle: Lifecycle,
+        metrics: ServerMetrics,
+        ledger: UsageLedger | None = None,
+        default_modes: dict[str, SpeculationMode] | None = None,
+    ):
+        self.coordinator = coordinator
+        self.settings = settings
+        self.tokenizers = tokenizers
+        self.registry = registry
+        self.admission = admission
+        self.lifecycle = lifecycle
+        self.metrics = metrics
+        self.ledger = ledger
+        self.default_modes = default_modes or {}
+        self.models: dict[str, ModelInfo] = {m.name: m for m in coordinator.models()}
+        self.default_model = next(iter(self.models))
+        self._streams: dict[str, _Stream] = {}
+
+    # ---- who is calling ----------------------------------------------------------------------------
+
+    def authenticate(self, authorization: str | None) -> Caller:
+        """`authorization`: the `Bearer <key>` header/metadata value (None when absent)."""
+        if self.registry is None:
+            return Caller(ANONYMOUS, None)
+        try:
+            tenant, key_hash = self.registry.identify(authorization)
+        except AuthError as exc:
+            raise GatewayError(exc.code, str(exc)) from None
+        return Caller(tenant, key_hash)
+
+    def visible_models(self, caller: Caller) -> list[ModelInfo]:
+        return [m for m in self.models.values() if caller.tenant.may_use(m.name)]
+
+    def default_mode(self, m: ModelInfo) -> SpeculationMode:
+        return self.default_modes.get(m.name, SpeculationMode.PEARL) if m.has_draft else SpeculationMode.OFF
+
+    def reload_tenants(self, tenants: list[Tenant]) -> int:
+        """New keys, limits and weights take effect now; streams of a revoked key end with
+        UNAUTHENTICATED. Returns how many streams were ended."""
+        if self.registry is None:
+            return 0
+        self.registry = TenantRegistry(tenants)
+        self.admission.set_tenants(tenants)
+        ended = 0
+        for stream in self._streams.values():
+            if stream.caller.key_hash is not None and not self.registry.holds(stream.caller.key_hash,
+                                                                             stream.tenant.name):
+                stream.revoked.set()
+                ended += 1
+        return ended
+
+    # ---- one request ---------------------------------------------------------------------------------
+
+    async def generate(self, caller: Caller, request: pb.GenerateRequest) -> AsyncIterator[Delta]:
+        """Deltas of one request; raises GatewayError (before the first delta, or mid-stream for a
+        failure of the system). Closing the generator early cancels the request."""
+        validated, ticket, stream = await self._admit(caller, request)
+        self._streams[stream.id] = stream
+        self.lifecycle.stream_opened()
+        self._update_queue_gauges()
+        try:
+            await self._ledger_write("start", stream)
+            async for delta in self._run(validated, stream):
+                yield delta
+        except (asyncio.CancelledError, GeneratorExit):
+            if stream.finish_reason is None and stream.status_code == "OK":
+                stream.finish_reason, stream.status_code = FinishReason.CANCELLED, "CANCELLED"
+            raise
+        except GatewayError as exc:
+            stream.status_code = exc.code
+            raise
+        except CoordinatorError as exc:
+            stream.status_code = exc.code if exc.code in _STATUS_NAMES else "INTERNAL"
+            log.warning("request %s failed: %s %s", stream.client_request_id, stream.status_code, exc)
+            raise GatewayError(stream.status_code, str(exc)) from None
+        except Exception:
+            stream.status_code = "INTERNAL"
+            log.exception("request %s: internal error", stream.client_request_id)
+            raise GatewayError("INTERNAL", f"internal error (request {stream.client_request_id}); "
+                               "see the server log") from None
+        finally:
+            del self._streams[stream.id]
+            self.admission.release(ticket, stream.prompt_tokens + stream.completion_tokens)
+            self.lifecycle.stream_closed()
+            self._update_queue_gauges()
+            await self._account(stream)
+
+    async def _admit(self, caller: Caller, request: pb.GenerateRequest):
+        tenant = caller.tenant
+        try:
+            self.admission.charge_request(tenant)
+            info = resolve_model(request.model, self.models, self.default_model)
+            authorize_model(tenant, info.name)
+            # Tokenizing and templating a long prompt takes milliseconds: not on the event loop.
+            validated: ValidatedRequest = await asyncio.to_thread(
+                validate_request, request, info, self.tokenizers[info.name], self.settings,
+                self.default_modes.get(info.name, SpeculationMode.PEARL), uuid.uuid4().hex,
+            )
+            n_prompt = len(validated.request.prompt_token_ids)
+            ticket = await self.admission.admit(tenant, n_prompt + validated.request.max_new_tokens, info.name)
+        except RequestError as exc:
+            raise GatewayError(exc.code, str(exc), field=exc.field) from None
+        except AuthError as exc:
+            raise GatewayError(exc.code, str(exc)) from None
+        except AdmissionError as exc:
+            raise GatewayError(exc.code, str(exc), exc.retry_after_s) from None
+        stream = _Stream(validated.request.request_id, caller, info.name, validated.client_request_id, n_prompt)
+        return validated, ticket, stream
+
+    async def _run(self, v: ValidatedRequest, stream: _Stream) -> AsyncIterator[Delta]:
+        from duospec.detokenizer import IncrementalDetokenizer
+
+        request = with_tenant(v, stream.tenant.name, stream.tenant.priority_weight)
+        # Text as transformers' decode(skip_special_tokens=True): no <|im_end|> at the end of a chat
+        # reply; the token ids still carry everything.
+        detok = IncrementalDetokenizer(self.tokenizers[stream.model], list(request.prompt_token_ids),
+                                       skip_special_tokens=True)
+        stopper = StopStringMatcher(v.stop_strings)
+        events = self.coordinator.generate(request)
+        interrupts = [asyncio.ensure_future(self.lifecycle.hard_stop.wait()),
+                      asyncio.ensure_future(stream.revoked.wait())]
+        try:
+            while True:
+                event = await _next_event(events, interrupts)
+                if event is _END:
+                    raise CoordinatorError("the coordinator ended the stream without a finish event", "INTERNAL")
+                if event is _INTERRUPTED:
+                    if stream.revoked.is_set():
+                        raise GatewayError("UNAUTHENTICATED", "the API key of this stream was revoked")
+                    stream.finish_reason = FinishReason.CANCELLED  # the server's grace period ended
+                    yield self._final(stream, stopper.flush(), ())
+                    return
+                if isinstance(event, TokensEvent):
+                    stream.stats = event.stats or stream.stats  # live: right even if we stop early
+                    text, sent, hit = _cut_at_stop(detok, stopper, event.token_ids)
+                    self._observe_tokens(stream, len(sent))
+                    if hit:
+                        stream.finish_reason = FinishReason.STOP
+                        yield self._final(stream, text, sent)
+                        return
+                    self._ledger_progress(stream)
+                    yield Delta(stream.client_request_id, text, sent)
+                elif isinstance(event, FinishEvent):
+                    stream.finish_reason, stream.stats = event.finish_reason, event.stats
+                    stream.completion_tokens = event.completion_tokens
+                    text, hit = stopper.feed(detok.flush())
+                    yield self._final(stream, text if hit else text + stopper.flush(), ())
+                    return
+        finally:
+            for waiter in interrupts:
+                waiter.cancel()
+            await events.aclose()  # frees the sequence's KV slots when we stopped early
+
+    def _final(self, stream: _Stream, text: str, token_ids) -> Delta:
+        return Delta(stream.client_request_id, text, tuple(token_ids), stream.finish_reason, stream.prompt_tokens,
+                     stream.completion_tokens, stream.stats)
+
+    def _observe_tokens(self, stream: _Stream, n: int) -> None:
+        now = time.monotonic()
+        if stream.last_token_t is None:
+            self.metrics.observe_first_token(stream.tenant.name, now - stream.t0)
+            if n > 1:
+                self.metrics.observe_tokens(stream.tenant.name, n - 1, 0.0)
+        else:
+            self.metrics.observe_tokens(stream.tenant.name, n, now - stream.last_token_t)
+        stream.last_token_t = now
+        stream.completion_tokens += n
+
+    def _update_queue_gauges(self) -> None:
+        self.metrics.streams_running.set(self.admission.running)
+        self.metrics.streams_waiting.set(self.admission.waiting)
+
+    # ---- accounting --------------------------------------------------------------------------------
+
+    def _record(self, stream: _Stream, finish: str, status: str) -> UsageRecord:
+        s = stream.stats
+        return UsageRecord(
+            id=stream.id, request_id=stream.client_request_id, tenant=stream.tenant.name, model=stream.model,
+            prompt_tokens=stream.prompt_tokens, completion_tokens=stream.completion_tokens,
+            drafted=s.drafted_tokens, accepted=s.accepted_tokens, target_forwards=s.target_forwards,
+            mean_accepted_length=s.mean_accepted_length, finish_reason=finish, status_code=status,
+            started_at=stream.started_at, finished_at=time.time(),
+        )
+
+    def _ledger_progress(self, stream: _Stream) -> None:
+        if self.ledger is not None:
+            self.ledger.progress(self._record(stream, "running", RUNNING))  # in memory; flushed each second
+
+    async def _ledger_write(self, what: str, stream: _Stream, record: UsageRecord | None = None) -> None:
+        if self.ledger is None:
+            return
+        try:
+            if what == "start":
+                await self.ledger.start_async(self._record(stream, "running", RUNNING))
+            else:
+                await self.ledger.finish_async(record)
+        except Exception:  # losing a row must not fail the request; the log says so loudly
+            log.exception("request %s: could not write the usage ledger", stream.client_request_id)
+
+    async def _account(self, stream: _Stream) -> None:
+        tenant = stream.tenant.name
+        if stream.status_code == "OK" or stream.finish_reason is FinishReason.CANCELLED:
+            reason = stream.finish_reason or FinishReason.CANCELLED
+            self.metrics.observe_finish(tenant, reason, stream.prompt_tokens, stream.completion_tokens, stream.stats,
+                                        time.monotonic() - stream.t0)
+            finish = reason.value
+        else:
+            self.metrics.observe_failure(tenant, stream.status_code)
+            finish = stream.status_code
+        log.info("request %s tenant=%s model=%s prompt_tokens=%d completion_tokens=%d finish=%s",
+                 stream.client_request_id, tenant, stream.model, stream.prompt_tokens, stream.completion_tokens,
+                 finish)
+        await self._ledger_write("finish", stream, self._record(stream, finish, stream.status_code))
+
+
+_STATUS_NAMES = frozenset((
+    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+    "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+    "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED",
+))
+_INTERRUPTED = object()  # sentinel: the server's grace period ended, or the stream's key was revoked
+_END = object()  # sentinel: the coordinator's generator is exhausted
+
+
+def _cut_at_stop(detok, stopper: StopStringMatcher, token_ids) -> tuple[str, tuple[int, ...], bool]:
+    """(text to send, token ids to send, stop string found). With stop strings the tokens go through
+    one at a time, so what is sent (and counted) ends with the token that completed the stop string."""
+    if not stopper.stops:
+        return detok.push(list(token_ids)), tuple(token_ids), False
+    parts = []
+    for i, token in enumerate(token_ids):
+        text, hit = stopper.feed(detok.push([token]))
+        parts.append(text)
+        if hit:
+            return "".join(parts), tuple(token_ids[: i + 1]), True
+    return "".join(parts), tuple(token_ids), False
+
+
+async def _next_event(events: AsyncIterator, interrupts: list[asyncio.Future]):
+    """The coordinator's next event, `_END` when exhausted, or `_INTERRUPTED` if an interrupt came first."""
+    nxt = asyncio.ensure_future(_anext_or_end(events))
+    try:
+        await asyncio.wait({nxt, *interrupts}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        await _cancel_and_wait(nxt)
+        raise
+    if nxt.done():
+        return nxt.result()
+    await _cancel_and_wait(nxt)
+    return _INTERRUPTED
+
+
+async def _anext_or_end(events: AsyncIterator):
+    try:
+        return await events.__anext__()
+    except StopAsyncIteration:
+        return _END
+
+
+async def _cancel_and_wait(task: asyncio.Future) -> None:
+    # The generator must not be running when we aclose() it, so wait for the cancel to land.
+    task.cancel()
+    try:
+        await task
+    except BaseException:
+        pass

@@ -1,0 +1,240 @@
+"""The OpenAI-compatible HTTP front (Starlette on uvicorn), in the same process and event loop as gRPC.
+
+    POST /v1/completions, POST /v1/chat/completions   (`stream: true` = server-sent events, ending
+                                                        `data: [DONE]`; `stream_options.include_usage`)
+    GET  /v1/models, GET /health
+
+Every request goes through coordinator/gateway.py, the path gRPC takes: the same keys
+(`Authorization: Bearer`), limits, weighted queue, ledger and metrics. Translation lives in
+coordinator/openai_protocol.py. A client that disconnects ends its request (the gateway frees the
+sequence's KV slots): for streams Starlette cancels the response, for plain requests a watcher on the
+connection does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+import time
+from typing import Callable
+
+from coordinator import openai_protocol as oai
+from coordinator.config import TlsSettings
+from coordinator.gateway import Caller, Gateway, GatewayError
+
+log = logging.getLogger("duospec.http")
+
+
+def create_app(gateway: Gateway, is_serving: Callable[[], bool]):
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+
+    def error_response(exc: GatewayError, **naming) -> JSONResponse:
+        status, body, headers = oai.as_http_error(exc, **naming)
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    def caller_of(request: Request) -> Caller:
+        return gateway.authenticate(request.headers.get("authorization"))
+
+    async def health(request: Request) -> Response:
+        serving = is_serving()
+        return JSONResponse({"status": "ok" if serving else "unavailable"}, status_code=200 if serving else 503)
+
+    async def models(request: Request) -> Response:
+        try:
+            caller = caller_of(request)
+        except GatewayError as exc:
+            return error_response(exc)
+        return JSONResponse(oai.model_list(gateway.visible_models(caller)))
+
+    async def generate(request: Request, *, chat: bool) -> Response:
+        naming = {"chat": chat, "max_tokens_field": "max_tokens"}
+        try:
+            caller = caller_of(request)
+            body = oai.parse_body(await request.body())
+            if chat and body.get("max_completion_tokens") is not None:
+                naming["max_tokens_field"] = "max_completion_tokens"
+            client_id = request.headers.get("x-request-id", "")
+            req = oai.chat_request(body, client_id) if chat else oai.completion_request(body, client_id)
+            stream, include_usage = oai.stream_options(body)
+            deltas = gateway.generate(caller, req)
+            try:
+                first = await deltas.__anext__()  # errors before the first token are plain HTTP errors
+            except BaseException:
+                await deltas.aclose()
+                raise
+        except GatewayError as exc:
+            return error_response(exc, **naming)
+        model = req.model or gateway.default_model
+        rid = ("chatcmpl-" if chat else "cmpl-") + first.request_id
+        created = int(time.time())
+        if stream:
+            return StreamingResponse(_events(deltas, first, rid, model, created, chat, include_usage, naming),
+                                     media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        try:
+            final, text = await _until_disconnect(request, _collect(deltas, first))
+        except GatewayError as exc:
+            return error_response(exc, **naming)
+        finish = oai.finish_reason(final.finish_reason)
+        if chat:
+            obj = oai.chat_object(rid, model, created, text, finish, chunk=False, token_ids=final.token_ids)
+        else:
+            obj = oai.completion_object(rid, model, created, text, finish, token_ids=final.token_ids)
+        obj["usage"] = oai.usage(final.prompt_tokens, final.completion_tokens, final.stats)
+        return JSONResponse(obj)
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, chat=True)
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed, 500: _server_error})
+
+
+async def _collect(deltas, first):
+    """All deltas of a plain request: (the last delta, with every token id; the whole text)."""
+    from dataclasses import replace
+
+    parts, ids, last = [first.text], list(first.token_ids), first
+    async with contextlib.aclosing(deltas):
+        while last.finish_reason is None:
+            last = await deltas.__anext__()
+            parts.append(last.text)
+            ids.extend(last.token_ids)
+    return replace(last, token_ids=tuple(ids)), "".join(parts)
+
+
+async def _until_disconnect(request, work):
+    """Runs `work`; cancels it (freeing the sequence) if the client goes away first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise GatewayError("CANCELLED", "the client disconnected")
+    return task.result()
+
+
+async def _wait_disconnect(request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _events(deltas, first, rid: str, model: str, created: int, chat: bool, include_usage: bool, naming):
+    delta, is_first = first, True
+    async with contextlib.aclosing(deltas):
+        try:
+            while True:
+                finish = oai.finish_reason(delta.finish_reason)
+                if chat:
+                    if is_first or delta.text or delta.token_ids or finish:
+                        yield oai.sse(oai.chat_object(rid, model, created, delta.text, finish, chunk=True,
+                                                      first=is_first, token_ids=delta.token_ids))
+                elif delta.text or delta.token_ids or finish:
+                    yield oai.sse(oai.completion_object(rid, model, created, delta.text, finish,
+                                                        token_ids=delta.token_ids))
+                is_first = False
+                if finish is not None:
+                    break
+                delta = await deltas.__anext__()
+        except GatewayError as exc:  # mid-stream: the status line is gone, so the error is an event
+            _, body, _ = oai.as_http_error(exc, **naming)
+            yield oai.sse(body)
+            yield oai.SSE_DONE
+            return
+    if include_usage:
+        yield oai.sse(oai.usage_chunk(rid, model, created, chat=chat,
+                                      usage_body=oai.usage(delta.prompt_tokens, delta.completion_tokens, delta.stats)))
+    yield oai.SSE_DONE
+
+
+async def _not_found(request, exc):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": f"no route {request.url.path}; see GET /v1/models, POST "
+                                              "/v1/completions, POST /v1/chat/completions, GET /health",
+                                   "type": "not_found_error", "param": None, "code": "not_found"}}, status_code=404)
+
+
+async def _not_allowed(request, exc):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": f"{request.method} is not allowed on {request.url.path}",
+                                   "type": "invalid_request_error", "param": None, "code": "method_not_allowed"}},
+                        status_code=405)
+
+
+async def _server_error(request, exc):
+    from starlette.responses import JSONResponse
+
+    log.error("HTTP %s %s: internal error", request.method, request.url.path, exc_info=exc)
+    return JSONResponse({"error": {"message": "internal error; see the server log", "type": "server_error",
+                                   "param": None, "code": "internal"}}, status_code=500)
+
+
+class HttpFront:
+    """uvicorn in the running event loop, on a socket bound here (so port 0 works and errors are ours)."""
+
+    def __init__(self, app, host: str, port: int, tls: TlsSettings | None = None):
+        import uvicorn
+
+        class _Server(uvicorn.Server):
+            def capture_signals(self):  # `duospec serve` owns SIGTERM/SIGINT (drain first)
+                return contextlib.nullcontext()
+
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
+                                timeout_graceful_shutdown=2,
+                                ssl_certfile=tls.cert_file if tls else None, ssl_keyfile=tls.key_file if tls else None,
+                                ssl_ca_certs=tls.client_ca_file if tls else None,
+                                ssl_cert_reqs=ssl.CERT_REQUIRED if tls and tls.client_ca_file else ssl.CERT_NONE)
+        self._server = _Server(config)
+        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((host.strip("[]"), port))
+        except OSError as exc:
+            self._sock.close()
+            raise OSError(f"could not bind the HTTP port {host}:{port} ({exc.strerror}); pick another with "
+                          "--http-port, or 0 to turn HTTP off") from None
+        self.port = self._sock.getsockname()[1]
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        self._task = asyncio.create_task(self._server.serve(sockets=[self._sock]), name="duospec-http")
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                raise OSError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), 5)
+        except asyncio.TimeoutError:
+            self._server.force_exit = True
+            await self._task
+        self._sock.close()

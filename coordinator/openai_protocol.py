@@ -1,0 +1,344 @@
+"""OpenAI-compatible request and response shapes, translated to and from `duospec.v1` messages.
+
+Pure functions, no I/O: coordinator/http_server.py wires them to the gateway. A request body becomes
+a `GenerateRequest`, so the HTTP API is validated by the same code as gRPC (coordinator/validation.py);
+its errors name the gRPC field path, and `field_name()` turns that back into the JSON field the user
+sent (`sampling.temperature` -> `temperature`).
+
+Defaults follow OpenAI's API, not duospec's gRPC one: `temperature` 1.0 (send 0 for greedy),
+`top_p` 1.0, `n` 1. `max_tokens` unset = the server's default_max_new_tokens (within the context).
+duospec's speculation options ride in an extension object, `speculation: {mode, max_draft_tokens,
+cache, tree}` (`extra_body=` in the `openai` client); the usage object carries the speculation stats
+as `usage.speculation`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from typing import Any
+
+from coordinator.api import FinishReason, ModelInfo, SpecStats
+from coordinator.gateway import GatewayError
+from duospec.v1 import generation_pb2 as pb
+
+_MODES = {"pearl": pb.SPECULATION_MODE_PEARL, "vanilla": pb.SPECULATION_MODE_VANILLA, "off": pb.SPECULATION_MODE_OFF}
+_FINISH = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReason.EOS: "stop",
+           FinishReason.CANCELLED: "abort"}  # abort: the server ended it (shutdown), as vLLM says
+# Accepted and ignored: they change nothing about what is generated.
+_IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n",
+           "stream", "stream_options", "logprobs", "ignore_eos", "speculation", "presence_penalty",
+           "frequency_penalty", "logit_bias"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                         "response_format"}
+
+HTTP_STATUS = {
+    "INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "FAILED_PRECONDITION": 400, "UNAUTHENTICATED": 401,
+    "PERMISSION_DENIED": 403, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429, "CANCELLED": 499,
+    "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504, "UNIMPLEMENTED": 501,
+}
+_ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+
+
+def bad(field: str, problem: str) -> GatewayError:
+    return GatewayError("INVALID_ARGUMENT", f"{field}: {problem}", field=field)
+
+
+# ---- requests --------------------------------------------------------------------------------------
+
+def parse_body(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw or b"null")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise GatewayError("INVALID_ARGUMENT", f"the request body is not valid JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise GatewayError("INVALID_ARGUMENT", "the request body must be a JSON object")
+    return body
+
+
+def completion_request(body: dict, request_id: str = "") -> pb.GenerateRequest:
+    """`POST /v1/completions` body -> GenerateRequest (prompt as text or a list of token ids)."""
+    _reject_unknown(body, COMPLETION_FIELDS)
+    if body.get("echo"):
+        raise bad("echo", "not supported; leave it false")
+    if body.get("suffix"):
+        raise bad("suffix", "not supported; leave it unset")
+    if body.get("best_of") not in (None, 1):
+        raise bad("best_of", "only 1 is supported")
+    req = _common(body, request_id, max_tokens_field="max_tokens")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        req.prompt = prompt
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        if any(t < 0 for t in prompt):
+            raise bad("prompt", "token ids must be >= 0")
+        req.prompt_token_ids.ids.extend(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad("prompt", f"a batch of {len(prompt)} prompts; send one prompt per request")
+    else:
+        raise bad("prompt", "required: a string, or a list of token ids")
+    return req
+
+
+def chat_request(body: dict, request_id: str = "") -> pb.GenerateRequest:
+    """`POST /v1/chat/completions` body -> GenerateRequest (rendered with the model's chat template)."""
+    _reject_unknown(body, CHAT_FIELDS)
+    for name in ("tools", "tool_choice"):
+        if body.get(name) not in (None, [], "none"):
+            raise bad(name, "tool calling is not supported; leave it unset")
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise bad("response_format", "only {\"type\": \"text\"} is supported")
+    if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
+        raise bad("max_completion_tokens", "send max_completion_tokens or max_tokens, not both")
+    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    req = _common(body, request_id, max_tokens_field=field)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "required: a non-empty list of {role, content}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}]", "must be an object with role and content")
+        role = m.get("role")
+        if role == "developer":  # OpenAI's newer name for the system role
+            role = "system"
+        req.messages.messages.add(role=str(role), content=_content_text(m.get("content"), f"messages[{i}].content"))
+    return req
+
+
+def _content_text(content: Any, field: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad(f"{field}[{j}]", "only text parts ({\"type\": \"text\", \"text\": ...}) are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad(field, "must be a string or a list of text parts")
+
+
+def _common(body: dict, request_id: str, *, max_tokens_field: str) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(request_id=request_id)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model", "must be a string")
+    req.model = model or ""
+    if body.get("n") not in (None, 1):
+        raise bad("n", f"{body.get('n')!r}: only n = 1 is supported; send separate requests")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise bad(name, "not supported; leave it 0")
+    if body.get("logit_bias"):
+        raise bad("logit_bias", "not supported; leave it unset")
+    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
+        raise bad("logprobs", "log-probabilities are not available on this server yet; leave logprobs unset")
+    temperature = _number(body, "temperature", 1.0)
+    req.sampling.temperature = temperature
+    req.sampling.top_p = _number(body, "top_p", 1.0)
+    req.sampling.top_k = _integer(body, "top_k", 0, minimum=0)  # vLLM's extension; -1 also means off
+    if body.get("top_k") == -1:
+        req.sampling.top_k = 0
+    if body.get("seed") is not None:
+        req.sampling.seed = _integer(body, "seed", 0, minimum=0)
+    max_tokens = body.get(max_tokens_field)
+    if max_tokens is not None:
+        if not _is_int(max_tokens) or max_tokens < 1:
+            raise bad(max_tokens_field, f"{max_tokens!r}; use a positive integer")
+        req.stopping.max_new_tokens = max_tokens
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise bad("stop", "must be a string or a list of strings")
+        req.stopping.stop.extend(stop)
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
+            raise bad("stop_token_ids", "must be a list of token ids")
+        req.stopping.stop_token_ids.extend(stop_ids)
+    if body.get("ignore_eos") is not None:
+        req.stopping.ignore_eos = _boolean(body, "ignore_eos")
+    _speculation(body.get("speculation"), req.speculation)
+    return req
+
+
+def _speculation(raw: Any, out: pb.SpeculationParams) -> None:
+    if raw is None:
+        return
+    if not isinstance(raw, dict):
+        raise bad("speculation", "must be an object: {mode, max_draft_tokens, cache, tree}")
+    unknown = sorted(set(raw) - {"mode", "max_draft_tokens", "cache", "tree"})
+    if unknown:
+        raise bad(f"speculation.{unknown[0]}", "unknown field; use mode, max_draft_tokens, cache or tree")
+    mode = raw.get("mode")
+    if mode is not None:
+        if mode not in _MODES:
+            raise bad("speculation.mode", f"{mode!r}; use one of {', '.join(_MODES)}")
+        out.mode = _MODES[mode]
+    if raw.get("max_draft_tokens") is not None:
+        out.max_draft_tokens = _integer(raw, "max_draft_tokens", 0, minimum=0, prefix="speculation.")
+    for name in ("cache", "tree"):
+        if raw.get(name) is not None:
+            setattr(out, name, _boolean(raw, name, prefix="speculation."))
+
+
+def _reject_unknown(body: dict, allowed: set[str]) -> None:
+    unknown = sorted(set(body) - allowed - _IGNORED - {"stream"})
+    if unknown:
+        raise bad(unknown[0], "unknown field for this endpoint")
+
+
+def stream_options(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage)."""
+    stream = _boolean(body, "stream") if body.get("stream") is not None else False
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise bad("stream_options", "only allowed with stream: true")
+    if not isinstance(options, dict):
+        raise bad("stream_options", "must be an object like {\"include_usage\": true}")
+    return stream, bool(options.get("include_usage", False))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise bad(name, f"{v!r}; use a number")
+    return float(v)
+
+
+def _integer(body: dict, name: str, default: int, *, minimum: int, prefix: str = "") -> int:
+    v = body.get(name)
+    if v is None:
+        return default
+    if name == "top_k" and v == -1:
+        return 0
+    if not _is_int(v) or v < minimum or v >= 1 << 63:
+        raise bad(prefix + name, f"{v!r}; use an integer >= {minimum}")
+    return v
+
+
+def _boolean(body: dict, name: str, prefix: str = "") -> bool:
+    v = body.get(name)
+    if not isinstance(v, bool):
+        raise bad(prefix + name, f"{v!r}; use true or false")
+    return v
+
+
+_FIELD_NAMES = [  # gRPC field path (validation.py) -> the JSON field the user sent
+    (re.compile(r"^sampling\.(temperature|top_p|top_k|seed)$"), r"\1"),
+    (re.compile(r"^stopping\.max_new_tokens$"), "max_tokens"),
+    (re.compile(r"^stopping\.(stop|stop_token_ids)(\[\d+\])?$"), r"\1\2"),
+    (re.compile(r"^prompt_token_ids\.ids(\[\d+\])?$"), r"prompt\1"),
+    (re.compile(r"^messages\.messages(\[\d+\])?(\.role|\.content)?$"), r"messages\1\2"),
+    (re.compile(r"^messages$"), "messages"),
+]
+
+
+def field_name(grpc_field: str, *, chat: bool, max_tokens_field: str = "max_tokens") -> str:
+    for pattern, repl in _FIELD_NAMES:
+        if pattern.match(grpc_field):
+            name = pattern.sub(repl, grpc_field)
+            return max_tokens_field if name == "max_tokens" else name
+    if grpc_field == "prompt" and chat:
+        return "messages"
+    return grpc_field
+
+
+def as_http_error(exc: GatewayError, *, chat: bool = False, max_tokens_field: str = "max_tokens"):
+    """(status, body, headers) in OpenAI's error shape; the message names the JSON field."""
+    status = HTTP_STATUS.get(exc.code, 500)
+    message, param = str(exc), None
+    if exc.field:
+        param = field_name(exc.field, chat=chat, max_tokens_field=max_tokens_field)
+        prefix = exc.field + ":"
+        if message.startswith(prefix):
+            message = param + ":" + message[len(prefix):]
+    headers = {}
+    if exc.retry_after_s:
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+    body = {"error": {"message": message, "type": _ERROR_TYPE.get(status, "server_error"), "param": param,
+                      "code": exc.code.lower()}}
+    return status, body, headers
+
+
+# ---- responses -------------------------------------------------------------------------------------
+
+def finish_reason(reason: FinishReason | None) -> str | None:
+    return None if reason is None else _FINISH[reason]
+
+
+def usage(prompt_tokens: int, completion_tokens: int, stats: SpecStats | None) -> dict:
+    s = stats or SpecStats()
+    return {
+        "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "speculation": {
+            "drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
+            "target_forwards": s.target_forwards, "mean_accepted_length": round(s.mean_accepted_length, 4),
+            "cache_lookups": s.cache_lookups, "cache_hits": s.cache_hits, "tree_nodes": s.tree_nodes,
+            "tree_hits": s.tree_hits,
+        },
+    }
+
+
+def completion_object(rid: str, model: str, created: int, text: str, finish: str | None, *,
+                      token_ids: tuple[int, ...] = ()) -> dict:
+    """A completion or one of its stream chunks (same shape); `token_ids` is duospec's extension."""
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None,
+                         "token_ids": list(token_ids)}]}
+
+
+def chat_object(rid: str, model: str, created: int, text: str | None, finish: str | None, *,
+                chunk: bool, first: bool = False, token_ids: tuple[int, ...] = ()) -> dict:
+    """A chat completion, or (`chunk`) one of its stream chunks; `token_ids` is duospec's extension."""
+    if chunk:
+        delta: dict = {}
+        if first:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None,
+                  "token_ids": list(token_ids)}
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [choice]}
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                         "logprobs": None, "token_ids": list(token_ids)}]}
+
+
+def usage_chunk(rid: str, model: str, created: int, *, chat: bool, usage_body: dict) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model, "choices": [], "usage": usage_body}
+
+
+def model_list(models: list[ModelInfo]) -> dict:
+    created = int(time.time())
+    return {"object": "list", "data": [
+        {"id": m.name, "object": "model", "created": created, "owned_by": "duospec", "max_model_len": m.max_context}
+        for m in models
+    ]}
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
