@@ -54,7 +54,7 @@ def launch_pair(
     max_context: int | None = None,
     placement_timeout_s: float = 30.0,
     load_timeout_s: float = 300.0,
-    max_restarts: int = 4,
+    max_restarts: int = -1,  # Ray restarts a dead worker for as long as the deployment runs
     deployment_secret: str | None = None,
 ) -> WorkerPair:
     """Places and starts the pair; `deployment_secret` (default: a new one) authenticates the streams;

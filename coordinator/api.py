@@ -46,6 +46,7 @@ class GenerationRequest:
     model: str = ""  # "" = the default model
     tenant: str = "default"
     priority_weight: float = 1.0  # weighted fair share of the target when saturated
+    logprobs: int | None = None  # set: each token's log p under the target, with this many (0..20) alternatives
 
 
 @dataclass
@@ -78,11 +79,21 @@ class SpecStats:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A committed token's log-probability under the target, and the likeliest tokens at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log p), likeliest first
+
+
+@dataclass(frozen=True)
 class TokensEvent:
     token_ids: tuple[int, ...]  # newly committed tokens, in order
     # The sequence's live stats (updated in place), so a consumer that stops early (a stop string,
     # a client cancel) still has them without waiting for a FinishEvent.
     stats: SpecStats | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token when the request asked for them
 
 
 @dataclass(frozen=True)

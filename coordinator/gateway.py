@@ -28,7 +28,8 @@ from typing import Any, AsyncIterator
 
 from coordinator.admission import Admission, AdmissionError
 from coordinator.api import (
-    Coordinator, CoordinatorError, FinishEvent, FinishReason, ModelInfo, SpecStats, SpeculationMode, TokensEvent,
+    Coordinator, CoordinatorError, FinishEvent, FinishReason, ModelInfo, SpecStats, SpeculationMode, TokenLogprob,
+    TokensEvent,
 )
 from coordinator.config import ServerSettings
 from coordinator.ledger import RUNNING, UsageLedger, UsageRecord
@@ -67,6 +68,7 @@ class Delta:
     prompt_tokens: int = 0  # last delta only, like the usage figures below
     completion_tokens: int = 0
     stats: SpecStats | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id when the request asked for them
 
 
 class Lifecycle:
@@ -290,13 +292,14 @@ class Gateway:
                 if isinstance(event, TokensEvent):
                     stream.stats = event.stats or stream.stats  # live: right even if we stop early
                     text, sent, hit = _cut_at_stop(detok, stopper, event.token_ids)
+                    logprobs = event.logprobs[: len(sent)]
                     self._observe_tokens(stream, len(sent))
                     if hit:
                         stream.finish_reason = FinishReason.STOP
-                        yield self._final(stream, text, sent)
+                        yield self._final(stream, text, sent, logprobs)
                         return
                     self._ledger_progress(stream)
-                    yield Delta(stream.client_request_id, text, sent)
+                    yield Delta(stream.client_request_id, text, sent, logprobs=logprobs)
                 elif isinstance(event, FinishEvent):
                     stream.finish_reason, stream.stats = event.finish_reason, event.stats
                     stream.completion_tokens = event.completion_tokens
@@ -308,9 +311,9 @@ class Gateway:
                 waiter.cancel()
             await events.aclose()  # frees the sequence's KV slots when we stopped early
 
-    def _final(self, stream: _Stream, text: str, token_ids) -> Delta:
+    def _final(self, stream: _Stream, text: str, token_ids, logprobs=()) -> Delta:
         return Delta(stream.client_request_id, text, tuple(token_ids), stream.finish_reason, stream.prompt_tokens,
-                     stream.completion_tokens, stream.stats)
+                     stream.completion_tokens, stream.stats, tuple(logprobs))
 
     def _observe_tokens(self, stream: _Stream, n: int) -> None:
         now = time.monotonic()

@@ -73,18 +73,22 @@ def create_app(gateway: Gateway, is_serving: Callable[[], bool]):
         model = req.model or gateway.default_model
         rid = ("chatcmpl-" if chat else "cmpl-") + first.request_id
         created = int(time.time())
+        shape = _LogprobShape(gateway.tokenizers[model], chat) if req.HasField("logprobs") else None
         if stream:
-            return StreamingResponse(_events(deltas, first, rid, model, created, chat, include_usage, naming),
+            return StreamingResponse(_events(deltas, first, rid, model, created, chat, include_usage, naming, shape),
                                      media_type="text/event-stream", headers={"cache-control": "no-cache"})
         try:
             final, text = await _until_disconnect(request, _collect(deltas, first))
         except GatewayError as exc:
             return error_response(exc, **naming)
         finish = oai.finish_reason(final.finish_reason)
+        logprobs = shape(final.logprobs) if shape else None
         if chat:
-            obj = oai.chat_object(rid, model, created, text, finish, chunk=False, token_ids=final.token_ids)
+            obj = oai.chat_object(rid, model, created, text, finish, chunk=False, token_ids=final.token_ids,
+                                  logprobs=logprobs)
         else:
-            obj = oai.completion_object(rid, model, created, text, finish, token_ids=final.token_ids)
+            obj = oai.completion_object(rid, model, created, text, finish, token_ids=final.token_ids,
+                                        logprobs=logprobs)
         obj["usage"] = oai.usage(final.prompt_tokens, final.completion_tokens, final.stats)
         return JSONResponse(obj)
 
@@ -103,17 +107,32 @@ def create_app(gateway: Gateway, is_serving: Callable[[], bool]):
     return Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed, 500: _server_error})
 
 
+class _LogprobShape:
+    """Turns deltas' logprobs into the API's JSON, counting text offsets across a completion's chunks."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tokenizer, self.chat, self.offset = tokenizer, chat, 0
+
+    def __call__(self, logprobs) -> dict:
+        if self.chat:
+            return oai.chat_logprobs(self.tokenizer, logprobs)
+        shaped = oai.completion_logprobs(self.tokenizer, logprobs, self.offset)
+        self.offset += sum(len(t) for t in shaped["tokens"])
+        return shaped
+
+
 async def _collect(deltas, first):
-    """All deltas of a plain request: (the last delta, with every token id; the whole text)."""
+    """All deltas of a plain request: (the last delta, with every token id and logprob; the whole text)."""
     from dataclasses import replace
 
-    parts, ids, last = [first.text], list(first.token_ids), first
+    parts, ids, logprobs, last = [first.text], list(first.token_ids), list(first.logprobs), first
     async with contextlib.aclosing(deltas):
         while last.finish_reason is None:
             last = await deltas.__anext__()
             parts.append(last.text)
             ids.extend(last.token_ids)
-    return replace(last, token_ids=tuple(ids)), "".join(parts)
+            logprobs.extend(last.logprobs)
+    return replace(last, token_ids=tuple(ids), logprobs=tuple(logprobs)), "".join(parts)
 
 
 async def _until_disconnect(request, work):
@@ -139,19 +158,21 @@ async def _wait_disconnect(request) -> None:
             return
 
 
-async def _events(deltas, first, rid: str, model: str, created: int, chat: bool, include_usage: bool, naming):
+async def _events(deltas, first, rid: str, model: str, created: int, chat: bool, include_usage: bool, naming,
+                  shape: _LogprobShape | None):
     delta, is_first = first, True
     async with contextlib.aclosing(deltas):
         try:
             while True:
                 finish = oai.finish_reason(delta.finish_reason)
+                logprobs = shape(delta.logprobs) if shape and delta.logprobs else None
                 if chat:
                     if is_first or delta.text or delta.token_ids or finish:
                         yield oai.sse(oai.chat_object(rid, model, created, delta.text, finish, chunk=True,
-                                                      first=is_first, token_ids=delta.token_ids))
+                                                      first=is_first, token_ids=delta.token_ids, logprobs=logprobs))
                 elif delta.text or delta.token_ids or finish:
                     yield oai.sse(oai.completion_object(rid, model, created, delta.text, finish,
-                                                        token_ids=delta.token_ids))
+                                                        token_ids=delta.token_ids, logprobs=logprobs))
                 is_first = False
                 if finish is not None:
                     break

@@ -53,8 +53,9 @@ class LocalDraftLink:
         return self.inbox.iterate()
 
     async def close(self) -> None:
-        self.loop.stop()
-        self.loop.drafter.release_all()
+        await asyncio.to_thread(self.loop.stop)  # off the event loop: a stalled step may take a while
+        if not self.loop.alive:  # a thread still stuck in a step keeps its slots until it returns
+            self.loop.drafter.release_all()
         self.inbox.put_threadsafe(_END)
 
 

@@ -7,6 +7,9 @@ sent (`sampling.temperature` -> `temperature`).
 
 Defaults follow OpenAI's API, not duospec's gRPC one: `temperature` 1.0 (send 0 for greedy),
 `top_p` 1.0, `n` 1. `max_tokens` unset = the server's default_max_new_tokens (within the context).
+Log-probabilities (`logprobs: N` for completions; `logprobs: true, top_logprobs: N` for chat, N <= 20)
+are the target's, the same in every speculation mode (greedy: its log-softmax; sampled: log p after
+temperature, top-k and top-p).
 duospec's speculation options ride in an extension object, `speculation: {mode, max_draft_tokens,
 cache, tree}` (`extra_body=` in the `openai` client); the usage object carries the speculation stats
 as `usage.speculation`.
@@ -71,6 +74,8 @@ def completion_request(body: dict, request_id: str = "") -> pb.GenerateRequest:
     if body.get("best_of") not in (None, 1):
         raise bad("best_of", "only 1 is supported")
     req = _common(body, request_id, max_tokens_field="max_tokens")
+    if body.get("logprobs") is not None:  # completions: the number of alternatives per token
+        req.logprobs = _integer(body, "logprobs", 0, minimum=0)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -99,6 +104,13 @@ def chat_request(body: dict, request_id: str = "") -> pb.GenerateRequest:
         raise bad("max_completion_tokens", "send max_completion_tokens or max_tokens, not both")
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     req = _common(body, request_id, max_tokens_field=field)
+    wants = _boolean(body, "logprobs") if body.get("logprobs") is not None else False
+    if body.get("top_logprobs") is not None:
+        if not wants:
+            raise bad("top_logprobs", "needs logprobs: true")
+        req.logprobs = _integer(body, "top_logprobs", 0, minimum=0)
+    elif wants:
+        req.logprobs = 0
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "required: a non-empty list of {role, content}")
@@ -138,8 +150,6 @@ def _common(body: dict, request_id: str, *, max_tokens_field: str) -> pb.Generat
             raise bad(name, "not supported; leave it 0")
     if body.get("logit_bias"):
         raise bad("logit_bias", "not supported; leave it unset")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise bad("logprobs", "log-probabilities are not available on this server yet; leave logprobs unset")
     temperature = _number(body, "temperature", 1.0)
     req.sampling.temperature = temperature
     req.sampling.top_p = _number(body, "top_p", 1.0)
@@ -299,15 +309,46 @@ def usage(prompt_tokens: int, completion_tokens: int, stats: SpecStats | None) -
 
 
 def completion_object(rid: str, model: str, created: int, text: str, finish: str | None, *,
-                      token_ids: tuple[int, ...] = ()) -> dict:
+                      token_ids: tuple[int, ...] = (), logprobs: dict | None = None) -> dict:
     """A completion or one of its stream chunks (same shape); `token_ids` is duospec's extension."""
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs,
                          "token_ids": list(token_ids)}]}
 
 
+def completion_logprobs(tokenizer, logprobs, text_offset: int) -> dict:
+    """The completions API's shape: parallel lists, `text_offset` counted from the completion's start."""
+    tokens, offsets = [], []
+    for lp in logprobs:
+        offsets.append(text_offset)
+        tokens.append(tokenizer.decode([lp.token_id]))
+        text_offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [_by_text(tokenizer, lp.top) for lp in logprobs],
+            "text_offset": offsets}
+
+
+def _by_text(tokenizer, top) -> dict:
+    """{token text: log p}; ids that decode to the same text keep the likeliest one's value."""
+    out: dict[str, float] = {}
+    for token_id, logprob in top:
+        out.setdefault(tokenizer.decode([token_id]), logprob)
+    return out
+
+
+def chat_logprobs(tokenizer, logprobs) -> dict:
+    """The chat API's shape: one entry per token, with its bytes and top alternatives."""
+    def entry(token_id: int, logprob: float) -> dict:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in logprobs], "refusal": None}
+
+
 def chat_object(rid: str, model: str, created: int, text: str | None, finish: str | None, *,
-                chunk: bool, first: bool = False, token_ids: tuple[int, ...] = ()) -> dict:
+                chunk: bool, first: bool = False, token_ids: tuple[int, ...] = (),
+                logprobs: dict | None = None) -> dict:
     """A chat completion, or (`chunk`) one of its stream chunks; `token_ids` is duospec's extension."""
     if chunk:
         delta: dict = {}
@@ -315,13 +356,13 @@ def chat_object(rid: str, model: str, created: int, text: str | None, finish: st
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None,
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs,
                   "token_ids": list(token_ids)}
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [choice]}
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                         "logprobs": None, "token_ids": list(token_ids)}]}
+                         "logprobs": logprobs, "token_ids": list(token_ids)}]}
 
 
 def usage_chunk(rid: str, model: str, created: int, *, chat: bool, usage_body: dict) -> dict:

@@ -24,10 +24,9 @@ log = logging.getLogger(__name__)
 
 
 class PipelineCoordinator(ModelRouter):
-    def __init__(self, restart_timeout_s: float = 60.0) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.pairs: dict[str, WorkerPair] = {}
-        self.restart_timeout_s = restart_timeout_s  # how long a killed worker may take to come back
 
     def add_pair(self, config, pair: WorkerPair, info: ModelInfo | None = None) -> None:
         """`info`: the model's facts when the caller has read them already (start_pipeline has)."""
@@ -43,13 +42,14 @@ class PipelineCoordinator(ModelRouter):
             secret = pair.deployment_secret
             target = GrpcStreamLink(pair.target_info["endpoint"], "verify", secret)
             draft = GrpcStreamLink(pair.draft_info["endpoint"], "draft", secret) if pair.draft_info else None
+            bound = float(getattr(config, "restart_timeout_s", 600.0))  # how long a killed worker may take
             scheduler = Scheduler(
                 info,
                 target,
                 draft,
                 scheduler_config(config),
-                reconnect_target=_reconnector(pair, "target", self.restart_timeout_s),
-                reconnect_draft=_reconnector(pair, "draft", self.restart_timeout_s) if pair.draft else None,
+                reconnect_target=_reconnector(pair, "target", bound),
+                reconnect_draft=_reconnector(pair, "draft", bound) if pair.draft else None,
             )
             await scheduler.start()
             return scheduler

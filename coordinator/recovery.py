@@ -1,49 +1,70 @@
-"""What the scheduler does when a worker's stream breaks (DESIGN.md §2: Ray restarts the actor).
+"""What the scheduler does when a worker's stream breaks or stalls (DESIGN.md §2: Ray restarts the actor).
 
 A lost drafter: live sequences go on target-only (same output) and the stream is reopened on the
-restarted actor for later requests. A lost target: the coordinator waits for the restart, re-sends
-every live sequence's committed tokens (a re-prefill) and goes on; past the restart bound the live
-requests fail with UNAVAILABLE. Mixed into `Scheduler` (coordinator/scheduler.py), whose state
-these methods read and write: the links, `sequences`, `inflight`, the `_target_up`/`_draft_up` flags.
+restarted actor for later requests. A stalled drafter — its stream open but silent while sequences
+wait for drafts, longer than DRAFT_STALL_STEPS of its measured step time (at least
+DRAFT_STALL_FLOOR_S) — is treated as lost: its stream is closed and reopened. A lost target: the
+coordinator waits for the restart (up to the model's restart_timeout_s), re-sends every live
+sequence's committed tokens (a re-prefill) and goes on; past the bound the live requests fail with
+UNAVAILABLE, and the coordinator keeps reconnecting: while the target is down new requests are
+refused at once with UNAVAILABLE and the server's health is NOT_SERVING (`target_serving`); once it
+is back both serve again. Mixed into `Scheduler` (coordinator/scheduler.py), whose state these
+methods read and write: the links, `sequences`, `inflight`, the `_target_up`/`_draft_up` flags.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from coordinator.api import Unavailable
 from coordinator.links import close_quietly
 
 log = logging.getLogger("coordinator.scheduler")
 
+DRAFT_STALL_FLOOR_S = 3.0  # a drafter silent this long (or longer, see below) while sequences wait is stalled
+DRAFT_STALL_STEPS = 100  # ... or this many of its measured steps, whichever is longer
+WATCH_INTERVAL_S = 0.25
+RECONNECT_PAUSE_S = 1.0  # between reconnect attempts once a worker stayed away past its bound
+
 
 class WorkerRecovery:
+    _draft_heard_t = 0.0  # when the drafter last sent anything (monotonic)
+    _draft_stalled = False  # the watchdog closed the draft stream: its reader reopens it
+
+    @property
+    def target_serving(self) -> bool:
+        """Whether the target is connected: the server's health is SERVING only while it is."""
+        return self._target_up and not self._target_failed and not self.closed
+
+    # -- the drafter ----------------------------------------------------------------------------------
     async def _read_draft(self) -> None:
-        """Reads draft chunks; when the stream breaks, live sequences go on target-only and the link is
-        reopened on the restarted drafter for later requests."""
+        """Reads draft chunks; when the stream breaks (or stalls), live sequences go on target-only and
+        the link is reopened on the restarted drafter for later requests."""
         while not self.closed:
             try:
                 async for batch in self.draft.responses():
                     self._on_draft_batch(batch)
             except asyncio.CancelledError:
-                raise
+                if self.closed or not self._draft_stalled:
+                    raise
             except Exception as exc:  # the stream broke: the drafter is gone
                 log.warning("draft stream ended (%s); live sequences continue target-only", type(exc).__name__)
             if self.closed:
                 return
+            self._draft_stalled = False
             self._draft_up = False
             self._draft_lost()
             if self._reconnect_draft is None:
                 return
-            try:
-                link = await self._reconnect_draft()
-            except Exception as exc:
-                log.error("drafter did not come back (%s); serving target-only", exc)
+            link = await self._reconnect(self._reconnect_draft, "drafter")
+            if link is None:
                 return
             old, self.draft = self.draft, link
             await close_quietly(old)
             self._draft_up = True
+            self._draft_heard_t = time.monotonic()
             self.draft_restarts += 1
             log.info("drafter reconnected; new requests speculate again")
 
@@ -55,6 +76,30 @@ class WorkerRecovery:
         if not self.closed:
             self._dispatch()
 
+    def draft_stall_bound_s(self) -> float:
+        return max(DRAFT_STALL_FLOOR_S, DRAFT_STALL_STEPS * (self.patience.draft_step_s.value or 0.0))
+
+    async def _watch_draft(self) -> None:
+        """Treats a drafter that stays silent while sequences wait for its drafts as lost."""
+        waiting_since = None
+        while not self.closed:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            busy = set(self.inflight.seq_ids) if self.inflight is not None else set()
+            waiting = self._draft_up and any(
+                seq.finish_reason is None and seq.draft_alive and not seq.draft_paused and not seq.drafts
+                and seq.seq_id not in busy for seq in self.sequences.values())
+            now = time.monotonic()
+            if not waiting or waiting_since is None or self._draft_heard_t > waiting_since:
+                waiting_since = now if waiting else None
+                continue
+            if now - waiting_since > self.draft_stall_bound_s():
+                log.warning("drafter silent for %.1f s while sequences wait for drafts; they continue "
+                            "target-only and its stream is reopened", now - waiting_since)
+                waiting_since = None
+                self._draft_stalled = True
+                await close_quietly(self.draft)  # ends its reader's stream: the lost-drafter path
+
+    # -- the target -----------------------------------------------------------------------------------
     async def _read_target(self) -> None:
         """Reads verdicts; when the stream breaks, waits for the restarted target and re-prefills every
         live sequence's committed tokens on it (nothing committed is lost)."""
@@ -76,21 +121,37 @@ class WorkerRecovery:
         for seq in self.sequences.values():
             seq.target_len = 0  # the next verify re-sends all committed tokens: a re-prefill
             seq.forget_verify()
-        try:
-            if self._reconnect_target is None:
-                raise ConnectionError("no way to reconnect")
-            link = await self._reconnect_target()
-        except Exception as exc:
-            log.error("target did not come back: %s", exc)
+        if self._reconnect_target is None:
+            log.error("target stream ended and there is no way to reconnect")
             self._target_lost()
+            return False
+        link = await self._reconnect(self._reconnect_target, "target", on_give_up=self._target_lost)
+        if link is None:
             return False
         old, self.target = self.target, link
         await close_quietly(old)
         self._target_up = True
+        self._target_failed = False
         self.target_restarts += 1
         log.info("target reconnected; re-prefilling %d live sequences", len(self.sequences))
         self._dispatch()
         return True
+
+    async def _reconnect(self, reconnect, role: str, on_give_up=None):
+        """Calls `reconnect` (which waits up to the restart bound) until it succeeds; after the first
+        failure, `on_give_up` runs once (the live requests fail) and attempts go on. None when closed."""
+        gave_up = False
+        while not self.closed:
+            try:
+                return await reconnect()
+            except Exception as exc:
+                if not gave_up:
+                    log.error("%s did not come back in time (%s); still trying", role, exc)
+                    gave_up = True
+                    if on_give_up is not None:
+                        on_give_up()
+            await asyncio.sleep(RECONNECT_PAUSE_S)
+        return None
 
     def _target_lost(self) -> None:
         self._target_failed = True

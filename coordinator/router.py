@@ -114,6 +114,8 @@ class ModelRouter:
             )
         if request.max_draft_tokens is not None and not 0 <= request.max_draft_tokens <= 64:
             raise InvalidRequest(f"max_draft_tokens={request.max_draft_tokens}: must be in [0, 64]")
+        if request.logprobs is not None and not 0 <= request.logprobs <= 20:
+            raise InvalidRequest(f"logprobs={request.logprobs}: ask for 0 to 20 alternatives")
         if not (math.isfinite(request.priority_weight) and request.priority_weight > 0):
             raise InvalidRequest("priority_weight must be a positive number")
         try:
@@ -132,8 +134,10 @@ class ModelRouter:
             yield event
 
     def ready(self) -> bool:
-        """True once every model's workers are loaded and reachable."""
-        return bool(self.entries) and not self.closed
+        """True once every model's workers are loaded and while every opened model's target is
+        connected (a target that is down or restarting makes the server NOT_SERVING)."""
+        return bool(self.entries) and not self.closed and all(
+            e.scheduler is None or e.scheduler.target_serving for e in self.entries.values())
 
     async def stats(self) -> dict:
         return {

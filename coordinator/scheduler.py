@@ -38,6 +38,7 @@ from coordinator.api import (
     FinishReason,
     GenerationRequest,
     ModelInfo,
+    TokenLogprob,
     TokensEvent,
     Unavailable,
 )
@@ -151,6 +152,7 @@ class Scheduler(WorkerRecovery):
         self._tasks.append(asyncio.create_task(self._read_target(), name="duospec-target-reader"))
         if self.draft is not None:
             self._tasks.append(asyncio.create_task(self._read_draft(), name="duospec-draft-reader"))
+            self._tasks.append(asyncio.create_task(self._watch_draft(), name="duospec-draft-watchdog"))
 
     async def close(self) -> None:
         self.closed = True
@@ -168,12 +170,12 @@ class Scheduler(WorkerRecovery):
         """Async generator of TokensEvent..., FinishEvent. Closing it early cancels the sequence."""
         if self.closed:
             raise Unavailable("the coordinator is shutting down; retry on another replica")
-        if self._target_failed:
-            raise Unavailable("the target worker is down; retry later")
+        if not self.target_serving:
+            raise Unavailable("the target worker is down or restarting; retry in a few seconds")
         await self._slots.acquire()
         seq = None
         try:
-            if self.closed or self._target_failed:  # changed while this request waited for a slot
+            if not self.target_serving:  # changed while this request waited for a slot
                 raise Unavailable("the coordinator is shutting down or its target is down; retry later")
             seq = self._add(request, policy)
             while True:
@@ -244,6 +246,7 @@ class Scheduler(WorkerRecovery):
 
     # -- drafts in -----------------------------------------------------------------------------
     def _on_draft_batch(self, batch: pb.DraftChunkBatch) -> None:
+        self._draft_heard_t = time.monotonic()
         longest = max((len(c.tokens) for c in batch.chunks), default=0)
         if longest and batch.busy_seconds > 0:  # merged messages carry several steps per chunk
             self.patience.draft_step_s.observe(batch.busy_seconds / longest)
@@ -404,6 +407,8 @@ class Scheduler(WorkerRecovery):
             sampling=sampling_to_proto(seq.request.sampling),
             bonus=bonus,
             draft_parents=parents,
+            logprobs=seq.request.logprobs is not None,
+            top_logprobs=seq.request.logprobs or 0,
         )
 
     # -- verdicts in ---------------------------------------------------------------------------
@@ -468,7 +473,9 @@ class Scheduler(WorkerRecovery):
         tenant = seq.request.tenant
         self._vtime[tenant] = self._vtime.get(tenant, 0.0) + len(kept) / seq.request.priority_weight
         if kept:
-            seq.events.put_nowait(TokensEvent(tuple(kept), seq.stats))
+            logprobs = tuple(TokenLogprob(t, lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs)))
+                             for t, lp in zip(kept, verdict.logprobs))
+            seq.events.put_nowait(TokensEvent(tuple(kept), seq.stats, logprobs))
         if seq.finish_reason is not None:
             self._finish(seq, seq.finish_reason)
         elif action is DraftAction.NONE:

@@ -77,6 +77,9 @@ async def _abort(context, exc: GatewayError) -> None:
 
 def _response(delta: Delta) -> pb.GenerateResponse:
     response = pb.GenerateResponse(request_id=delta.request_id, text=delta.text, token_ids=delta.token_ids)
+    for lp in delta.logprobs:
+        response.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
+                              top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
     if delta.finish_reason is None:
         return response
     s = delta.stats

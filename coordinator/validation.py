@@ -21,6 +21,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_DRAFT_TOKENS = 64
+MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = ("system", "user", "assistant")
 
 _MODES = {
@@ -91,6 +92,7 @@ def validate_request(
         stop_token_ids=frozenset(stop_ids),
         ignore_eos=req.stopping.ignore_eos,
         model=info.name,
+        logprobs=_logprobs(req),
     )
     return ValidatedRequest(request, stops, req.request_id or internal_request_id)
 
@@ -172,6 +174,14 @@ def _stop_token_ids(stopping: pb.StoppingCriteria, info: ModelInfo) -> list[int]
         if tok >= info.vocab_size:
             raise invalid(f"stopping.stop_token_ids[{i}]", f"{tok} is not below the vocabulary size {info.vocab_size}")
     return list(stopping.stop_token_ids)
+
+
+def _logprobs(req: pb.GenerateRequest) -> int | None:
+    if not req.HasField("logprobs"):
+        return None
+    if req.logprobs > MAX_TOP_LOGPROBS:
+        raise invalid("logprobs", f"{req.logprobs} alternatives; ask for at most {MAX_TOP_LOGPROBS}")
+    return req.logprobs
 
 
 def _sampling(sp: pb.SamplingParams) -> SamplingParams:

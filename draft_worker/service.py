@@ -41,6 +41,10 @@ class DraftLoop:
         """Thread-safe; never blocks."""
         self.inbox.put(control)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def stop(self, timeout: float = 5.0) -> None:
         self.inbox.put(_STOP)
         self._thread.join(timeout)

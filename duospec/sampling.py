@@ -171,6 +171,20 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return probs
 
 
+def logprobs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``logits [n, V]`` → the log-probabilities a user is shown, ``[n, V]`` float32.
+
+    Sampled params: log of exactly the distribution ``probs_from_logits`` gives (what the verify
+    rule draws from; tokens that top-k / top-p remove are -inf). Greedy params: the model's own
+    log-softmax (the one-hot argmax would say only 0 and -inf).
+    """
+    if params.greedy:
+        params.validate()
+        _check_logits(logits, "logits")
+        return torch.log_softmax(logits.detach().to(torch.float32), dim=-1)
+    return torch.log(probs_from_logits(logits, params))
+
+
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs

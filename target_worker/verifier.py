@@ -21,6 +21,7 @@ from duospec.engine import ModelRunner, SlotChunk, SlotsExhausted
 from duospec.internal.sampling_wire import sampling_from_proto
 from duospec.internal.v1 import pearl_pb2 as pb
 from duospec.qcodec import DraftProbs
+from duospec.sampling import logprobs_from_logits
 from duospec.verify import NextTokenKind, verify, verify_tree
 
 _KIND_TO_PROTO = {
@@ -142,7 +143,7 @@ class Verifier:
                             sample_bonus=sample_bonus)
         committed_len = item.start_pos + n_ctx + result.n_accepted + (result.next_token is not None)
         self.runner.truncate(self.slots[item.seq_id], committed_len - 1)
-        return pb.Verdict(
+        verdict = pb.Verdict(
             seq_id=item.seq_id,
             epoch=item.epoch,
             n_accepted=result.n_accepted,
@@ -150,6 +151,32 @@ class Verifier:
             next_token=result.next_token if result.next_token is not None else 0,
             path=path,
         )
+        if item.logprobs:
+            accepted = list(path) if item.draft_parents else list(range(result.n_accepted))
+            tokens = [item.draft_tokens[i] for i in accepted]
+            if result.next_token is not None:
+                tokens.append(result.next_token)
+            verdict.logprobs.extend(_logprobs(rows, accepted, list(item.draft_parents), tokens, params,
+                                              item.top_logprobs))
+        return verdict
+
+
+def _logprobs(rows, accepted: list[int], parents: list[int], tokens: list[int], params,
+              top_n: int) -> list[pb.TokenLogprob]:
+    """Each committed token's log p at its position. Row 0 follows the context (it predicts the
+    drafts hanging off it); row 1 + j follows draft j (in a chain, it predicts draft j + 1)."""
+    def row_after(j: int) -> int:  # j = -1: the context
+        return 0 if j < 0 else 1 + j
+
+    index = [row_after(parents[j] if parents else j - 1) for j in accepted]
+    index.append(row_after(accepted[-1] if accepted else -1))  # the recovered / bonus token
+    logp = logprobs_from_logits(rows[index[: len(tokens)]], params)
+    chosen = logp.gather(1, torch.tensor(tokens, dtype=torch.long).unsqueeze(1)).squeeze(1).tolist()
+    if not top_n:
+        return [pb.TokenLogprob(logprob=lp) for lp in chosen]
+    values, ids = torch.topk(logp, min(top_n, logp.shape[1]), dim=-1)
+    return [pb.TokenLogprob(logprob=lp, top_ids=i, top_logprobs=v)
+            for lp, v, i in zip(chosen, values.tolist(), ids.tolist())]
 
 
 def _chunk_parents(item: pb.VerifyItem) -> list[int] | None:

@@ -201,3 +201,44 @@ async def _wait_for_no_live_sequences(h, timeout: float = 10.0) -> None:
             return
         assert loop.time() < deadline, f"sequence still live: {stats}, {running} streams admitted"
         await asyncio.sleep(0.05)
+
+
+def hf_logprobs(target_dir, prompt_ids: list[int], ids: list[int], temperature: float | None = None):
+    """transformers' log-softmax of the target (of logits / temperature when sampling) at each
+    generated position: [len(ids), vocab]."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir)).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + ids])).logits[0, len(prompt_ids) - 1: -1].float()
+    return torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+
+
+@pytest.mark.parametrize("mode", [pb.SPECULATION_MODE_OFF, pb.SPECULATION_MODE_VANILLA, pb.SPECULATION_MODE_PEARL])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+async def test_logprobs_are_the_targets_in_every_mode(harness, tiny_pair, mode, temperature):  # noqa: F811
+    from transformers import AutoTokenizer
+
+    prompt = "def fib(n):\n    return"
+    req = request(prompt, 20, speculation=pb.SpeculationParams(mode=mode), logprobs=3)
+    req.stopping.ignore_eos = True
+    req.sampling.temperature, req.sampling.seed = temperature, 11
+    messages = await collect(harness.stub, req)
+    ids = [t for m in messages for t in m.token_ids]
+    logprobs = [lp for m in messages for lp in m.logprobs]
+    assert [lp.token_id for lp in logprobs] == ids and len(ids) == 20
+    reference = hf_logprobs(tiny_pair[0], AutoTokenizer.from_pretrained(str(tiny_pair[0])).encode(prompt), ids,
+                            temperature or None)
+    for i, lp in enumerate(logprobs):
+        assert abs(lp.logprob - float(reference[i, ids[i]])) <= 1e-4, (i, lp.logprob, float(reference[i, ids[i]]))
+        top_values, top_ids = reference[i].topk(3)
+        assert [t.token_id for t in lp.top] == top_ids.tolist()
+        assert max(abs(t.logprob - float(v)) for t, v in zip(lp.top, top_values)) <= 1e-4
+
+
+async def test_logprobs_are_off_unless_asked_and_bounded(harness):
+    messages = await collect(harness.stub, request("x", 3))
+    assert not any(m.logprobs for m in messages)
+    err = await rpc_error(harness.stub, request("x", 3, logprobs=21))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs" in err.details()

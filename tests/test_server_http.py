@@ -241,3 +241,36 @@ async def test_a_client_that_gives_up_on_a_plain_request_frees_the_sequence(harn
     assert metrics.request_success.labels("alpha", "cancelled")._value.get() == 1
     assert metrics.generation_tokens.labels("alpha")._value.get() < 240
     assert (await harness.coordinator.stats())["models"][MODEL]["live_sequences"] == 0
+
+
+async def test_logprobs_match_the_grpc_path_plain_and_streamed(harness, chat_pair):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(chat_pair[0]))
+    req = pb.GenerateRequest(prompt=PROMPT, stopping=pb.StoppingCriteria(max_new_tokens=12, ignore_eos=True),
+                             logprobs=3)
+    grpc_lps = [lp for m in await collect(harness.stub, req, api_key=KEYS["alpha"]) for lp in m.logprobs]
+    async with client(harness) as c:
+        done = await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=3,
+                                          extra_body={"ignore_eos": True})
+        lp = done.choices[0].logprobs
+        assert lp.tokens == [tok.decode([x.token_id]) for x in grpc_lps]
+        assert lp.token_logprobs == pytest.approx([x.logprob for x in grpc_lps], abs=1e-5)
+        for top, x in zip(lp.top_logprobs, grpc_lps):  # a dict by token text: ids with the same text merge
+            assert top == {tok.decode([t.token_id]): pytest.approx(t.logprob, abs=1e-5) for t in reversed(x.top)}
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+        stream = await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=3,
+                                            stream=True, extra_body={"ignore_eos": True})
+        streamed = [v for ch in [x async for x in stream] if ch.choices and ch.choices[0].logprobs
+                    for v in ch.choices[0].logprobs.token_logprobs]
+        assert streamed == pytest.approx(lp.token_logprobs, abs=1e-5)
+        messages = [{"role": "user", "content": "fib please"}]
+        chat = await c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                               logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+        content = chat.choices[0].logprobs.content
+        assert len(content) == 8 and all(len(e.top_logprobs) == 2 for e in content)
+        assert "".join(e.token for e in content) == chat.choices[0].message.content
+        assert all(e.logprob <= 0 and e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in content)
+        with pytest.raises(openai.BadRequestError) as info:
+            await c.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, top_logprobs=2)
+        assert info.value.body["param"] == "top_logprobs"

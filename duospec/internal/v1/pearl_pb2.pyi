@@ -145,7 +145,7 @@ class DraftChunkBatch(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[DraftChunk, _Mapping]]] = ..., busy_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., failed_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
-    __slots__ = ("seq_id", "epoch", "start_pos", "context", "draft_tokens", "draft_probs", "sampling", "bonus", "draft_parents")
+    __slots__ = ("seq_id", "epoch", "start_pos", "context", "draft_tokens", "draft_probs", "sampling", "bonus", "draft_parents", "logprobs", "top_logprobs")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,8 @@ class VerifyItem(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     BONUS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     epoch: int
     start_pos: int
@@ -164,7 +166,9 @@ class VerifyItem(_message.Message):
     sampling: Sampling
     bonus: BonusPolicy
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., start_pos: _Optional[int] = ..., context: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[bytes]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., bonus: _Optional[_Union[BonusPolicy, str]] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: bool
+    top_logprobs: int
+    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., start_pos: _Optional[int] = ..., context: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[bytes]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., bonus: _Optional[_Union[BonusPolicy, str]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class VerifyBatch(_message.Message):
     __slots__ = ("batch_id", "items", "release_seq_ids")
@@ -177,20 +181,32 @@ class VerifyBatch(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("seq_id", "epoch", "n_accepted", "kind", "next_token", "path")
+    __slots__ = ("seq_id", "epoch", "n_accepted", "kind", "next_token", "path", "logprobs")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     N_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     epoch: int
     n_accepted: int
     kind: NextTokenKind
     next_token: int
     path: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., n_accepted: _Optional[int] = ..., kind: _Optional[_Union[NextTokenKind, str]] = ..., next_token: _Optional[int] = ..., path: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., n_accepted: _Optional[int] = ..., kind: _Optional[_Union[NextTokenKind, str]] = ..., next_token: _Optional[int] = ..., path: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("logprob", "top_ids", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyError(_message.Message):
     __slots__ = ("seq_id", "kind", "message")
