@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 _SDK_NAMES = (
     "Client", "AsyncClient", "GenerationResult", "GenerationChunk", "ModelCard", "DuospecError",
     "InvalidArgument", "Unauthenticated", "PermissionDenied", "NotFound", "ResourceExhausted",
-    "DeadlineExceeded", "Unavailable", "Cancelled",
+    "DeadlineExceeded", "Unavailable", "Cancelled", "TokenLogprob",
 )
 _LAZY = {name: "duospec.sdk" for name in _SDK_NAMES}
 

@@ -490,6 +490,12 @@ def _reference_greedy(model_dir, prompt_ids: list[int], n: int) -> tuple[list[in
     return out.sequences[0, len(prompt_ids):].tolist(), torch.cat(out.logits)
 
 
+def torch_log_softmax(logits):
+    import torch
+
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
 def _assert_same_tokens(got: list[int], want: list[int], logits, label: str) -> None:
     """Token-identical, except at a genuine near-tie of the reference (DESIGN.md §4), which is reported."""
     if got == want:
@@ -520,6 +526,14 @@ def test_end_to_end_greedy_matches_target_alone(served_tiny_model):
         chunks = list(c.generate(E2E_PROMPT, max_new_tokens=E2E_NEW_TOKENS, stream=True))
         assert "".join(ch.text for ch in chunks) == result.text
         assert chunks[-1].stats is not None and chunks[-1].finish_reason == result.finish_reason
+        with_logprobs = c.generate(E2E_PROMPT, max_new_tokens=E2E_NEW_TOKENS, logprobs=2)
+        reference = torch_log_softmax(logits)
+        assert [lp.token_id for lp in with_logprobs.logprobs] == list(with_logprobs.token_ids)
+        for i, lp in enumerate(with_logprobs.logprobs[: len(want)]):
+            if with_logprobs.token_ids[i] != want[i]:
+                break  # a near-tie, reported above
+            assert abs(lp.logprob - float(reference[i, lp.token_id])) <= 1e-4
+            assert [t for t, _ in lp.top] == reference[i].topk(2).indices.tolist()
         with pytest.raises(sdk.NotFound):
             c.generate("x", model="no-such-model")
         with pytest.raises(sdk.InvalidArgument, match="max_new_tokens"):

@@ -21,10 +21,11 @@ from duospec.sdk.errors import (
     Unauthenticated,
     Unavailable,
 )
-from duospec.sdk.types import GenerationChunk, GenerationResult, ModelCard, SpeculationStats, Usage
+from duospec.sdk.types import GenerationChunk, GenerationResult, ModelCard, SpeculationStats, TokenLogprob, Usage
 
 __all__ = [
     "AsyncClient", "AsyncGenerationStream", "Cancelled", "Client", "DeadlineExceeded", "DuospecError",
     "GenerationChunk", "GenerationResult", "GenerationStream", "InvalidArgument", "ModelCard", "NotFound",
-    "PermissionDenied", "ResourceExhausted", "SpeculationStats", "Unauthenticated", "Unavailable", "Usage",
+    "PermissionDenied", "ResourceExhausted", "SpeculationStats", "TokenLogprob", "Unauthenticated", "Unavailable",
+    "Usage",
 ]

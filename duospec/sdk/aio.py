@@ -115,6 +115,7 @@ class AsyncClient:
         request_id: str = "",
         speculation_cache: bool | None = None,
         speculation_tree: bool | None = None,
+        logprobs: int | None = None,
         stream: bool = False,
         timeout: float | None = None,
     ) -> GenerationResult | AsyncGenerationStream:
@@ -125,7 +126,7 @@ class AsyncClient:
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, mode=mode,
             max_draft_tokens=max_draft_tokens, request_id=request_id, speculation_cache=speculation_cache,
-            speculation_tree=speculation_tree,
+            speculation_tree=speculation_tree, logprobs=logprobs,
         )
         chunks = await self._open_stream(request, self._deadline(timeout))
         if stream:

@@ -117,17 +117,19 @@ class Client:
         request_id: str = "",
         speculation_cache: bool | None = None,
         speculation_tree: bool | None = None,
+        logprobs: int | None = None,
         stream: bool = False,
         timeout: float | None = None,
     ) -> GenerationResult | GenerationStream:
         """Generates a completion. `mode` None = the model's default; `max_new_tokens` None = the
-        server's default. With stream=True returns a GenerationStream (blocks until the first chunk)."""
+        server's default; `logprobs` N: each token's log p under the target plus N (<= 20) alternatives.
+        With stream=True returns a GenerationStream (blocks until the first chunk)."""
         request = build_request(
             prompt, prompt_token_ids=prompt_token_ids, messages=messages, model=model,
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, mode=mode,
             max_draft_tokens=max_draft_tokens, request_id=request_id, speculation_cache=speculation_cache,
-            speculation_tree=speculation_tree,
+            speculation_tree=speculation_tree, logprobs=logprobs,
         )
         chunks = self._open_stream(request, self._deadline(timeout))
         if stream:

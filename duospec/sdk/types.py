@@ -42,6 +42,15 @@ class SpeculationStats:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the target, and the likeliest tokens at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log p), likeliest first
+
+
+@dataclass(frozen=True)
 class GenerationChunk:
     """One streamed delta. finish_reason, usage and stats are set on the last chunk only."""
 
@@ -51,6 +60,7 @@ class GenerationChunk:
     usage: Usage | None = None
     stats: SpeculationStats | None = None
     request_id: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id when generate(logprobs=N) asked
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,7 @@ class GenerationResult:
     usage: Usage | None
     stats: SpeculationStats | None
     request_id: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -157,6 +168,7 @@ def build_request(
     request_id: str = "",
     speculation_cache: bool | None = None,
     speculation_tree: bool | None = None,
+    logprobs: int | None = None,
 ) -> pb.GenerateRequest:
     """The wire request. Only checks what the proto cannot carry; the server validates the rest."""
     request = pb.GenerateRequest(model=model, request_id=request_id)
@@ -180,6 +192,8 @@ def build_request(
         request.speculation.cache = bool(speculation_cache)
     if speculation_tree is not None:
         request.speculation.tree = bool(speculation_tree)
+    if logprobs is not None:
+        request.logprobs = _check_count("logprobs", logprobs)
     return request
 
 
@@ -219,6 +233,8 @@ def chunk_from_proto(response: pb.GenerateResponse) -> GenerationChunk:
         usage=usage,
         stats=stats,
         request_id=response.request_id,
+        logprobs=tuple(TokenLogprob(lp.token_id, lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+                       for lp in response.logprobs),
     )
 
 
@@ -242,12 +258,14 @@ class ResultBuilder:
     def __init__(self) -> None:
         self._text: list[str] = []
         self._ids: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
         self._last: GenerationChunk | None = None
         self._request_id = ""
 
     def add(self, chunk: GenerationChunk) -> None:
         self._text.append(chunk.text)
         self._ids.extend(chunk.token_ids)
+        self._logprobs.extend(chunk.logprobs)
         self._request_id = self._request_id or chunk.request_id
         self._last = chunk
 
@@ -261,4 +279,5 @@ class ResultBuilder:
             usage=last.usage,
             stats=last.stats,
             request_id=self._request_id,
+            logprobs=tuple(self._logprobs),
         )
