@@ -104,19 +104,31 @@ class DraftLoop:
                 busy = idle = 0.0
 
 
-def merge_batches(batches: list[pb.DraftChunkBatch]) -> pb.DraftChunkBatch:
-    """Coalesces batches that queued up while the stream was busy into one message: consecutive chunks
-    of a sequence's main line (or of one of its hedges) in the same epoch become one multi-token chunk (fewer, larger gRPC messages) whose
-    outlook is its last part's."""
-    if len(batches) == 1:
-        return batches[0]
+MESSAGE_BUDGET_BYTES = 8 << 20  # a merged message stays well under the streams' 64 MB limit
+
+
+def merge_batches(batches: list[pb.DraftChunkBatch],
+                  budget_bytes: int = MESSAGE_BUDGET_BYTES) -> list[pb.DraftChunkBatch]:
+    """Coalesces batches that queued up while the stream was busy into as few messages as fit in
+    `budget_bytes` each: consecutive chunks of a sequence's main line (or of one of its hedges) in the
+    same epoch become one multi-token chunk whose outlook is its last part's. Chunks keep their order;
+    a line split across two messages continues where it stopped."""
+    if len(batches) == 1 and batches[0].ByteSize() <= budget_bytes:
+        return [batches[0]]
     merged = pb.DraftChunkBatch()
+    out, size = [merged], 0
     last: dict[tuple, pb.DraftChunk] = {}  # (seq_id, hedge key or None) -> its latest merged chunk
     for batch in batches:
         merged.busy_seconds += batch.busy_seconds
         merged.idle_seconds += batch.idle_seconds
         merged.failed_seq_ids.extend(batch.failed_seq_ids)
         for chunk in batch.chunks:
+            chunk_size = chunk.ByteSize()
+            if size and size + chunk_size > budget_bytes:  # full: what follows goes in the next message
+                merged = pb.DraftChunkBatch()
+                out.append(merged)
+                size, last = 0, {}
+            size += chunk_size
             line = (chunk.seq_id, (chunk.hedge.pos, chunk.hedge.token) if chunk.HasField("hedge") else None)
             prev = last.get(line)
             if (
@@ -133,7 +145,7 @@ def merge_batches(batches: list[pb.DraftChunkBatch]) -> pb.DraftChunkBatch:
             else:
                 merged.chunks.append(chunk)
                 last[line] = merged.chunks[-1]
-    return merged
+    return out
 
 
 def drain(first, inbox: queue.SimpleQueue) -> tuple[list, bool]:
@@ -180,7 +192,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 if batch is _STOP:
                     return
                 batches, ended = drain(batch, out)
-                yield merge_batches(batches)
+                yield from merge_batches(batches)
                 if ended:
                     return
         finally:

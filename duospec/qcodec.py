@@ -1,9 +1,12 @@
 """The draft distribution q on the wire, and the drafter's sampling from it.
 
 q crosses from the drafter to the target with every draft token (``DraftChunk.draft_probs``). It is
-sent sparse (only the tokens that survive top-k/top-p) in float16. Losslessness needs the drafter to
-sample from exactly the q the verifier uses, so neither side uses its float32 q directly: both use
-``DraftProbs.dense()``, which is a deterministic function of the encoded bytes.
+sent sparse in float16, and bounded: only the likeliest tokens that together carry all but TAIL_MASS
+of q, at most MAX_SUPPORT of them (24 KB), so a flat q over a 150k vocabulary does not make a
+megabyte per token. Losslessness needs the drafter to sample from exactly the q the verifier uses —
+the truncated one — so neither side uses its float32 q directly: both use ``DraftProbs.dense()``, a
+deterministic function of the encoded bytes. (Rejection sampling is exact for any q the draft token
+was really drawn from; a truncated q only lowers acceptance, by at most the mass cut.)
 
 Wire format (``to_bytes``), little-endian, no header, for a support of ``s`` tokens::
 
@@ -25,6 +28,8 @@ from duospec.sampling import Purpose, SamplingParams, probs_from_logits, sample_
 _IDS_DTYPE = np.dtype("<i4")
 _PROBS_DTYPE = np.dtype("<f2")
 _BYTES_PER_TOKEN = _IDS_DTYPE.itemsize + _PROBS_DTYPE.itemsize
+MAX_SUPPORT = 4096  # tokens of q on the wire per draft position: at most 24 KB
+TAIL_MASS = 1e-4  # q's least likely tokens carrying at most this much mass are not sent
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,17 +62,25 @@ class DraftProbs:
         object.__setattr__(self, "probs", probs)
 
     @classmethod
-    def from_probs(cls, probs_row: torch.Tensor) -> DraftProbs:
-        """Encode ``probs_row [V]``: round to float16 and keep the tokens still > 0."""
+    def from_probs(cls, probs_row: torch.Tensor, *, max_support: int = MAX_SUPPORT,
+                   tail_mass: float = TAIL_MASS) -> DraftProbs:
+        """Encode ``probs_row [V]``: the likeliest tokens carrying all but ``tail_mass`` (at most
+        ``max_support`` of them), rounded to float16, those still > 0 kept."""
         if not isinstance(probs_row, torch.Tensor) or probs_row.dim() != 1:
             raise ValueError("probs_row must be a 1-D tensor [vocab]")
-        half = probs_row.detach().cpu().to(torch.float16)
-        support = torch.nonzero(half > 0).flatten()
-        if support.numel() == 0:
+        row = probs_row.detach().cpu().to(torch.float32)
+        top = torch.topk(row, min(max_support, row.numel()), sorted=True)
+        total = float(row.sum())
+        cumulative = torch.cumsum(top.values.double(), 0)
+        n = int(torch.searchsorted(cumulative, torch.tensor([(1.0 - tail_mass) * total], dtype=torch.float64)))
+        keep = top.indices[: min(n + 1, top.indices.numel())].sort().values
+        half = row[keep].to(torch.float16)
+        keep = keep[half > 0]
+        if keep.numel() == 0:
             raise ValueError(
                 "probs_row has no entry > 0 after float16 rounding; pass a normalised distribution"
             )
-        return cls(support.numpy().astype(_IDS_DTYPE), half[support].numpy())
+        return cls(keep.numpy().astype(_IDS_DTYPE), row[keep].to(torch.float16).numpy())
 
     def dense(self, vocab_size: int) -> torch.Tensor:
         """``[vocab_size]`` float32, renormalised: THE q that both drafter and verifier use."""

@@ -181,7 +181,7 @@ def test_queued_draft_batches_merge_into_multi_token_chunks():
     def batch(*chunks, busy=0.001):
         return pb.DraftChunkBatch(chunks=[pb.DraftChunk(**c) for c in chunks], busy_seconds=busy)
 
-    merged = merge_batches(
+    [merged] = merge_batches(
         [
             batch({"seq_id": 1, "epoch": 0, "start_pos": 5, "tokens": [7]}, {"seq_id": 2, "epoch": 3, "start_pos": 9, "tokens": [1]}),
             batch({"seq_id": 1, "epoch": 0, "start_pos": 6, "tokens": [8]}),
@@ -194,3 +194,20 @@ def test_queued_draft_batches_merge_into_multi_token_chunks():
         (2, 4, 9, [2]),
     ]
     assert merged.busy_seconds == pytest.approx(0.003)
+
+
+def test_merged_draft_messages_stay_under_the_byte_budget_and_keep_every_chunk_in_order():
+    from draft_worker.service import merge_batches
+    from duospec.internal.v1 import pearl_pb2 as pb
+
+    q = bytes(6 * 4096)  # one draft position's q at the largest support (24 KB)
+    batches = [pb.DraftChunkBatch(chunks=[pb.DraftChunk(seq_id=s, epoch=0, start_pos=10 + step, tokens=[step],
+                                                        draft_probs=[q]) for s in range(4)], busy_seconds=0.001)
+               for step in range(40)]  # 160 positions, ~3.9 MB
+    messages = merge_batches(batches, budget_bytes=1 << 20)
+    assert len(messages) >= 4 and all(m.ByteSize() <= (1 << 20) for m in messages)
+    for seq in range(4):  # each line's tokens, in order, continuing across messages
+        parts = [(c.start_pos, list(c.tokens)) for m in messages for c in m.chunks if c.seq_id == seq]
+        assert [t for _, t in parts] and sum((t for _, t in parts), []) == list(range(40))
+        assert all(a[0] + len(a[1]) == b[0] for a, b in zip(parts, parts[1:]))
+    assert sum(m.busy_seconds for m in messages) == pytest.approx(0.04)

@@ -61,7 +61,8 @@ def test_dense_is_identical_on_both_sides_and_close_to_the_float32_q():
 
 def test_mass_below_float16_resolution_leaves_the_support():
     q = torch.tensor([0.999999, 1e-9, 0.0, 1e-6], dtype=torch.float32)
-    dq = DraftProbs.from_probs(q)
+    assert DraftProbs.from_probs(q).token_ids.tolist() == [0]  # 1e-6 is in the tail that is not sent
+    dq = DraftProbs.from_probs(q, tail_mass=0.0)
     assert dq.token_ids.tolist() == [0, 3]
     dense = dq.dense(4)
     assert dense[1] == 0.0 and dense[2] == 0.0

@@ -465,3 +465,34 @@ def test_two_token_chunk_follows_p_jointly():
 
     joint = np.bincount(first * vocab + second, minlength=vocab * vocab)
     _assert_follows(joint, np.outer(p0, p1).ravel())
+
+
+def test_a_truncated_q_keeps_the_output_distributed_as_p():
+    """Issue 17.5: q on the wire is cut to its likeliest tokens (here 64 of a flat q over 1,000). The
+    drafter draws from exactly that truncated q, so the emitted tokens still follow p; the draft
+    token itself follows the truncated q, never a token outside it."""
+    gen = torch.Generator().manual_seed(17)
+    target_row, draft_row = torch.randn(1000, generator=gen) * 2.0, torch.randn(1000, generator=gen) * 0.3
+    params = SamplingParams(temperature=1.0)
+    p = probs_from_logits(target_row.unsqueeze(0), params)[0].double().numpy()
+    sent = DraftProbs.from_probs(probs_from_logits(draft_row.unsqueeze(0), params)[0], max_support=64)
+    assert sent.token_ids.size == 64
+    q = sent.dense(1000).double().numpy()
+    seeds = np.arange(400_000, dtype=np.uint64) + 777
+    drafted = sample_tokens(q, uniforms(seeds, 5, Purpose.DRAFT))
+    assert set(np.unique(drafted)) <= set(sent.token_ids.tolist())
+    emitted = _emitted_vectorised(p, q, seeds, 5)
+    _assert_follows(np.bincount(emitted, minlength=1000), p)
+
+
+def test_q_on_the_wire_is_bounded_for_a_large_vocabulary():
+    from duospec.qcodec import MAX_SUPPORT, TAIL_MASS
+
+    flat = torch.softmax(torch.randn(150_000, generator=torch.Generator().manual_seed(3)) * 0.1, 0)
+    sent = DraftProbs.from_probs(flat)
+    assert sent.token_ids.size == MAX_SUPPORT and len(sent.to_bytes()) == 6 * MAX_SUPPORT
+    ranks = torch.randperm(150_000, generator=torch.Generator().manual_seed(4)).double() + 1
+    peaked = (ranks ** -3 / (ranks ** -3).sum()).float()  # an LM-like, long-tailed q
+    kept = DraftProbs.from_probs(peaked)
+    mass = float(peaked[torch.from_numpy(kept.token_ids.astype(np.int64))].sum())
+    assert kept.token_ids.size < MAX_SUPPORT and mass >= 1 - TAIL_MASS - 1e-3
