@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from cluster.placement import PlacementError, create_placement_group, plan_placement
 from cluster.runtime import NAMESPACE
-from cluster.secret import new_deployment_secret
+from cluster.secret import InternalTls, new_deployment_secret
 from draft_worker.proposer import DraftMethod, DraftSpec
 
 log = logging.getLogger(__name__)
@@ -26,6 +26,7 @@ class WorkerPair:
     target_info: dict
     draft_info: dict | None
     deployment_secret: str  # what every internal stream to these workers must carry (cluster/secret.py)
+    internal_tls: InternalTls | None = None  # mutual TLS on those streams, when the deployment has it
 
     def shutdown(self) -> None:
         import ray
@@ -56,6 +57,7 @@ def launch_pair(
     load_timeout_s: float = 300.0,
     max_restarts: int = -1,  # Ray restarts a dead worker for as long as the deployment runs
     deployment_secret: str | None = None,
+    internal_tls: InternalTls | None = None,
 ) -> WorkerPair:
     """Places and starts the pair; `deployment_secret` (default: a new one) authenticates the streams;
     `max_context`: positions per sequence on both workers (the serve config's max_model_len)."""
@@ -97,10 +99,12 @@ def launch_pair(
                 max_concurrency=4,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
             )
-            .remote(*args, deployment_secret=deployment_secret, device=device, dtype=dtype, max_slots=max_slots,
+            .remote(*args, deployment_secret=deployment_secret, internal_tls=internal_tls, device=device, dtype=dtype,
+                    max_slots=max_slots,
                     max_context=max_context)
         )
-    pair = WorkerPair(model, handles["target"], handles.get("draft"), group, {}, None, deployment_secret)
+    pair = WorkerPair(model, handles["target"], handles.get("draft"), group, {}, None, deployment_secret,
+                      internal_tls)
     try:
         infos = ray.get([h.info.remote() for h in handles.values()], timeout=load_timeout_s)
     except Exception as exc:

@@ -10,7 +10,9 @@ changes nothing (no sequence released, no forward run).
 from __future__ import annotations
 
 import hmac
+import pathlib
 import secrets
+from dataclasses import dataclass
 
 import grpc
 
@@ -48,3 +50,45 @@ class DeploymentSecretInterceptor(grpc.ServerInterceptor):
         # Both internal services are bidirectional streams; anything else (e.g. health probes by
         # strangers) is refused the same way.
         return self._stream_refusal if handler_call_details.method.endswith(("/Draft", "/Verify")) else self._refusal
+
+
+@dataclass(frozen=True)
+class InternalTls:
+    """Mutual TLS on the internal streams (serve config `server.internal_tls`): the workers serve
+    with `cert`/`key` and accept only clients whose certificate `ca` signed; the coordinator presents
+    the same certificate and checks the workers' against `ca`. The PEM bytes travel to the actors
+    through Ray with the deployment secret, so the files need to exist only where `duospec serve` runs.
+    Worker endpoints are node IPs, so the certificate is checked against `server_name` (a DNS SAN the
+    certificate must carry), not against the IP."""
+
+    cert_pem: bytes
+    key_pem: bytes
+    ca_pem: bytes
+    server_name: str = "duospec-worker"
+
+    @classmethod
+    def from_files(cls, cert_file: str, key_file: str, ca_file: str, server_name: str = "duospec-worker"):
+        read = lambda p: pathlib.Path(p).expanduser().read_bytes()  # noqa: E731
+        return cls(read(cert_file), read(key_file), read(ca_file), server_name)
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self.key_pem, self.cert_pem)], root_certificates=self.ca_pem,
+                                           require_client_auth=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self.ca_pem, private_key=self.key_pem,
+                                            certificate_chain=self.cert_pem)
+
+    def channel_options(self) -> list[tuple[str, str]]:
+        return [("grpc.ssl_target_name_override", self.server_name)]
+
+    def __repr__(self) -> str:  # never the key in a log line
+        return f"InternalTls(server_name={self.server_name!r})"
+
+
+def internal_channel(endpoint: str, tls: InternalTls | None, options: list | None = None) -> grpc.aio.Channel:
+    """The coordinator's channel to a worker: mutual TLS when the deployment has it."""
+    options = list(options or [])
+    if tls is None:
+        return grpc.aio.insecure_channel(endpoint, options=options)
+    return grpc.aio.secure_channel(endpoint, tls.channel_credentials(), options=options + tls.channel_options())

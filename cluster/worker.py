@@ -9,7 +9,7 @@ from concurrent import futures
 import grpc
 
 from cluster.runtime import node_ip, torch_threads_for_actor
-from cluster.secret import DeploymentSecretInterceptor
+from cluster.secret import DeploymentSecretInterceptor, InternalTls
 
 
 def resolve_device(device: str) -> str:
@@ -26,7 +26,7 @@ class GrpcModelWorker:
     role = "worker"
 
     def __init__(self, model_path: str, *, deployment_secret: str, device: str = "auto", dtype: str = "auto",
-                 max_slots: int = 16, max_context: int | None = None):
+                 max_slots: int = 16, max_context: int | None = None, internal_tls: InternalTls | None = None):
         import torch
 
         torch.set_num_threads(torch_threads_for_actor())
@@ -41,7 +41,10 @@ class GrpcModelWorker:
         )
         self._serve(self.server)
         host = node_ip()
-        self.port = self.server.add_insecure_port(f"{host}:0")
+        if internal_tls is not None:  # mutual TLS: only the coordinator's certificate gets in
+            self.port = self.server.add_secure_port(f"{host}:0", internal_tls.server_credentials())
+        else:
+            self.port = self.server.add_insecure_port(f"{host}:0")
         self._endpoint = f"{host}:{self.port}"
         self.server.start()
 

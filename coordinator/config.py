@@ -3,7 +3,9 @@
     server:   {host: 0.0.0.0, port: 50051, http_port: 8000 (OpenAI-compatible HTTP; 0 = off), metrics_port: 9400,
                metrics_host: null (= host), max_concurrent_requests: 64,
                max_queued_requests: 256, max_new_tokens_limit: 2048, grace_period_s: 10,
-               tls: {cert_file: ..., key_file: ..., client_ca_file: ...}}
+               tls: {cert_file: ..., key_file: ..., client_ca_file: ...},
+               internal_tls: {cert_file: ..., key_file: ..., ca_file: ..., server_name: duospec-worker}}
+                                             # internal_tls: mutual TLS between coordinator and workers
     ledger: /var/lib/duospec/usage.db
     tenants: /etc/duospec/tenants.yaml       # optional; see coordinator/tenancy.py
     models:
@@ -60,6 +62,16 @@ class TlsSettings:
 
 
 @dataclass(frozen=True)
+class InternalTlsSettings:
+    """Mutual TLS on the coordinator-worker streams; the certificate needs the DNS SAN `server_name`."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+    server_name: str = "duospec-worker"
+
+
+@dataclass(frozen=True)
 class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 50051
@@ -72,6 +84,7 @@ class ServerSettings:
     default_max_new_tokens: int = 256  # used when a request leaves max_new_tokens at 0
     grace_period_s: float = 10.0  # SIGTERM: how long in-flight streams may finish before cancel
     tls: TlsSettings | None = None
+    internal_tls: InternalTlsSettings | None = None
 
 
 @dataclass(frozen=True)
@@ -166,6 +179,16 @@ def _parse_server(f: "_Fields", base_dir: pathlib.Path) -> ServerSettings:
             client_ca_file=_existing_file(tls_fields, "client_ca_file", base_dir, required=False),
         )
         tls_fields.reject_unknown()
+    internal_tls = None
+    internal_fields = f.section("internal_tls", required=False)
+    if internal_fields is not None:
+        internal_tls = InternalTlsSettings(
+            cert_file=_existing_file(internal_fields, "cert_file", base_dir, required=True),
+            key_file=_existing_file(internal_fields, "key_file", base_dir, required=True),
+            ca_file=_existing_file(internal_fields, "ca_file", base_dir, required=True),
+            server_name=internal_fields.get("server_name", str, default="duospec-worker"),
+        )
+        internal_fields.reject_unknown()
     settings = ServerSettings(
         host=f.get("host", str, default=d.host),
         port=f.int_in("port", 0, 65535, default=d.port),
@@ -178,6 +201,7 @@ def _parse_server(f: "_Fields", base_dir: pathlib.Path) -> ServerSettings:
         default_max_new_tokens=f.int_in("default_max_new_tokens", 1, 1 << 24, default=d.default_max_new_tokens),
         grace_period_s=f.float_in("grace_period_s", 0.0, MAX_GRACE_PERIOD_S, default=d.grace_period_s),
         tls=tls,
+        internal_tls=internal_tls,
     )
     if settings.default_max_new_tokens > settings.max_new_tokens_limit:
         raise ConfigError(

@@ -12,7 +12,7 @@ import threading
 
 import grpc
 
-from cluster.secret import call_metadata
+from cluster.secret import InternalTls, call_metadata, internal_channel
 from draft_worker.drafter import Drafter
 from draft_worker.service import DraftLoop
 from duospec.internal.v1 import pearl_pb2_grpc as pb_grpc
@@ -109,10 +109,10 @@ def failed_batch(batch, exc: Exception):
 class GrpcStreamLink:
     """A bidirectional gRPC stream (DraftService.Draft or TargetService.Verify) to a worker actor."""
 
-    def __init__(self, endpoint: str, method: str, secret: str):
+    def __init__(self, endpoint: str, method: str, secret: str, tls: InternalTls | None = None):
         self.endpoint = endpoint
-        self.channel = grpc.aio.insecure_channel(
-            endpoint,
+        self.channel = internal_channel(
+            endpoint, tls,
             options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
         )
         self.outbox: asyncio.Queue = asyncio.Queue()
@@ -143,9 +143,9 @@ class GrpcStreamLink:
         await self.channel.close()
 
 
-async def wait_for_channel(endpoint: str, timeout: float) -> None:
+async def wait_for_channel(endpoint: str, timeout: float, tls: InternalTls | None = None) -> None:
     """Raises a clear error if the worker's gRPC endpoint does not answer within `timeout` seconds."""
-    async with grpc.aio.insecure_channel(endpoint) as channel:
+    async with internal_channel(endpoint, tls) as channel:
         try:
             await asyncio.wait_for(channel.channel_ready(), timeout)
         except asyncio.TimeoutError:

@@ -13,7 +13,7 @@ import logging
 
 from cluster.actors import WorkerPair, launch_pair
 from cluster.runtime import connect
-from cluster.secret import new_deployment_secret
+from cluster.secret import InternalTls, new_deployment_secret
 from coordinator.api import ModelInfo
 from coordinator.links import GrpcStreamLink, wait_for_channel
 from coordinator.models import model_info
@@ -38,10 +38,10 @@ class PipelineCoordinator(ModelRouter):
         self.pairs[info.name] = pair
 
         async def open_scheduler() -> Scheduler:
-            await wait_for_channel(pair.target_info["endpoint"], timeout=30)
-            secret = pair.deployment_secret
-            target = GrpcStreamLink(pair.target_info["endpoint"], "verify", secret)
-            draft = GrpcStreamLink(pair.draft_info["endpoint"], "draft", secret) if pair.draft_info else None
+            await wait_for_channel(pair.target_info["endpoint"], timeout=30, tls=pair.internal_tls)
+            secret, tls = pair.deployment_secret, pair.internal_tls
+            target = GrpcStreamLink(pair.target_info["endpoint"], "verify", secret, tls)
+            draft = GrpcStreamLink(pair.draft_info["endpoint"], "draft", secret, tls) if pair.draft_info else None
             bound = float(getattr(config, "restart_timeout_s", 600.0))  # how long a killed worker may take
             scheduler = Scheduler(
                 info,
@@ -92,9 +92,9 @@ def _reconnector(pair: WorkerPair, role: str, timeout_s: float):
             handle = getattr(pair, role)
             try:
                 info = await asyncio.wait_for(handle.info.remote(), max(1.0, min(10.0, deadline - loop.time())))
-                await wait_for_channel(info["endpoint"], timeout=max(1.0, deadline - loop.time()))
+                await wait_for_channel(info["endpoint"], timeout=max(1.0, deadline - loop.time()), tls=pair.internal_tls)
                 setattr(pair, f"{role}_info", info)
-                return GrpcStreamLink(info["endpoint"], method, pair.deployment_secret)
+                return GrpcStreamLink(info["endpoint"], method, pair.deployment_secret, pair.internal_tls)
             except Exception as exc:  # still restarting
                 last_error = exc
                 await asyncio.sleep(0.5)
@@ -103,8 +103,10 @@ def _reconnector(pair: WorkerPair, role: str, timeout_s: float):
     return reconnect
 
 
-def start_pipeline(models: list, *, ray_address: str | None = None, placement_timeout_s: float = 30.0):
+def start_pipeline(models: list, *, ray_address: str | None = None, placement_timeout_s: float = 30.0,
+                   internal_tls: InternalTls | None = None):
     """Joins (or starts) Ray, places each model's draft and target on different GPUs, loads them.
+    `internal_tls`: mutual TLS on the coordinator-worker streams (cluster/secret.py).
     Raises ClusterUnavailable / PlacementError / CheckpointError with a clear message."""
     connect(ray_address)
     coordinator = PipelineCoordinator()
@@ -122,6 +124,7 @@ def start_pipeline(models: list, *, ray_address: str | None = None, placement_ti
                 max_context=info.max_context,
                 placement_timeout_s=placement_timeout_s,
                 deployment_secret=secret,
+                internal_tls=internal_tls,
             )
             coordinator.add_pair(config, pair, info)
     except BaseException:

@@ -1,4 +1,5 @@
-"""TLS and mutual TLS end to end: a real server with certificates, the SDK client on the other side.
+"""TLS and mutual TLS end to end: a real server with certificates, the SDK client on the other side;
+and mutual TLS on the internal streams between the coordinator and the Ray worker actors.
 
 Certificates are made here (a throwaway CA, a server certificate for localhost/127.0.0.1, a client
 certificate), so the test needs no files and no network.
@@ -68,6 +69,9 @@ def pki(tmp_path_factory):
                           sans=(x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")))),
           server_key)
     write("client", _cert("duospec test client", client_key, ca.subject, ca_key), client_key)
+    worker_key = _key()  # the internal data plane: one certificate for workers and coordinator alike
+    write("worker", _cert("duospec worker", worker_key, ca.subject, ca_key, sans=(x509.DNSName("duospec-worker"),)),
+          worker_key)
     return files
 
 
@@ -97,3 +101,59 @@ async def test_mutual_tls_needs_a_client_certificate_from_the_ca(tiny_pair, pki)
         async with AsyncClient(address, tls=str(pki["ca"][0]), timeout=10, max_retries=0) as anonymous:
             with pytest.raises(Unavailable):
                 await anonymous.models()
+
+
+@pytest.mark.ray
+async def test_internal_streams_use_mutual_tls_and_refuse_plaintext_or_certless_peers(ray_session, pki, tmp_path):
+    import grpc
+
+    from cluster.secret import InternalTls, call_metadata
+    from coordinator.api import FinishEvent, GenerationRequest, TokensEvent
+    from coordinator.pipeline import start_pipeline
+    from duospec.internal.v1 import pearl_pb2 as ipb
+    from duospec.internal.v1 import pearl_pb2_grpc as ipb_grpc
+    from exactness import hf_greedy
+    from pipeline_support import model_config
+    from tiny_models import make_tiny_checkpoint
+
+    target = make_tiny_checkpoint(tmp_path / "target", "llama", seed=41)
+    draft = make_tiny_checkpoint(tmp_path / "draft", "llama", seed=42, hidden_size=32, num_layers=1)
+    tls = InternalTls.from_files(str(pki["worker"][0]), str(pki["worker"][1]), str(pki["ca"][0]))
+    assert "PRIVATE" not in repr(tls)
+    coordinator = start_pipeline([model_config("mtls", target, draft)], internal_tls=tls)
+    try:
+        prompt = [5, 6, 7, 8]
+        tokens = []
+        async for event in coordinator.generate(GenerationRequest("r1", tuple(prompt), 16, model="mtls",
+                                                                  ignore_eos=True)):
+            if isinstance(event, TokensEvent):
+                tokens.extend(event.token_ids)
+            assert not isinstance(event, FinishEvent) or event.completion_tokens == 16
+        from transformers import AutoModelForCausalLM
+
+        assert tokens == hf_greedy(AutoModelForCausalLM.from_pretrained(str(target)).eval(), prompt, 16)
+        pair = coordinator.pairs["mtls"]
+        secret = pair.deployment_secret
+        for info in (pair.target_info, pair.draft_info):
+            endpoint = info["endpoint"]
+            stranger_key = _key()  # a certificate the deployment's CA did not sign
+            stranger = _cert("stranger", stranger_key, sans=(x509.DNSName("duospec-worker"),))
+            from cryptography.hazmat.primitives import serialization
+
+            untrusted = InternalTls(stranger.public_bytes(serialization.Encoding.PEM), _pem_key(stranger_key),
+                                    tls.ca_pem)
+            for channel in (grpc.aio.insecure_channel(endpoint),
+                            grpc.aio.secure_channel(endpoint, grpc.ssl_channel_credentials(tls.ca_pem),
+                                                    options=tls.channel_options()),  # no client certificate
+                            grpc.aio.secure_channel(endpoint, untrusted.channel_credentials(),
+                                                    options=tls.channel_options())):
+                async with channel:
+                    stub = ipb_grpc.TargetServiceStub(channel)
+                    call = stub.Verify(iter([ipb.VerifyBatch(batch_id=1)]), metadata=call_metadata(secret),
+                                       timeout=5)
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        async for _ in call:
+                            pass
+                    assert refused.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    finally:
+        await coordinator.close()

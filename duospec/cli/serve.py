@@ -120,9 +120,12 @@ def make_coordinator(config, args: argparse.Namespace):
         from coordinator.local import LocalCoordinator
 
         return LocalCoordinator(config.models)
+    from cluster.secret import InternalTls
     from coordinator.pipeline import start_pipeline
 
-    return start_pipeline(config.models, ray_address=args.address)
+    tls = config.server.internal_tls
+    internal_tls = InternalTls.from_files(tls.cert_file, tls.key_file, tls.ca_file, tls.server_name) if tls else None
+    return start_pipeline(config.models, ray_address=args.address, internal_tls=internal_tls)
 
 
 async def _serve(config, args: argparse.Namespace) -> int:
