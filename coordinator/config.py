@@ -168,27 +168,25 @@ def parse_serve_config(raw: Any, *, source: str = "config", base_dir: pathlib.Pa
     )
 
 
+def _certificates(f: "_Fields", section: str, base_dir: pathlib.Path, cls, *,
+                  files=("cert_file", "key_file"), optional_files=(), names=()):
+    """An optional section of certificate files that must exist (and plain string options)."""
+    fields = f.section(section, required=False)
+    if fields is None:
+        return None
+    values = {name: _existing_file(fields, name, base_dir, required=True) for name in files}
+    values.update({name: _existing_file(fields, name, base_dir, required=False) for name in optional_files})
+    values.update({name: fields.get(name, str) for name in names if fields.raw.get(name) is not None})
+    fields.reject_unknown()
+    return cls(**values)
+
+
 def _parse_server(f: "_Fields", base_dir: pathlib.Path) -> ServerSettings:
     d = ServerSettings()
-    tls = None
-    tls_fields = f.section("tls", required=False)
-    if tls_fields is not None:
-        tls = TlsSettings(
-            cert_file=_existing_file(tls_fields, "cert_file", base_dir, required=True),
-            key_file=_existing_file(tls_fields, "key_file", base_dir, required=True),
-            client_ca_file=_existing_file(tls_fields, "client_ca_file", base_dir, required=False),
-        )
-        tls_fields.reject_unknown()
-    internal_tls = None
-    internal_fields = f.section("internal_tls", required=False)
-    if internal_fields is not None:
-        internal_tls = InternalTlsSettings(
-            cert_file=_existing_file(internal_fields, "cert_file", base_dir, required=True),
-            key_file=_existing_file(internal_fields, "key_file", base_dir, required=True),
-            ca_file=_existing_file(internal_fields, "ca_file", base_dir, required=True),
-            server_name=internal_fields.get("server_name", str, default="duospec-worker"),
-        )
-        internal_fields.reject_unknown()
+    tls = _certificates(f, "tls", base_dir, TlsSettings, optional_files=("client_ca_file",))
+    internal_tls = _certificates(f, "internal_tls", base_dir, InternalTlsSettings,
+                                 files=("cert_file", "key_file", "ca_file"),
+                                 names=("server_name",))
     settings = ServerSettings(
         host=f.get("host", str, default=d.host),
         port=f.int_in("port", 0, 65535, default=d.port),

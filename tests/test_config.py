@@ -74,11 +74,29 @@ def test_yaml_and_toml_load_the_same_config(tmp_path):
     ({"server": {"grace_period_s": -1}, "models": [{"name": "m", "target": "t"}]}, "server.grace_period_s"),
     ({"server": {"tls": {"cert_file": "nope.pem", "key_file": "k"}}, "models": [{"name": "m", "target": "t"}]},
      "server.tls.cert_file"),
+    ({"server": {"internal_tls": {"cert_file": "nope.pem", "key_file": "k", "ca_file": "c"}},
+      "models": [{"name": "m", "target": "t"}]}, "server.internal_tls.cert_file"),
+    ({"server": {"http_port": -1}, "models": [{"name": "m", "target": "t"}]}, "server.http_port"),
+    ({"models": [{"name": "m", "target": "t", "max_num_seqs": 0}]}, "models[0].max_num_seqs"),
+    ({"models": [{"name": "m", "target": "t", "restart_timeout_s": 0}]}, "models[0].restart_timeout_s"),
 ])
 def test_bad_config_names_the_field(raw, where):
     with pytest.raises(ConfigError) as info:
         parse_serve_config(raw, source="c.yaml")
     assert f"c.yaml: {where}" in str(info.value)
+
+
+def test_internal_tls_files_and_server_name(tmp_path):
+    from coordinator.config import InternalTlsSettings
+
+    for name in ("w.pem", "w.key", "ca.pem"):
+        (tmp_path / name).write_text("x")
+    raw = {"server": {"internal_tls": {"cert_file": "w.pem", "key_file": "w.key", "ca_file": "ca.pem",
+                                       "server_name": "workers.internal"}},
+           "models": [{"name": "m", "target": "t"}]}
+    settings = parse_serve_config(raw, base_dir=tmp_path).server.internal_tls
+    assert settings == InternalTlsSettings(str(tmp_path / "w.pem"), str(tmp_path / "w.key"), str(tmp_path / "ca.pem"),
+                                           "workers.internal")
 
 
 def test_unknown_suffix_and_missing_file(tmp_path):
