@@ -30,6 +30,6 @@ ENV DUOSPEC_MODELS=/opt/duospec/models
 # pip cache mount keeps them across rebuilds.
 RUN --mount=type=bind,from=wheel,source=/tmp/wheels,target=/tmp/wheels \
     --mount=type=cache,target=/home/ray/.cache/pip,uid=1000,gid=100 \
-    pip install /tmp/wheels/duospec-*.whl
-# gRPC (duospec.v1.GenerationService, health, reflection) and Prometheus metrics.
+    pip install "$(ls /tmp/wheels/duospec-*.whl)[serve]"
+# gRPC (duospec.v1.GenerationService, health, reflection), the OpenAI-compatible HTTP API, Prometheus metrics.
 EXPOSE 50051 8000 9400

@@ -19,7 +19,7 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: $(PY) pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[serve,dev]"
 	touch $@
 
 test: install

@@ -69,7 +69,7 @@ def model_pair(model_dir: pathlib.Path | None, scratch: pathlib.Path) -> tuple[s
 
 
 def make_tenants():
-    from coordinator.tenancy import Tenant, TenantLimits, hash_api_key, new_api_key
+    from duospec.coordinator.tenancy import Tenant, TenantLimits, hash_api_key, new_api_key
 
     keys = {name: new_api_key() for name in ("gold", "silver", "bronze")}
     tenants = [
@@ -82,14 +82,14 @@ def make_tenants():
 
 
 def start_coordinator(backend: str, target: str, draft: str):
-    from coordinator.config import ModelConfig
+    from duospec.coordinator.config import ModelConfig
 
     config = ModelConfig(name=MODEL, target=target, draft=draft, device="cpu")
     if backend == "local":
-        from coordinator.local import LocalCoordinator
+        from duospec.coordinator.local import LocalCoordinator
 
         return LocalCoordinator([config])
-    from coordinator.pipeline import start_pipeline
+    from duospec.coordinator.pipeline import start_pipeline
 
     return start_pipeline([config])
 
@@ -182,8 +182,8 @@ async def client_loop(stub, keys: dict, tenant: str, rng: random.Random, until: 
 async def kill_loop(every_s: float, until: float, kills: list[tuple[float, str]], t0: float) -> None:
     import ray
 
-    from cluster.actors import actor_name
-    from cluster.runtime import NAMESPACE
+    from duospec.cluster.actors import actor_name
+    from duospec.cluster.runtime import NAMESPACE
 
     roles = ("draft", "target")
     i = 0
@@ -238,8 +238,8 @@ async def wait_idle(coordinator, server, timeout_s: float = 30.0) -> dict:
 async def soak(args: argparse.Namespace, target: str, draft: str, scratch: pathlib.Path) -> int:
     import grpc
 
-    from coordinator.config import ServerSettings
-    from coordinator.server import DuospecServer
+    from duospec.coordinator.config import ServerSettings
+    from duospec.coordinator.server import DuospecServer
     from duospec.v1 import generation_pb2_grpc as pb_grpc
 
     tenants, keys = make_tenants()

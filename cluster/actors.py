@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from cluster.placement import PlacementError, create_placement_group, plan_placement
-from cluster.runtime import NAMESPACE
-from cluster.secret import InternalTls, new_deployment_secret
-from draft_worker.proposer import DraftMethod, DraftSpec
+from duospec.cluster.placement import PlacementError, create_placement_group, plan_placement
+from duospec.cluster.runtime import NAMESPACE
+from duospec.cluster.secret import InternalTls, new_deployment_secret
+from duospec.draft_worker.proposer import DraftMethod, DraftSpec
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,8 @@ def launch_pair(
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from draft_worker.actor import DraftWorker
-    from target_worker.actor import TargetWorker
+    from duospec.draft_worker.actor import DraftWorker
+    from duospec.target_worker.actor import TargetWorker
 
     for role in ("draft", "target"):
         try:

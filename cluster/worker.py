@@ -8,8 +8,8 @@ from concurrent import futures
 
 import grpc
 
-from cluster.runtime import node_ip, torch_threads_for_actor
-from cluster.secret import DeploymentSecretInterceptor, InternalTls
+from duospec.cluster.runtime import node_ip, torch_threads_for_actor
+from duospec.cluster.secret import DeploymentSecretInterceptor, InternalTls
 
 
 def resolve_device(device: str) -> str:

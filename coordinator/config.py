@@ -41,8 +41,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.api import SpeculationMode
-from draft_worker.proposer import POOL_SCOPES, DraftMethod, DraftSpec, NgramOptions
+from duospec.coordinator.api import SpeculationMode
+from duospec.draft_worker.proposer import POOL_SCOPES, DraftMethod, DraftSpec, NgramOptions
 
 DEVICES = ("auto", "cpu", "cuda")
 MAX_GRACE_PERIOD_S = 3600.0  # server.grace_period_s and `duospec serve --grace-period`

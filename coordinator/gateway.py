@@ -26,16 +26,16 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from coordinator.admission import Admission, AdmissionError
-from coordinator.api import (
+from duospec.coordinator.admission import Admission, AdmissionError
+from duospec.coordinator.api import (
     Coordinator, CoordinatorError, FinishEvent, FinishReason, ModelInfo, SpecStats, SpeculationMode, TokenLogprob,
     TokensEvent,
 )
-from coordinator.config import ServerSettings
-from coordinator.ledger import RUNNING, UsageLedger, UsageRecord
-from coordinator.metrics import ServerMetrics
-from coordinator.tenancy import ANONYMOUS, AuthError, Tenant, TenantRegistry, authorize_model
-from coordinator.validation import RequestError, ValidatedRequest, resolve_model, validate_request, with_tenant
+from duospec.coordinator.config import ServerSettings
+from duospec.coordinator.ledger import RUNNING, UsageLedger, UsageRecord
+from duospec.coordinator.metrics import ServerMetrics
+from duospec.coordinator.tenancy import ANONYMOUS, AuthError, Tenant, TenantRegistry, authorize_model
+from duospec.coordinator.validation import RequestError, ValidatedRequest, resolve_model, validate_request, with_tenant
 from duospec.v1 import generation_pb2 as pb
 
 log = logging.getLogger("duospec.server")

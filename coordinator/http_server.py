@@ -21,9 +21,9 @@ import ssl
 import time
 from typing import Callable
 
-from coordinator import openai_protocol as oai
-from coordinator.config import TlsSettings
-from coordinator.gateway import Caller, Gateway, GatewayError
+from duospec.coordinator import openai_protocol as oai
+from duospec.coordinator.config import TlsSettings
+from duospec.coordinator.gateway import Caller, Gateway, GatewayError
 
 log = logging.getLogger("duospec.http")
 

@@ -12,11 +12,11 @@ import threading
 
 import grpc
 
-from cluster.secret import InternalTls, call_metadata, internal_channel
-from draft_worker.drafter import Drafter
-from draft_worker.service import DraftLoop
+from duospec.cluster.secret import InternalTls, call_metadata, internal_channel
+from duospec.draft_worker.drafter import Drafter
+from duospec.draft_worker.service import DraftLoop
 from duospec.internal.v1 import pearl_pb2_grpc as pb_grpc
-from target_worker.verifier import Verifier
+from duospec.target_worker.verifier import Verifier
 
 _END = object()
 
@@ -162,7 +162,7 @@ async def close_quietly(link) -> None:
 
 def verify_error(error):
     """The CoordinatorError a VerifyError from the target stands for."""
-    from coordinator.api import CoordinatorError, InvalidRequest, Overloaded
+    from duospec.coordinator.api import CoordinatorError, InvalidRequest, Overloaded
     from duospec.internal.v1 import pearl_pb2 as pb
 
     if error.kind == pb.VERIFY_ERROR_KIND_SLOTS_EXHAUSTED:

@@ -6,15 +6,15 @@ gRPC streams. Used by tests, benchmarks (the "in-process" column) and `duospec s
 
 from __future__ import annotations
 
-from coordinator.links import LocalDraftLink, LocalTargetLink
-from coordinator.models import model_info
-from coordinator.router import ModelEntry, ModelRouter, scheduler_config
-from coordinator.scheduler import Scheduler
-from cluster.worker import resolve_device
-from draft_worker.drafter import Drafter
-from draft_worker.methods import build_proposer
-from draft_worker.proposer import DraftMethod, DraftSpec, Proposer
-from target_worker.verifier import Verifier
+from duospec.coordinator.links import LocalDraftLink, LocalTargetLink
+from duospec.coordinator.models import model_info
+from duospec.coordinator.router import ModelEntry, ModelRouter, scheduler_config
+from duospec.coordinator.scheduler import Scheduler
+from duospec.cluster.worker import resolve_device
+from duospec.draft_worker.drafter import Drafter
+from duospec.draft_worker.methods import build_proposer
+from duospec.draft_worker.proposer import DraftMethod, DraftSpec, Proposer
+from duospec.target_worker.verifier import Verifier
 
 
 def load_runner(path: str, model_config, max_slots: int, max_context: int | None = None):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pathlib
 
-from coordinator.api import ModelInfo
+from duospec.coordinator.api import ModelInfo
 
 
 class ModelPairError(ValueError):

@@ -23,8 +23,8 @@ import re
 import time
 from typing import Any
 
-from coordinator.api import FinishReason, ModelInfo, SpecStats
-from coordinator.gateway import GatewayError
+from duospec.coordinator.api import FinishReason, ModelInfo, SpecStats
+from duospec.coordinator.gateway import GatewayError
 from duospec.v1 import generation_pb2 as pb
 
 _MODES = {"pearl": pb.SPECULATION_MODE_PEARL, "vanilla": pb.SPECULATION_MODE_VANILLA, "off": pb.SPECULATION_MODE_OFF}

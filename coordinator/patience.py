@@ -13,7 +13,7 @@ import asyncio
 import time
 from typing import Callable, Iterable
 
-from coordinator.adaptive import Ewma
+from duospec.coordinator.adaptive import Ewma
 
 # The longest hold, in multiples of the expected time for the awaited drafts, plus a margin for
 # transport jitter.

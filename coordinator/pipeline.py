@@ -11,14 +11,14 @@ import asyncio
 import dataclasses
 import logging
 
-from cluster.actors import WorkerPair, launch_pair
-from cluster.runtime import connect
-from cluster.secret import InternalTls, new_deployment_secret
-from coordinator.api import ModelInfo
-from coordinator.links import GrpcStreamLink, wait_for_channel
-from coordinator.models import model_info
-from coordinator.router import ModelEntry, ModelRouter, scheduler_config
-from coordinator.scheduler import Scheduler
+from duospec.cluster.actors import WorkerPair, launch_pair
+from duospec.cluster.runtime import connect
+from duospec.cluster.secret import InternalTls, new_deployment_secret
+from duospec.coordinator.api import ModelInfo
+from duospec.coordinator.links import GrpcStreamLink, wait_for_channel
+from duospec.coordinator.models import model_info
+from duospec.coordinator.router import ModelEntry, ModelRouter, scheduler_config
+from duospec.coordinator.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coordinator.api import SpeculationMode
+from duospec.coordinator.api import SpeculationMode
 from duospec.internal.v1 import pearl_pb2 as pb
 
 

@@ -18,8 +18,8 @@ import asyncio
 import logging
 import time
 
-from coordinator.api import Unavailable
-from coordinator.links import close_quietly
+from duospec.coordinator.api import Unavailable
+from duospec.coordinator.links import close_quietly
 
 log = logging.getLogger("coordinator.scheduler")
 

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from coordinator.api import (
+from duospec.coordinator.api import (
     GenerationRequest,
     InvalidRequest,
     ModelInfo,
@@ -19,8 +19,8 @@ from coordinator.api import (
     SpeculationMode,
     Unavailable,
 )
-from coordinator.policies import SpeculationPolicy
-from coordinator.scheduler import Scheduler, SchedulerConfig
+from duospec.coordinator.policies import SpeculationPolicy
+from duospec.coordinator.scheduler import Scheduler, SchedulerConfig
 
 
 @dataclass
@@ -63,7 +63,7 @@ class ModelRouter:
         """A fresh goodput guard for every open scheduler (nothing may be in flight): a benchmark's runs
         of different speculation variants then each start from the same state instead of inheriting
         what the guard learned from another variant."""
-        from coordinator.guard import GoodputGuard
+        from duospec.coordinator.guard import GoodputGuard
 
         for entry in self.entries.values():
             if entry.scheduler is not None:

@@ -24,14 +24,14 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Protocol
 
-from coordinator.adaptive import (
+from duospec.coordinator.adaptive import (
     AcceptanceTracker,
     Ewma,
     VerifyCostModel,
     best_draft_length,
     drafts_worth_waiting_for,
 )
-from coordinator.api import (
+from duospec.coordinator.api import (
     CoordinatorError,
     SpeculationMode,
     FinishEvent,
@@ -42,12 +42,12 @@ from coordinator.api import (
     TokensEvent,
     Unavailable,
 )
-from coordinator.guard import GoodputGuard
-from coordinator.links import verify_error
-from coordinator.patience import Patience
-from coordinator.recovery import WorkerRecovery
-from coordinator.policies import SpeculationPolicy, fair_share
-from coordinator.sequence import DraftAction, Sequence
+from duospec.coordinator.guard import GoodputGuard
+from duospec.coordinator.links import verify_error
+from duospec.coordinator.patience import Patience
+from duospec.coordinator.recovery import WorkerRecovery
+from duospec.coordinator.policies import SpeculationPolicy, fair_share
+from duospec.coordinator.sequence import DraftAction, Sequence
 from duospec.internal.sampling_wire import sampling_to_proto
 from duospec.internal.v1 import pearl_pb2 as pb
 

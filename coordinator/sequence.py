@@ -17,9 +17,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from coordinator.adaptive import AcceptanceTracker
-from coordinator.api import FinishReason, GenerationRequest, SpecStats, SpeculationMode
-from coordinator.policies import SpeculationPolicy
+from duospec.coordinator.adaptive import AcceptanceTracker
+from duospec.coordinator.api import FinishReason, GenerationRequest, SpecStats, SpeculationMode
+from duospec.coordinator.policies import SpeculationPolicy
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ import contextlib
 
 import grpc
 
-from coordinator.api import FinishReason, ModelInfo, SpeculationMode
-from coordinator.gateway import Delta, Gateway, GatewayError
+from duospec.coordinator.api import FinishReason, ModelInfo, SpeculationMode
+from duospec.coordinator.gateway import Delta, Gateway, GatewayError
 from duospec.v1 import generation_pb2 as pb
 from duospec.v1 import generation_pb2_grpc as pb_grpc
 

@@ -11,8 +11,8 @@ import secrets
 from dataclasses import dataclass, replace
 from typing import Any
 
-from coordinator.api import GenerationRequest, ModelInfo, SpeculationMode
-from coordinator.config import ServerSettings
+from duospec.coordinator.api import GenerationRequest, ModelInfo, SpeculationMode
+from duospec.coordinator.config import ServerSettings
 from duospec.sampling import SamplingParams
 from duospec.v1 import generation_pb2 as pb
 

@@ -3,11 +3,11 @@ endpoint. Only the model methods load a checkpoint (and ask for a GPU); the n-gr
 
 from __future__ import annotations
 
-from cluster.worker import GrpcModelWorker
-from draft_worker.drafter import Drafter
-from draft_worker.methods import build_proposer, load_draft_runner
-from draft_worker.proposer import DraftSpec
-from draft_worker.service import DraftServicer
+from duospec.cluster.worker import GrpcModelWorker
+from duospec.draft_worker.drafter import Drafter
+from duospec.draft_worker.methods import build_proposer, load_draft_runner
+from duospec.draft_worker.proposer import DraftSpec
+from duospec.draft_worker.service import DraftServicer
 from duospec.internal.v1 import pearl_pb2_grpc as pb_grpc
 
 

@@ -11,8 +11,8 @@ speculation cache's hedges (draft_worker/hedges.py).
 
 from __future__ import annotations
 
-from draft_worker.hedges import HedgeBook, extend, forget_alternatives
-from draft_worker.proposer import DraftState, Proposer
+from duospec.draft_worker.hedges import HedgeBook, extend, forget_alternatives
+from duospec.draft_worker.proposer import DraftState, Proposer
 from duospec.engine.errors import SlotsExhausted
 from duospec.internal.sampling_wire import sampling_from_proto
 from duospec.internal.v1 import pearl_pb2 as pb

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-from draft_worker.proposer import DraftState, Proposer
+from duospec.draft_worker.proposer import DraftState, Proposer
 
 HEDGE_DEPTH = 4  # continuation tokens drafted per hedge (the next verify's chunk)
 MAX_OFFSET = 8  # hedge keys lie at most this many positions past the first unverified one

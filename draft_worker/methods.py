@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from draft_worker.proposer import DraftMethod, DraftSpec, Proposer
+from duospec.draft_worker.proposer import DraftMethod, DraftSpec, Proposer
 
 
 def build_proposer(spec: DraftSpec, target_path: str, *, device: str = "cpu", dtype: str = "auto",
                    max_slots: int = 16, max_context: int | None = None, runner=None) -> Proposer:
     """Loads what the method needs. `runner`: an already loaded draft ModelRunner (tests, benchmarks)."""
     if spec.method is DraftMethod.NGRAM:
-        from draft_worker.ngram_proposer import NgramProposer
+        from duospec.draft_worker.ngram_proposer import NgramProposer
 
         return NgramProposer(spec.ngram)
-    from draft_worker.model_proposer import ModelProposer
+    from duospec.draft_worker.model_proposer import ModelProposer
 
     if runner is None:
         runner = load_draft_runner(spec, target_path, device=device, dtype=dtype, max_slots=max_slots,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draft_worker.proposer import DraftMethod, DraftState, Proposal, Proposer
+from duospec.draft_worker.proposer import DraftMethod, DraftState, Proposal, Proposer
 from duospec.engine import ModelRunner, SlotChunk, SlotsExhausted
 from duospec.qcodec import draft_sample
 

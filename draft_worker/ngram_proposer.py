@@ -33,8 +33,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from draft_worker.proposer import DraftMethod, DraftState, NgramOptions, Proposal, Proposer
-from draft_worker.suffix_trie import SuffixTrie, most_frequent
+from duospec.draft_worker.proposer import DraftMethod, DraftState, NgramOptions, Proposal, Proposer
+from duospec.draft_worker.suffix_trie import SuffixTrie, most_frequent
 from duospec.qcodec import DraftProbs
 
 

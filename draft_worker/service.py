@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Callable
 
-from draft_worker.drafter import Drafter
+from duospec.draft_worker.drafter import Drafter
 from duospec.engine import SlotsExhausted
 from duospec.internal.v1 import pearl_pb2 as pb
 from duospec.internal.v1 import pearl_pb2_grpc as pb_grpc

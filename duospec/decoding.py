@@ -16,15 +16,15 @@ import types
 from dataclasses import dataclass
 from typing import Iterator
 
-from coordinator.api import FinishEvent, FinishReason, GenerationRequest, ModelInfo, SpecStats, SpeculationMode
-from coordinator.links import LocalDraftLink, LocalTargetLink
-from coordinator.router import ModelEntry, ModelRouter
-from coordinator.scheduler import Scheduler, SchedulerConfig
-from draft_worker.drafter import Drafter
-from draft_worker.model_proposer import ModelProposer
-from draft_worker.proposer import Proposer
+from duospec.coordinator.api import FinishEvent, FinishReason, GenerationRequest, ModelInfo, SpecStats, SpeculationMode
+from duospec.coordinator.links import LocalDraftLink, LocalTargetLink
+from duospec.coordinator.router import ModelEntry, ModelRouter
+from duospec.coordinator.scheduler import Scheduler, SchedulerConfig
+from duospec.draft_worker.drafter import Drafter
+from duospec.draft_worker.model_proposer import ModelProposer
+from duospec.draft_worker.proposer import Proposer
 from duospec.sampling import SamplingParams
-from target_worker.verifier import Verifier
+from duospec.target_worker.verifier import Verifier
 
 _request_ids = itertools.count(1)
 
@@ -60,7 +60,7 @@ def _router(target, draft, *, gamma: int, max_lookahead: int, max_batch_size: in
         eos_token_ids=tuple(target.eos_token_ids),
         draft_method=proposer.method.value if proposer is not None else None,
     )
-    from coordinator.config import SpeculationDefaults
+    from duospec.coordinator.config import SpeculationDefaults
 
     # The model's defaults otherwise (the speculation cache and token trees on), as `duospec serve` has them.
     config = types.SimpleNamespace(speculation=SpeculationDefaults(

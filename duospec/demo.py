@@ -80,7 +80,7 @@ class DemoOptions:
 
 def model_pair(models_dir: pathlib.Path):
     """The ModelConfig for `models_dir/target` + `models_dir/draft`, or a SystemExit naming the fix."""
-    from coordinator.config import ModelConfig
+    from duospec.coordinator.config import ModelConfig
 
     missing = [p for p in (models_dir / "target", models_dir / "draft") if not (p / "config.json").is_file()]
     if missing:
@@ -94,10 +94,10 @@ def model_pair(models_dir: pathlib.Path):
 
 def start_coordinator(options: DemoOptions, models: list):
     if options.backend == "local":
-        from coordinator.local import LocalCoordinator
+        from duospec.coordinator.local import LocalCoordinator
 
         return LocalCoordinator(models)
-    from coordinator.pipeline import start_pipeline
+    from duospec.coordinator.pipeline import start_pipeline
 
     return start_pipeline(models, ray_address=options.ray_address)
 
@@ -107,7 +107,7 @@ async def run_generation(
     on_text: Callable[[str], None] = lambda text: None,
 ) -> RunMeasure:
     """One greedy request through the coordinator; `on_text` receives the text as it is committed."""
-    from coordinator.api import FinishEvent, GenerationRequest, SpeculationMode, TokensEvent
+    from duospec.coordinator.api import FinishEvent, GenerationRequest, SpeculationMode, TokensEvent
     from duospec.detokenizer import IncrementalDetokenizer
 
     request = GenerationRequest(
@@ -235,7 +235,7 @@ def parse_args(argv: list[str] | None) -> DemoOptions:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from coordinator.api import CoordinatorError
+    from duospec.coordinator.api import CoordinatorError
 
     options = parse_args(argv)
     try:

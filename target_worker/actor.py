@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from cluster.worker import GrpcModelWorker
+from duospec.cluster.worker import GrpcModelWorker
 from duospec.internal.v1 import pearl_pb2_grpc as pb_grpc
-from target_worker.service import TargetServicer
-from target_worker.verifier import Verifier
+from duospec.target_worker.service import TargetServicer
+from duospec.target_worker.verifier import Verifier
 
 
 class TargetWorker(GrpcModelWorker):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from duospec.internal.v1 import pearl_pb2_grpc as pb_grpc
-from target_worker.verifier import Verifier
+from duospec.target_worker.verifier import Verifier
 
 
 class TargetServicer(pb_grpc.TargetServiceServicer):

@@ -11,7 +11,7 @@ import itertools
 import threading
 import types
 
-from coordinator.api import FinishEvent, GenerationRequest, SpeculationMode
+from duospec.coordinator.api import FinishEvent, GenerationRequest, SpeculationMode
 from duospec.sampling import SamplingParams
 
 _ids = itertools.count(1)
@@ -36,7 +36,7 @@ def model_config(
 ):
     """Adaptive draft length is off by default here: exactness tests must exercise the abort path
     even when the draft is so bad that the scheduler would stop speculating."""
-    from coordinator.config import ModelConfig, SpeculationDefaults
+    from duospec.coordinator.config import ModelConfig, SpeculationDefaults
 
     return ModelConfig(
         name=name,

@@ -12,8 +12,8 @@ import time
 import ray
 from ray.cluster_utils import Cluster
 
-from cluster.actors import launch_pair
-from cluster.placement import PlacementError
+from duospec.cluster.actors import launch_pair
+from duospec.cluster.placement import PlacementError
 
 
 def main(target: str, draft: str) -> None:

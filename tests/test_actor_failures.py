@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from transformers import AutoModelForCausalLM
 
-from cluster.actors import actor_name
-from cluster.runtime import NAMESPACE
+from duospec.cluster.actors import actor_name
+from duospec.cluster.runtime import NAMESPACE
 from exactness import assert_greedy_equal, hf_greedy
 from pipeline_support import BackgroundLoop, model_config, request, run_all
 from tiny_models import make_tiny_checkpoint
@@ -22,7 +22,7 @@ MODEL = "failover"
 
 @pytest.fixture(scope="module")
 def setup(ray_session, tmp_path_factory):
-    from coordinator.pipeline import start_pipeline
+    from duospec.coordinator.pipeline import start_pipeline
 
     root = tmp_path_factory.mktemp("failover")
     target = make_tiny_checkpoint(root / "target", "llama", seed=21, hidden_size=64, num_layers=2)

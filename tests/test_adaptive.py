@@ -2,7 +2,7 @@
 
 import pytest
 
-from coordinator.adaptive import (
+from duospec.coordinator.adaptive import (
     AcceptanceTracker,
     Ewma,
     VerifyCostModel,
@@ -10,7 +10,7 @@ from coordinator.adaptive import (
     drafts_worth_waiting_for,
     expected_tokens,
 )
-from coordinator.patience import Patience
+from duospec.coordinator.patience import Patience
 
 
 def _fitted(fixed, per_token, sizes=(2, 5, 9, 14, 20, 33)):
@@ -117,8 +117,8 @@ async def test_a_hold_ends_by_its_timer():
 
 
 def test_pearl_lookahead_leaves_room_for_a_full_chunk_past_the_bonus():
-    from coordinator.api import SpeculationMode
-    from coordinator.policies import SpeculationPolicy
+    from duospec.coordinator.api import SpeculationMode
+    from duospec.coordinator.policies import SpeculationPolicy
 
     assert SpeculationPolicy(SpeculationMode.PEARL, max_draft_tokens=4, max_lookahead=8).lookahead() == 9
     assert SpeculationPolicy(SpeculationMode.PEARL, max_draft_tokens=4, max_lookahead=16).lookahead() == 16

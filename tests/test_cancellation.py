@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from coordinator.config import ModelConfig, ServerSettings
+from duospec.coordinator.config import ModelConfig, ServerSettings
 from duospec.v1 import generation_pb2 as pb
 from test_server_support import MODEL, request, running_server, server_coordinator
 from test_server_support import tiny_pair  # noqa: F401  (fixture)
@@ -151,7 +151,7 @@ async def test_cancel_while_queued_for_a_slot_leaks_nothing(tiny_pair):  # noqa:
 
 @pytest.mark.ray
 async def test_ray_pipeline_cancel_and_deadline_free_both_actors(ray_session, tiny_pair):  # noqa: F811
-    from coordinator.pipeline import start_pipeline
+    from duospec.coordinator.pipeline import start_pipeline
 
     target, draft = tiny_pair
     model = "cancel-tiny"

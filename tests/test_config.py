@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.api import SpeculationMode
-from coordinator.config import ConfigError, ModelConfig, ServerSettings, load_serve_config, parse_serve_config
+from duospec.coordinator.api import SpeculationMode
+from duospec.coordinator.config import ConfigError, ModelConfig, ServerSettings, load_serve_config, parse_serve_config
 
 YAML = """
 server: {host: 0.0.0.0, port: 50052, metrics_port: 0, max_concurrent_requests: 8, grace_period_s: 2.5}
@@ -87,7 +87,7 @@ def test_bad_config_names_the_field(raw, where):
 
 
 def test_internal_tls_files_and_server_name(tmp_path):
-    from coordinator.config import InternalTlsSettings
+    from duospec.coordinator.config import InternalTlsSettings
 
     for name in ("w.pem", "w.key", "ca.pem"):
         (tmp_path / name).write_text("x")
@@ -112,7 +112,7 @@ def _draft_config(draft, target="t"):
 
 
 def test_draft_as_a_path_or_a_mapping(tmp_path):
-    from draft_worker.proposer import DraftMethod, DraftSpec, NgramOptions
+    from duospec.draft_worker.proposer import DraftMethod, DraftSpec, NgramOptions
 
     (tmp_path / "d").mkdir()
     model = parse_serve_config(_draft_config("d"), base_dir=tmp_path).models[0]
@@ -162,8 +162,8 @@ def test_an_empty_draft_path_means_no_drafter_and_an_empty_mapping_path_is_refus
 
 
 def test_the_speculation_cache_is_config_and_per_request():
-    from coordinator.api import GenerationRequest
-    from coordinator.router import ModelRouter
+    from duospec.coordinator.api import GenerationRequest
+    from duospec.coordinator.router import ModelRouter
 
     def model(speculation):
         raw = {"models": [{"name": "m", "target": "t", "draft": "d", "speculation": speculation}]}

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from coordinator.config import ConfigError, ModelConfig, parse_serve_config
-from coordinator.models import ModelPairError, model_info
+from duospec.coordinator.config import ConfigError, ModelConfig, parse_serve_config
+from duospec.coordinator.models import ModelPairError, model_info
 from duospec.engine import CheckpointError
 from duospec.engine.llama import check_kv_fits
 from duospec.v1 import generation_pb2 as pb
@@ -35,7 +35,7 @@ def _config(long_pair, **kw):
 
 
 async def test_a_request_past_position_4096_is_served_exactly(long_pair):
-    from coordinator.local import LocalCoordinator
+    from duospec.coordinator.local import LocalCoordinator
 
     target, _ = long_pair
     coordinator = LocalCoordinator([_config(long_pair)])
@@ -61,7 +61,7 @@ async def test_a_request_past_position_4096_is_served_exactly(long_pair):
 
 
 async def test_max_model_len_reaches_every_layer(long_pair):
-    from coordinator.local import LocalCoordinator
+    from duospec.coordinator.local import LocalCoordinator
 
     coordinator = LocalCoordinator([_config(long_pair, max_model_len=1024)])
     try:

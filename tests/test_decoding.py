@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from coordinator.api import FinishEvent, FinishReason, SpeculationMode
+from duospec.coordinator.api import FinishEvent, FinishReason, SpeculationMode
 from duospec.decoding import _request, autoregressive, stream_events, stream_text, vanilla_speculative
 from duospec.engine import load_checkpoint
 from duospec.sampling import SamplingParams, probs_from_logits

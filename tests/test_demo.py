@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from coordinator.api import SpecStats
+from duospec.coordinator.api import SpecStats
 from duospec import demo
 from tiny_models import make_tiny_checkpoint
 
@@ -89,7 +89,7 @@ def check_demo_output(text: str, reports: list[demo.PromptReport], n_prompts: in
 
 
 def test_demo_in_process(tiny_pair):
-    pytest.importorskip("coordinator.local", reason="LocalCoordinator (lead) not in the tree yet")
+    pytest.importorskip("duospec.coordinator.local", reason="LocalCoordinator (lead) not in the tree yet")
     options = demo.DemoOptions(tiny_pair, backend="local", max_new_tokens=12, prompts=demo.PROMPTS[:2])
     out = io.StringIO()
     reports = demo.asyncio.run(demo.run_demo(options, out))
@@ -98,7 +98,7 @@ def test_demo_in_process(tiny_pair):
 
 @pytest.mark.ray
 def test_demo_on_ray(tiny_pair, ray_session):
-    pytest.importorskip("coordinator.pipeline", reason="start_pipeline (lead) not in the tree yet")
+    pytest.importorskip("duospec.coordinator.pipeline", reason="start_pipeline (lead) not in the tree yet")
     options = demo.DemoOptions(tiny_pair, backend="ray", max_new_tokens=12, prompts=demo.PROMPTS[:1])
     out = io.StringIO()
     reports = demo.asyncio.run(demo.run_demo(options, out))

@@ -16,10 +16,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from coordinator.api import FinishReason, SpeculationMode
-from coordinator.config import ModelConfig, SpeculationDefaults
-from draft_worker.methods import build_proposer
-from draft_worker.proposer import DraftMethod, DraftSpec, NgramOptions
+from duospec.coordinator.api import FinishReason, SpeculationMode
+from duospec.coordinator.config import ModelConfig, SpeculationDefaults
+from duospec.draft_worker.methods import build_proposer
+from duospec.draft_worker.proposer import DraftMethod, DraftSpec, NgramOptions
 from duospec.decoding import _request, stream_events
 from duospec.engine import load_checkpoint
 from duospec.sampling import SamplingParams, probs_from_logits
@@ -158,7 +158,7 @@ def loop():
 @pytest.mark.ray
 @pytest.mark.parametrize("method", ["ngram", "layers"])
 def test_greedy_through_actors_matches_target_alone(ray_session, loop, target_dir, hf_target, method):
-    from coordinator.pipeline import start_pipeline
+    from duospec.coordinator.pipeline import start_pipeline
 
     coordinator = start_pipeline([_config(f"tiny-{method}", target_dir, SPECS[method])])
     try:
@@ -175,7 +175,7 @@ def test_greedy_through_actors_matches_target_alone(ray_session, loop, target_di
 
 # -- through the gRPC server ----------------------------------------------------------------------------
 async def test_greedy_through_the_server_for_each_method(target_dir, hf_target, tmp_path):
-    from coordinator.local import LocalCoordinator
+    from duospec.coordinator.local import LocalCoordinator
     from duospec.v1 import generation_pb2 as pb
     from test_server_support import collect, running_server
 

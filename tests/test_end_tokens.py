@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from coordinator.config import ModelConfig
+from duospec.coordinator.config import ModelConfig
 from duospec.v1 import generation_pb2 as pb
 from test_server_support import collect, running_server
 from tiny_models import CHAT_TEMPLATE, make_tiny_checkpoint
@@ -66,7 +66,7 @@ def _transformers_reference(target, max_new_tokens):
 
 @pytest.mark.parametrize("mode", [pb.SPECULATION_MODE_PEARL, pb.SPECULATION_MODE_VANILLA, pb.SPECULATION_MODE_OFF])
 async def test_chat_reply_stops_at_any_end_token_and_its_text_has_no_special_tokens(chat_checkpoint, mode):
-    from coordinator.local import LocalCoordinator
+    from duospec.coordinator.local import LocalCoordinator
 
     target, draft, end_turn, position = chat_checkpoint
     want_ids, want_text = _transformers_reference(target, 30)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.api import GenerationRequest, ModelInfo, SpeculationMode, TokensEvent
-from coordinator.guard import GoodputGuard, GuardState, load_bucket
-from coordinator.policies import SpeculationPolicy
-from coordinator.scheduler import Scheduler, SchedulerConfig
+from duospec.coordinator.api import GenerationRequest, ModelInfo, SpeculationMode, TokensEvent
+from duospec.coordinator.guard import GoodputGuard, GuardState, load_bucket
+from duospec.coordinator.policies import SpeculationPolicy
+from duospec.coordinator.scheduler import Scheduler, SchedulerConfig
 from duospec.internal.v1 import pearl_pb2 as pb
 from duospec.sampling import SamplingParams
 from test_scheduler import FakeLink
@@ -216,7 +216,7 @@ def test_a_churning_load_still_closes_windows():
 
 
 async def test_new_sequences_never_start_below_the_acceptance_floor():
-    from coordinator.scheduler import ACCEPTANCE_FLOOR
+    from duospec.coordinator.scheduler import ACCEPTANCE_FLOOR
 
     scheduler, _, _ = _scheduler(FakeClock())
     scheduler.recent_acceptance.observe(0.02)  # the drafter did badly lately
@@ -256,7 +256,7 @@ async def test_going_target_only_on_a_rejection_rolls_the_drafter_back():
 def test_a_benchmark_can_make_every_speculation_variant_learn_on_its_own():
     import types
 
-    from coordinator.router import ModelRouter
+    from duospec.coordinator.router import ModelRouter
 
     router = ModelRouter()
     scheduler = types.SimpleNamespace(guard=GoodputGuard())

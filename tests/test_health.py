@@ -17,9 +17,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.actors import actor_name
-from cluster.runtime import NAMESPACE
-from coordinator.config import ServerSettings
+from duospec.cluster.actors import actor_name
+from duospec.cluster.runtime import NAMESPACE
+from duospec.coordinator.config import ServerSettings
 from duospec.v1 import generation_pb2 as pb
 from pipeline_support import model_config
 from test_server_support import collect, running_server, tiny_pair  # noqa: F401  (fixture)
@@ -49,7 +49,7 @@ def _greedy_request(prompt_ids, n, mode=pb.SPECULATION_MODE_PEARL) -> pb.Generat
 
 @pytest.mark.ray
 async def test_health_follows_a_target_outage_longer_than_the_restart_bound(ray_session, tmp_path):
-    from coordinator.pipeline import start_pipeline
+    from duospec.coordinator.pipeline import start_pipeline
     from tiny_models import make_tiny_checkpoint
 
     target = make_tiny_checkpoint(tmp_path / "target", "llama", seed=31)
@@ -97,8 +97,8 @@ async def test_health_follows_a_target_outage_longer_than_the_restart_bound(ray_
 async def test_a_stalled_drafter_leaves_pearl_requests_finishing_target_only(tiny_pair, monkeypatch):  # noqa: F811
     """The drafter's thread hangs in a step and its stream stays open: past the stall bound the
     sequences continue target-only, with the output of mode off."""
-    from coordinator.local import LocalCoordinator
-    from draft_worker.drafter import Drafter
+    from duospec.coordinator.local import LocalCoordinator
+    from duospec.draft_worker.drafter import Drafter
 
     target, draft = tiny_pair
     release, steps = threading.Event(), [0]

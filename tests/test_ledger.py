@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from coordinator.ledger import RUNNING, UsageLedger, UsageRecord, query_usage, summarize
+from duospec.coordinator.ledger import RUNNING, UsageLedger, UsageRecord, query_usage, summarize
 from duospec.cli import admin
 from duospec.v1 import generation_pb2 as pb
 from duospec.v1 import generation_pb2_grpc as pb_grpc
@@ -116,8 +116,8 @@ def test_parse_since():
 _SERVER_SCRIPT = """
 import asyncio, sys
 sys.path.insert(0, {tests!r})
-from coordinator.config import ServerSettings
-from coordinator.server import DuospecServer
+from duospec.coordinator.config import ServerSettings
+from duospec.coordinator.server import DuospecServer
 from test_server_support import TargetOnlyCoordinator
 
 async def main():

@@ -5,9 +5,9 @@ from __future__ import annotations
 import socket
 import urllib.request
 
-from coordinator.api import FinishReason, SpecStats
-from coordinator.config import ServerSettings
-from coordinator.metrics import ServerMetrics
+from duospec.coordinator.api import FinishReason, SpecStats
+from duospec.coordinator.config import ServerSettings
+from duospec.coordinator.metrics import ServerMetrics
 from test_server_support import collect, request, running_server, server_coordinator
 from test_server_support import tiny_pair  # noqa: F401  (fixture)
 

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from draft_worker.drafter import Drafter
-from draft_worker.ngram_proposer import NgramProposer
-from draft_worker.proposer import DraftState, NgramOptions
-from draft_worker.suffix_trie import SuffixTrie, most_frequent
+from duospec.draft_worker.drafter import Drafter
+from duospec.draft_worker.ngram_proposer import NgramProposer
+from duospec.draft_worker.proposer import DraftState, NgramOptions
+from duospec.draft_worker.suffix_trie import SuffixTrie, most_frequent
 from duospec.internal.v1 import pearl_pb2 as pb
 from duospec.qcodec import DraftProbs
 from duospec.sampling import SamplingParams

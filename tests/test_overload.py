@@ -14,7 +14,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.config import ServerSettings, parse_serve_config
+from duospec.coordinator.config import ServerSettings, parse_serve_config
 from duospec.v1 import generation_pb2 as pb
 from test_server_support import request, running_server, server_coordinator
 from test_server_support import tiny_pair  # noqa: F401  (fixture)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from transformers import AutoModelForCausalLM
 
-from coordinator.api import FinishReason, InvalidRequest
-from coordinator.models import ModelPairError
+from duospec.coordinator.api import FinishReason, InvalidRequest
+from duospec.coordinator.models import ModelPairError
 from duospec.sampling import SamplingParams
 from exactness import assert_greedy_equal, hf_greedy
 from pipeline_support import BackgroundLoop, model_config, request, run_all
@@ -41,7 +41,7 @@ def tiny_pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pipeline(ray_session, loop, tiny_pair):
-    from coordinator.pipeline import start_pipeline
+    from duospec.coordinator.pipeline import start_pipeline
 
     target, draft = tiny_pair
     coordinator = start_pipeline([model_config("tiny", target, draft, max_lookahead=LOOKAHEAD)])
@@ -100,7 +100,7 @@ def test_workers_refuse_streams_without_the_deployment_secret(pipeline, loop, hf
 
     import grpc
 
-    from cluster.secret import METADATA_KEY
+    from duospec.cluster.secret import METADATA_KEY
     from duospec.internal.v1 import pearl_pb2 as ipb
     from duospec.internal.v1 import pearl_pb2_grpc as ipb_grpc
 
@@ -130,7 +130,7 @@ def test_prompt_longer_than_context_is_rejected_at_once(pipeline, loop):
 
 
 def test_different_tokenizers_are_refused_before_placement(tmp_path, ray_session):
-    from coordinator.pipeline import start_pipeline
+    from duospec.coordinator.pipeline import start_pipeline
 
     target = make_tiny_checkpoint(tmp_path / "t", "llama", seed=1)
     other = make_tiny_checkpoint(tmp_path / "d", "llama", seed=2)
@@ -145,7 +145,7 @@ def test_different_tokenizers_are_refused_before_placement(tmp_path, ray_session
 
 @pytest.mark.skipif(not (BUNDLED / "target" / "config.json").exists(), reason="bundled pair not trained yet")
 def test_bundled_pair_greedy_through_actors(ray_session, loop):
-    from coordinator.pipeline import start_pipeline
+    from duospec.coordinator.pipeline import start_pipeline
     from duospec.engine import load_tokenizer
 
     hf = AutoModelForCausalLM.from_pretrained(BUNDLED / "target").eval()
@@ -175,7 +175,7 @@ def test_bundled_pair_greedy_through_actors(ray_session, loop):
 
 
 def test_queued_draft_batches_merge_into_multi_token_chunks():
-    from draft_worker.service import merge_batches
+    from duospec.draft_worker.service import merge_batches
     from duospec.internal.v1 import pearl_pb2 as pb
 
     def batch(*chunks, busy=0.001):
@@ -197,7 +197,7 @@ def test_queued_draft_batches_merge_into_multi_token_chunks():
 
 
 def test_merged_draft_messages_stay_under_the_byte_budget_and_keep_every_chunk_in_order():
-    from draft_worker.service import merge_batches
+    from duospec.draft_worker.service import merge_batches
     from duospec.internal.v1 import pearl_pb2 as pb
 
     q = bytes(6 * 4096)  # one draft position's q at the largest support (24 KB)

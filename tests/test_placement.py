@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from cluster.placement import PlacementError, plan_placement
+from duospec.cluster.placement import PlacementError, plan_placement
 from tiny_models import make_tiny_checkpoint
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from coordinator.api import FinishEvent
+from duospec.coordinator.api import FinishEvent
 from duospec.bench.simulate import record_tables, synthetic_drafts, table_depth, write_replay_checkpoint
 from duospec.decoding import _request, stream_events
 from duospec.engine import CheckpointError, SlotChunk, load_checkpoint

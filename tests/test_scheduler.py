@@ -10,9 +10,9 @@ import asyncio
 
 import pytest
 
-from coordinator.api import GenerationRequest, ModelInfo, SpeculationMode, TokensEvent, Unavailable
-from coordinator.policies import SpeculationPolicy
-from coordinator.scheduler import Scheduler, SchedulerConfig
+from duospec.coordinator.api import GenerationRequest, ModelInfo, SpeculationMode, TokensEvent, Unavailable
+from duospec.coordinator.policies import SpeculationPolicy
+from duospec.coordinator.scheduler import Scheduler, SchedulerConfig
 from duospec.internal.v1 import pearl_pb2 as pb
 from duospec.sampling import SamplingParams
 
@@ -208,7 +208,7 @@ async def test_a_paused_sequence_never_waits_for_drafts_that_will_not_come():
 
 
 async def test_pearl_patience_waits_for_a_fuller_chunk_then_a_stalled_drafter_is_not_waited_for():
-    from coordinator.adaptive import VerifyCostModel
+    from duospec.coordinator.adaptive import VerifyCostModel
 
     scheduler, target, draft, _ = _scheduler()
     policy = SpeculationPolicy(mode=SpeculationMode.PEARL, max_draft_tokens=4, max_lookahead=8, adaptive=True)

@@ -8,9 +8,9 @@ import logging
 import grpc
 import pytest
 
-from coordinator.config import ConfigError, ServerSettings
-from coordinator.server import DuospecServer
-from coordinator.tenancy import Tenant, TenantLimits, hash_api_key, new_api_key
+from duospec.coordinator.config import ConfigError, ServerSettings
+from duospec.coordinator.server import DuospecServer
+from duospec.coordinator.tenancy import Tenant, TenantLimits, hash_api_key, new_api_key
 from duospec.v1 import generation_pb2 as pb
 from test_server_support import MODEL, collect, request, rpc_error, running_server, server_coordinator
 from test_server_support import tiny_pair  # noqa: F401  (fixture)
@@ -213,7 +213,7 @@ async def test_the_metrics_endpoint_binds_to_the_server_host(tiny_pair):  # noqa
 async def test_tenants_file_changes_apply_without_a_restart_and_revoked_streams_end(tiny_pair, tmp_path):  # noqa: F811
     """Removing a key from the tenants file ends that key's open stream with UNAUTHENTICATED and
     refuses it from then on; a key added to the file works at once; a malformed file changes nothing."""
-    from coordinator.tenancy import save_tenants
+    from duospec.coordinator.tenancy import save_tenants
     from test_server_support import TargetOnlyCoordinator
 
     path = tmp_path / "tenants.yaml"

@@ -14,7 +14,7 @@ import grpc
 import pytest
 import yaml
 
-from coordinator.tenancy import hash_api_key, load_tenants
+from duospec.coordinator.tenancy import hash_api_key, load_tenants
 from duospec.cli import admin
 from duospec.v1 import generation_pb2 as pb
 from duospec.v1 import generation_pb2_grpc as pb_grpc
@@ -67,7 +67,7 @@ def test_serve_refuses_non_loopback_without_tenants(tiny_pair, tmp_path):  # noq
 
 
 def test_serve_subprocess_streams_and_drains_on_sigterm(tiny_pair, tmp_path):  # noqa: F811
-    pytest.importorskip("coordinator.local", reason="needs LocalCoordinator (the lead's coordinator/local.py)")
+    pytest.importorskip("duospec.coordinator.local", reason="needs LocalCoordinator (the lead's coordinator/local.py)")
     model_dir = tiny_pair[0].parent
     proc = subprocess.Popen(
         duospec_cmd("serve", "--backend", "local", "--port", "0", "--metrics-port", "0", "--http-port", "0",

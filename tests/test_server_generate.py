@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from coordinator.metrics import live_sequences
+from duospec.coordinator.metrics import live_sequences
 from duospec.v1 import generation_pb2 as pb
 from test_server_support import MAX_CONTEXT, MODEL, collect, request, rpc_error, running_server, server_coordinator
 from test_server_support import tiny_pair  # noqa: F401  (fixture)

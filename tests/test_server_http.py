@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from coordinator.config import ServerSettings
-from coordinator.tenancy import Tenant, TenantLimits, hash_api_key, new_api_key
+from duospec.coordinator.config import ServerSettings
+from duospec.coordinator.tenancy import Tenant, TenantLimits, hash_api_key, new_api_key
 from duospec.v1 import generation_pb2 as pb
 from test_server_generate import hf_greedy
 from test_server_support import MAX_CONTEXT, MODEL, collect, running_server, server_coordinator

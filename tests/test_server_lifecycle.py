@@ -7,9 +7,9 @@ import asyncio
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.config import ServerSettings
-from coordinator.server import DuospecServer
-from coordinator.metrics import live_sequences
+from duospec.coordinator.config import ServerSettings
+from duospec.coordinator.server import DuospecServer
+from duospec.coordinator.metrics import live_sequences
 from duospec.v1 import generation_pb2 as pb
 from duospec.v1 import generation_pb2_grpc as pb_grpc
 from test_server_support import request, server_coordinator

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from coordinator.api import (
+from duospec.coordinator.api import (
     FinishEvent, FinishReason, GenerationRequest, ModelInfo, SpecStats, TokensEvent, Unavailable,
 )
-from coordinator.config import ModelConfig, ServerSettings
-from coordinator.server import DuospecServer
+from duospec.coordinator.config import ModelConfig, ServerSettings
+from duospec.coordinator.server import DuospecServer
 from duospec.v1 import generation_pb2 as pb
 from duospec.v1 import generation_pb2_grpc as pb_grpc
 
@@ -119,7 +119,7 @@ class TargetOnlyCoordinator:
 def server_coordinator(tiny_pair, step_delay_s: float = 0.0):
     target, draft = tiny_pair
     try:
-        from coordinator.local import LocalCoordinator
+        from duospec.coordinator.local import LocalCoordinator
     except ImportError:
         return TargetOnlyCoordinator(target, draft, step_delay_s=step_delay_s)
     return LocalCoordinator([ModelConfig(name=MODEL, target=str(target), draft=str(draft), device="cpu")])

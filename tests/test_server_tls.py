@@ -12,7 +12,7 @@ import ipaddress
 
 import pytest
 
-from coordinator.config import ServerSettings, TlsSettings
+from duospec.coordinator.config import ServerSettings, TlsSettings
 from duospec.sdk.aio import AsyncClient
 from duospec.sdk.errors import Unavailable
 from test_server_support import running_server, server_coordinator
@@ -107,9 +107,9 @@ async def test_mutual_tls_needs_a_client_certificate_from_the_ca(tiny_pair, pki)
 async def test_internal_streams_use_mutual_tls_and_refuse_plaintext_or_certless_peers(ray_session, pki, tmp_path):
     import grpc
 
-    from cluster.secret import InternalTls, call_metadata
-    from coordinator.api import FinishEvent, GenerationRequest, TokensEvent
-    from coordinator.pipeline import start_pipeline
+    from duospec.cluster.secret import InternalTls, call_metadata
+    from duospec.coordinator.api import FinishEvent, GenerationRequest, TokensEvent
+    from duospec.coordinator.pipeline import start_pipeline
     from duospec.internal.v1 import pearl_pb2 as ipb
     from duospec.internal.v1 import pearl_pb2_grpc as ipb_grpc
     from exactness import hf_greedy

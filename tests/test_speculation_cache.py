@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.api import SpeculationMode
-from coordinator.policies import SpeculationPolicy
+from duospec.coordinator.api import SpeculationMode
+from duospec.coordinator.policies import SpeculationPolicy
 from duospec.internal.v1 import pearl_pb2 as pb
 from tests.test_scheduler import _chunks, _committed_events, _request, _scheduler, _verdict
 
@@ -228,8 +228,8 @@ async def test_sampled_requests_are_verified_as_chains():
 # -- the drafter's hedges on a real tiny model ----------------------------------------------------------
 import torch  # noqa: E402
 
-from draft_worker.drafter import Drafter  # noqa: E402
-from draft_worker.model_proposer import ModelProposer  # noqa: E402
+from duospec.draft_worker.drafter import Drafter  # noqa: E402
+from duospec.draft_worker.model_proposer import ModelProposer  # noqa: E402
 from duospec.engine import SlotsExhausted, load_checkpoint  # noqa: E402
 from duospec.internal.sampling_wire import sampling_to_proto  # noqa: E402
 from duospec.sampling import SamplingParams  # noqa: E402
@@ -343,7 +343,7 @@ def test_hedges_never_keep_a_new_sequence_out(draft_dir):
 
 
 async def test_adaptive_pearl_hedges_less_the_more_its_drafts_are_accepted():
-    from coordinator.adaptive import AcceptanceTracker
+    from duospec.coordinator.adaptive import AcceptanceTracker
 
     scheduler, target, draft, _ = _scheduler()
     adaptive = SpeculationPolicy(mode=SpeculationMode.PEARL, max_draft_tokens=4, max_lookahead=8, adaptive=True,

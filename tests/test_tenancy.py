@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from coordinator.admission import Admission, AdmissionError, TokenBucket
-from coordinator.tenancy import (
+from duospec.coordinator.admission import Admission, AdmissionError, TokenBucket
+from duospec.coordinator.tenancy import (
     AuthError, Tenant, TenantLimits, TenantRegistry, TenantsFileError, hash_api_key, load_tenants, new_api_key,
     parse_tenants, save_tenants,
 )

@@ -132,8 +132,8 @@ def test_distill_init_layers_fine_tunes_the_targets_first_layers(target_dir, dat
     """`--init-layers K`: the draft starts as the target's first K layers and serves as a layers drafter."""
     from transformers import AutoModelForCausalLM
 
-    from draft_worker.methods import build_proposer
-    from draft_worker.proposer import DraftMethod, DraftSpec
+    from duospec.draft_worker.methods import build_proposer
+    from duospec.draft_worker.proposer import DraftMethod, DraftSpec
     from duospec.decoding import autoregressive, decode
     from duospec.engine import load_checkpoint
 

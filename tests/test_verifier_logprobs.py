@@ -11,7 +11,7 @@ from duospec.engine import load_model
 from duospec.internal.sampling_wire import sampling_to_proto
 from duospec.internal.v1 import pearl_pb2 as pb
 from duospec.sampling import SamplingParams
-from target_worker.verifier import Verifier
+from duospec.target_worker.verifier import Verifier
 from tiny_models import make_tiny_checkpoint
 
 PROMPT = [5, 17, 42, 9, 77, 3, 120]

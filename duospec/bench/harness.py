@@ -81,7 +81,7 @@ class BenchConfig:
                 raise ValueError("--simulate runs our modes only (off, vanilla, pearl); --modes names none of them")
         if self.acceptance is not None and self.simulate is None:
             raise ValueError("--acceptance goes with --simulate (it replaces the draft's choices in the replay)")
-        from coordinator.config import draft_from_flag
+        from duospec.coordinator.config import draft_from_flag
 
         # random: the adversarial case, a random-weight draft of the --draft checkpoint's shape
         spec = draft_from_flag("model" if self.draft_method == RANDOM_DRAFT else self.draft_method, self.draft or None)

@@ -24,7 +24,7 @@ class BenchPair:
     draft_method: str = "model"  # --draft-method: model | ngram | layers:K
 
     def draft_spec(self):
-        from coordinator.config import draft_from_flag
+        from duospec.coordinator.config import draft_from_flag
 
         return draft_from_flag(self.draft_method, self.draft or None)
 
@@ -36,15 +36,15 @@ class EncodedPrompt:
 
 
 def model_config(pair: BenchPair, gamma: int, max_lookahead: int):
-    from coordinator.api import SpeculationMode
-    from coordinator.config import ModelConfig, SpeculationDefaults
+    from duospec.coordinator.api import SpeculationMode
+    from duospec.coordinator.config import ModelConfig, SpeculationDefaults
 
     return ModelConfig(name=MODEL_NAME, target=pair.target, draft=pair.draft_spec(), device=pair.device,
                        speculation=SpeculationDefaults(SpeculationMode.PEARL, gamma, max_lookahead))
 
 
 def request_for(prompt: EncodedPrompt, mode: str, max_new_tokens: int, gamma: int, tag: str):
-    from coordinator.api import GenerationRequest, SpeculationMode
+    from duospec.coordinator.api import GenerationRequest, SpeculationMode
 
     mode, cache, tree = request_mode(mode)
     return GenerationRequest(request_id=f"bench-{tag}-{prompt.id}", prompt_token_ids=prompt.token_ids,
@@ -54,7 +54,7 @@ def request_for(prompt: EncodedPrompt, mode: str, max_new_tokens: int, gamma: in
 
 async def timed_request(coordinator, request, prompt_id: str) -> RequestRecord:
     """One request through `coordinator.generate`, with first-token and per-token timings."""
-    from coordinator.api import FinishEvent
+    from duospec.coordinator.api import FinishEvent
 
     tokens: list[int] = []
     gaps: list[float] = []
@@ -100,7 +100,7 @@ async def run_coordinator_mode(coordinator, prompts: list[EncodedPrompt], mode: 
 
 
 def open_local_coordinator(pair: BenchPair, gamma: int, max_lookahead: int):
-    from coordinator.local import LocalCoordinator
+    from duospec.coordinator.local import LocalCoordinator
 
     return LocalCoordinator([model_config(pair, gamma, max_lookahead)])
 
@@ -114,7 +114,7 @@ class HFGenerate:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from draft_worker.proposer import DraftMethod
+        from duospec.draft_worker.proposer import DraftMethod
         from duospec.engine.loader import shallow_config
 
         self.torch = torch

@@ -28,9 +28,9 @@ class Served:
 
 @contextlib.asynccontextmanager
 async def served_pipeline(pair: BenchPair, gamma: int, max_lookahead: int, ray_address: str | None):
-    from coordinator.config import ServerSettings
-    from coordinator.pipeline import start_pipeline
-    from coordinator.server import DuospecServer
+    from duospec.coordinator.config import ServerSettings
+    from duospec.coordinator.pipeline import start_pipeline
+    from duospec.coordinator.server import DuospecServer
     from duospec.sdk.aio import AsyncClient
 
     config = model_config(pair, gamma, max_lookahead)

@@ -53,8 +53,8 @@ def table_depth(gamma: int, max_lookahead: int) -> int:
     """How many draft tokens past the last committed one the table records: the drafter never runs
     further ahead than pearl's lookahead (coordinator/policies.py), plus the γ tokens of a verify in
     flight; margin for the rest."""
-    from coordinator.api import SpeculationMode
-    from coordinator.policies import SpeculationPolicy
+    from duospec.coordinator.api import SpeculationMode
+    from duospec.coordinator.policies import SpeculationPolicy
 
     lookahead = SpeculationPolicy(SpeculationMode.PEARL, gamma, max_lookahead).lookahead()
     return lookahead + gamma + 4

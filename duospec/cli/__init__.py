@@ -21,6 +21,11 @@ COMMAND_MODULES = [
 ]
 
 
+# What `duospec[serve]` adds; a base (client) install lacks them.
+SERVER_SIDE_MODULES = frozenset({"torch", "transformers", "tokenizers", "safetensors", "ray", "yaml", "numpy",
+                                 "starlette", "uvicorn", "prometheus_client", "tqdm", "grpc_reflection"})
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="duospec",
@@ -45,6 +50,12 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as exc:  # a client-only install running a server-side command
+        if (exc.name or "").split(".")[0] not in SERVER_SIDE_MODULES:
+            raise
+        print(f"duospec {args.command}: error: this command needs the server side ({exc.name} is not "
+              "installed); install it with: pip install 'duospec[serve]'", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

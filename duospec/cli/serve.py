@@ -39,7 +39,7 @@ def register(subparsers) -> None:
 
 
 def _grace_seconds(text: str) -> float:
-    from coordinator.config import MAX_GRACE_PERIOD_S
+    from duospec.coordinator.config import MAX_GRACE_PERIOD_S
 
     try:
         value = float(text)
@@ -54,8 +54,8 @@ def run_serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
-    from coordinator.config import ConfigError
-    from coordinator.tenancy import TenantsFileError
+    from duospec.coordinator.config import ConfigError
+    from duospec.coordinator.tenancy import TenantsFileError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -70,7 +70,7 @@ def build_config(args: argparse.Namespace):
     """The config file (or defaults), with command-line flags applied on top."""
     from dataclasses import replace
 
-    from coordinator.config import DEFAULT_LEDGER, ServeConfig, ServerSettings, load_serve_config
+    from duospec.coordinator.config import DEFAULT_LEDGER, ServeConfig, ServerSettings, load_serve_config
 
     if args.config is not None:
         config = load_serve_config(pathlib.Path(args.config).expanduser())
@@ -91,8 +91,8 @@ def build_config(args: argparse.Namespace):
 
 
 def default_model(model_dir: pathlib.Path | None):
-    from coordinator.config import ConfigError, ModelConfig, SpeculationDefaults
-    from coordinator.api import SpeculationMode
+    from duospec.coordinator.config import ConfigError, ModelConfig, SpeculationDefaults
+    from duospec.coordinator.api import SpeculationMode
 
     if model_dir is not None:
         root, name = model_dir, _model_name(model_dir)
@@ -117,11 +117,11 @@ def _model_name(model_dir: pathlib.Path) -> str:
 
 def make_coordinator(config, args: argparse.Namespace):
     if args.backend == "local":
-        from coordinator.local import LocalCoordinator
+        from duospec.coordinator.local import LocalCoordinator
 
         return LocalCoordinator(config.models)
-    from cluster.secret import InternalTls
-    from coordinator.pipeline import start_pipeline
+    from duospec.cluster.secret import InternalTls
+    from duospec.coordinator.pipeline import start_pipeline
 
     tls = config.server.internal_tls
     internal_tls = InternalTls.from_files(tls.cert_file, tls.key_file, tls.ca_file, tls.server_name) if tls else None
@@ -132,8 +132,8 @@ async def _serve(config, args: argparse.Namespace) -> int:
     import asyncio
     import signal
 
-    from coordinator.server import DuospecServer, check_auth_policy
-    from coordinator.tenancy import load_tenants
+    from duospec.coordinator.server import DuospecServer, check_auth_policy
+    from duospec.coordinator.tenancy import load_tenants
 
     tenants = load_tenants(config.tenants) if config.tenants else None
     check_auth_policy(config.server.host, tenants, args.insecure_no_auth)  # fail before loading models
