@@ -58,6 +58,7 @@ def launch_pair(
     max_restarts: int = -1,  # Ray restarts a dead worker for as long as the deployment runs
     deployment_secret: str | None = None,
     internal_tls: InternalTls | None = None,
+    prefill_chunk_tokens: int | None = None,
 ) -> WorkerPair:
     """Places and starts the pair; `deployment_secret` (default: a new one) authenticates the streams;
     `max_context`: positions per sequence on both workers (the serve config's max_model_len)."""
@@ -84,7 +85,7 @@ def launch_pair(
     log.info("placing %s: %s", model, plan.description)
     group = create_placement_group(plan, name=f"duospec-{model}", timeout_s=placement_timeout_s)
     handles = {}
-    roles = (("draft", DraftWorker, (draft, target_path)), ("target", TargetWorker, (target_path,)))
+    roles = (("draft", DraftWorker, (draft, target_path, prefill_chunk_tokens)), ("target", TargetWorker, (target_path,)))
     for index, (role, cls, args) in enumerate(roles):
         if role == "draft" and draft is None:
             continue

@@ -23,6 +23,8 @@
                                              # server's weighted queue
         restart_timeout_s: 600               # how long live requests wait for a restarted worker (a large
                                              # model's load time); the server keeps reconnecting past it
+        prefill_chunk_tokens: 512            # prompt tokens per forward (both workers): long prompts are
+                                             # prefilled in chunks that share rounds with others' decode
         max_model_len: 8192                  # optional; positions per sequence (default: the model's
                                              # max_position_embeddings); KV memory is sized from it
         speculation: {mode: pearl, max_draft_tokens: 4, max_lookahead: 9, adaptive: true,
@@ -116,6 +118,8 @@ class ModelConfig:
     # How long live requests wait for a killed worker to come back (Ray restarts it) before they fail
     # with UNAVAILABLE; the coordinator keeps reconnecting after that, and serves again once it is back.
     restart_timeout_s: float = 600.0
+    # Prompt tokens per forward, on the target (per verify batch) and the drafter (per sequence).
+    prefill_chunk_tokens: int = 512
     speculation: SpeculationDefaults = field(default_factory=SpeculationDefaults)
     # Positions per sequence (prompt + output), on every layer alike: request validation, the
     # coordinator, the drafter and the target. None = the model's max_position_embeddings.
@@ -249,6 +253,7 @@ def _parse_model(f: "_Fields", base_dir: pathlib.Path) -> ModelConfig:
         max_batch_size=f.int_in("max_batch_size", 1, 4096, default=8),
         max_num_seqs=f.int_in("max_num_seqs", 1, 4096, default=16),
         restart_timeout_s=f.float_in("restart_timeout_s", 1.0, 86400.0, default=600.0),
+        prefill_chunk_tokens=f.int_in("prefill_chunk_tokens", 16, 1 << 20, default=512),
         speculation=spec,
         max_model_len=f.int_in("max_model_len", 2, 1 << 24, default=2) if f.raw.get("max_model_len") is not None else None,
     )

@@ -43,7 +43,8 @@ class LocalCoordinator(ModelRouter):
                 proposer = None
                 if spec is not None:
                     proposer = build_proposer(spec, info.target_path, device=resolve_device(config.device),
-                                              dtype=config.dtype, max_slots=max_slots, max_context=info.max_context)
+                                              dtype=config.dtype, max_slots=max_slots, max_context=info.max_context,
+                                              prefill_chunk_tokens=config.prefill_chunk_tokens)
                 preloaded = (load_runner(info.target_path, config, max_slots, info.max_context), proposer)
             else:
                 target_runner, draft = preloaded

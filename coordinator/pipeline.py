@@ -125,6 +125,7 @@ def start_pipeline(models: list, *, ray_address: str | None = None, placement_ti
                 placement_timeout_s=placement_timeout_s,
                 deployment_secret=secret,
                 internal_tls=internal_tls,
+                prefill_chunk_tokens=getattr(config, "prefill_chunk_tokens", None),
             )
             coordinator.add_pair(config, pair, info)
     except BaseException:

@@ -99,6 +99,9 @@ class _Failure:
 class SchedulerConfig:
     max_batch_size: int = 8  # sequences per verify batch
     max_num_seqs: int = 16  # live sequences (KV slots on each worker)
+    # Prompt tokens fed to the target per verify batch, over all its sequences: a long prompt is
+    # prefilled in chunks that share rounds with the others' decode instead of stalling them.
+    prefill_chunk_tokens: int = 512
     stats_window: list = field(default_factory=list)
 
 
@@ -309,7 +312,14 @@ class Scheduler(WorkerRecovery):
             return
         self.patience.end()
         chosen = fair_share(ready, self._vtime, self.config.max_batch_size)
-        items = [self._verify_item(seq) for seq in chosen]
+        items, budget = [], self.config.prefill_chunk_tokens
+        for seq in list(chosen):
+            pending = len(seq.committed) - seq.target_len  # 1 while decoding; more to (re-)prefill
+            if pending > 1 and budget <= 0 and items:
+                chosen.remove(seq)  # this batch's prompt budget is spent: its prefill goes on next round
+                continue
+            items.append(self._verify_item(seq, context_limit=max(1, budget) if pending > 1 else pending))
+            budget -= len(items[-1].context) if pending > 1 else 0
         batch = pb.VerifyBatch(batch_id=next(self._batch_ids), items=items, release_seq_ids=self._target_releases)
         self._target_releases = []
         now = time.monotonic()
@@ -387,7 +397,14 @@ class Scheduler(WorkerRecovery):
                 seq.draft_paused = False
                 self._abort(seq)
 
-    def _verify_item(self, seq: Sequence) -> pb.VerifyItem:
+    def _verify_item(self, seq: Sequence, context_limit: int) -> pb.VerifyItem:
+        if len(seq.committed) - seq.target_len > context_limit:  # a prefill chunk: no draft, no token
+            seq.take_verify_chunk(0)
+            seq.verify_context_end = seq.target_len + context_limit
+            return pb.VerifyItem(seq_id=seq.seq_id, epoch=seq.epoch, start_pos=seq.target_len,
+                                 context=seq.committed[seq.target_len: seq.verify_context_end],
+                                 sampling=sampling_to_proto(seq.request.sampling), bonus=pb.BONUS_POLICY_SKIP)
+        seq.verify_context_end = len(seq.committed)
         k = min(seq.policy.verify_count(len(seq.drafts), seq.remaining), self._draft_limit(seq)) if seq.uses_draft else 0
         # Past an exhausted chunk no draft will come: the bonus is the only way on. Which positions
         # those are depends on the sequence's tokens alone (draft_worker/proposer.py), not on timing.

@@ -63,6 +63,8 @@ class Sequence:
     # what has arrived instead of waiting for more.
     draft_exhausted: bool = False
     target_len: int = 0  # the target's KV cache holds committed[:target_len]
+    # where the in-flight verify item's context ends: len(committed), or less for a prefill chunk
+    verify_context_end: int = 0
     round_start: int = 0  # position of the first draft of the current round (after start/abort)
     finish_reason: FinishReason | None = None
     acceptance: AcceptanceTracker = field(default_factory=AcceptanceTracker)
@@ -265,7 +267,9 @@ class Sequence:
         new_tokens = (chunk[:n_accepted] if accepted is None else accepted) + (
             [next_token] if next_token is not None else [])
         old_len = len(self.committed)
-        self.target_len = old_len + len(new_tokens) - 1  # the target keeps committed[:-1]
+        # The target keeps what it was fed but the last token (re-fed next round); a prefill chunk
+        # fed only committed[:verify_context_end].
+        self.target_len = min(self.verify_context_end, old_len) + len(new_tokens) - 1
         kept = self._commit(new_tokens)
         n_accepted -= branch_accepted  # of the main chain
         self._count(k, n_accepted, len(kept), rejected, first_of_round=old_len == self.round_start)

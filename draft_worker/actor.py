@@ -14,9 +14,10 @@ from duospec.internal.v1 import pearl_pb2_grpc as pb_grpc
 class DraftWorker(GrpcModelWorker):
     role = "draft"
 
-    def __init__(self, spec: DraftSpec, target_path: str, **kwargs):
+    def __init__(self, spec: DraftSpec, target_path: str, prefill_chunk_tokens: int | None = None, **kwargs):
         self.spec = spec
         self.target_path = target_path
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         super().__init__(spec.checkpoint(target_path) or "", **kwargs)
 
     def _load(self, model_path: str, **kwargs):
@@ -25,7 +26,8 @@ class DraftWorker(GrpcModelWorker):
         return load_draft_runner(self.spec, self.target_path, **kwargs)
 
     def _serve(self, server) -> None:
-        self.drafter = Drafter(build_proposer(self.spec, self.target_path, runner=self.runner))
+        self.drafter = Drafter(build_proposer(self.spec, self.target_path, runner=self.runner,
+                                              prefill_chunk_tokens=self.prefill_chunk_tokens))
         pb_grpc.add_DraftServiceServicer_to_server(DraftServicer(self.drafter), server)
 
     def info(self) -> dict:

@@ -172,6 +172,8 @@ class Drafter:
         proposals = self.proposer.propose(active + [h for _, h, _ in hedging],
                                           budgets + [budget for _, _, budget in hedging])
         for seq, budget, proposal in zip(active, budgets, proposals):
+            if proposal.prefilling:  # still reading its prompt: nothing to send, more work next step
+                continue
             tokens = proposal.tokens[:budget]
             start = seq.next_pos
             extend(seq, tokens, proposal.alternatives)

@@ -6,7 +6,8 @@ from duospec.draft_worker.proposer import DraftMethod, DraftSpec, Proposer
 
 
 def build_proposer(spec: DraftSpec, target_path: str, *, device: str = "cpu", dtype: str = "auto",
-                   max_slots: int = 16, max_context: int | None = None, runner=None) -> Proposer:
+                   max_slots: int = 16, max_context: int | None = None, runner=None,
+                   prefill_chunk_tokens: int | None = None) -> Proposer:
     """Loads what the method needs. `runner`: an already loaded draft ModelRunner (tests, benchmarks)."""
     if spec.method is DraftMethod.NGRAM:
         from duospec.draft_worker.ngram_proposer import NgramProposer
@@ -17,7 +18,9 @@ def build_proposer(spec: DraftSpec, target_path: str, *, device: str = "cpu", dt
     if runner is None:
         runner = load_draft_runner(spec, target_path, device=device, dtype=dtype, max_slots=max_slots,
                                    max_context=max_context)
-    return ModelProposer(runner, spec.method)
+    if prefill_chunk_tokens is None:
+        return ModelProposer(runner, spec.method)
+    return ModelProposer(runner, spec.method, prefill_chunk_tokens=prefill_chunk_tokens)
 
 
 def load_draft_runner(spec: DraftSpec, target_path: str, **kwargs):

@@ -33,11 +33,17 @@ class _SlotState:
     fed: int = 0  # tokens[:fed] are in the slot's KV cache
 
 
+PREFILL_CHUNK_TOKENS = 512  # models[].prefill_chunk_tokens' default
+
+
 class ModelProposer(Proposer):
-    def __init__(self, runner: ModelRunner, method: DraftMethod = DraftMethod.MODEL):
+    def __init__(self, runner: ModelRunner, method: DraftMethod = DraftMethod.MODEL, *,
+                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS):
         self.runner = runner
         self.method = method
         self.max_context = runner.max_context
+        # A long prompt is read this many tokens per step, so the other sequences keep drafting.
+        self.prefill_chunk_tokens = prefill_chunk_tokens
 
     def open(self, seq: DraftState) -> None:
         seq.proposer_state = _SlotState(self.runner.allocate_slot())
@@ -65,12 +71,17 @@ class ModelProposer(Proposer):
 
     def propose(self, seqs: list[DraftState], budgets: list[int]) -> list[Proposal]:
         states: list[_SlotState] = [seq.proposer_state for seq in seqs]
+        ends = [min(len(seq.tokens), state.fed + self.prefill_chunk_tokens) for seq, state in zip(seqs, states)]
         logits = self.runner.forward_last(
-            [SlotChunk(state.slot, state.fed, seq.tokens[state.fed :]) for seq, state in zip(seqs, states)]
+            [SlotChunk(state.slot, state.fed, seq.tokens[state.fed:end]) for seq, state, end in zip(seqs, states, ends)]
         )
         ranked = torch.topk(logits, min(ALTERNATIVES + 1, logits.shape[-1]), dim=-1).indices.tolist()
         proposals = []
-        for row, (seq, state) in enumerate(zip(seqs, states)):
+        for row, (seq, state, end) in enumerate(zip(seqs, states, ends)):
+            if end < len(seq.tokens):  # a chunk of a long prompt read; no token until the rest is in
+                state.fed = end
+                proposals.append(Proposal(prefilling=True))
+                continue
             token, q = draft_sample(logits[row], seq.sampling, seq.next_pos)
             state.fed = seq.next_pos  # everything before the new token is now cached
             others = [t for t in ranked[row] if t != token][:ALTERNATIVES]

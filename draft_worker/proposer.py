@@ -141,6 +141,8 @@ class Proposal:
     exhausted: bool = False
     # [n] per token, the proposer's next-best tokens at its position, best first (hedge keys); may be empty
     alternatives: list[list[int]] = field(default_factory=list)
+    # True (with no tokens): the proposer is still reading a long prompt, a chunk per step; ask again
+    prefilling: bool = False
 
 
 class Proposer(abc.ABC):

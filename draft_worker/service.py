@@ -76,7 +76,8 @@ class DraftLoop:
             except queue.Empty:
                 pass
             # 2. Draft one token for every sequence below its bound, or wait for a command.
-            if self.drafter.has_work():
+            stepped = self.drafter.has_work()
+            if stepped:
                 started = time.perf_counter()
                 try:
                     chunks = self.drafter.step()
@@ -95,7 +96,9 @@ class DraftLoop:
                 idle += time.perf_counter() - started
                 if control is not None and not self._apply(control, failed):
                     return
-            if chunks or failed:
+            # A step with no chunk (a long prompt being read) still reports: the coordinator knows the
+            # drafter is alive and busy, not stalled (coordinator/recovery.py).
+            if chunks or failed or stepped:
                 self.busy_s += busy
                 self.idle_s += idle
                 self.emit(

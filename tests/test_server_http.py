@@ -191,29 +191,31 @@ async def test_auth_errors_and_rate_limit_with_retry_after(harness):
         assert int(info.value.response.headers["retry-after"]) >= 1
 
 
-async def test_a_client_disconnect_mid_stream_frees_the_sequence(harness):
+async def test_a_client_disconnect_mid_stream_frees_the_sequence(chat_pair):
     import httpx2 as httpx
 
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 240, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    headers = {"authorization": f"Bearer {KEYS['alpha']}"}
-    async with httpx.AsyncClient(timeout=30) as raw:
-        async with raw.stream("POST", harness.base_url + "/completions", json=body, headers=headers) as resp:
-            assert resp.status_code == 200
-            async for line in resp.aiter_lines():
-                if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
-                    break  # leave mid-stream: closing the response drops the connection
-    for _ in range(200):
-        stats = await harness.coordinator.stats()
-        if stats["models"][MODEL]["live_sequences"] == 0 and harness.server.admission.running == 0:
-            break
-        await asyncio.sleep(0.02)
-    assert stats["models"][MODEL]["live_sequences"] == 0
-    assert harness.server.admission.running == 0
-    metrics = harness.server.metrics
-    cancelled = metrics.request_success.labels("alpha", "cancelled")._value.get()
-    generated = metrics.generation_tokens.labels("alpha")._value.get()
-    assert cancelled == 1 and generated < 240  # ended by the disconnect, not run to its end
+    from test_server_support import TargetOnlyCoordinator
+
+    slow = TargetOnlyCoordinator(*chat_pair, step_delay_s=0.02)  # the stream outlives the client
+    settings = ServerSettings(host="127.0.0.1", port=0, metrics_port=0, http_port=_free_port())
+    async with running_server(slow, settings) as h:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 240, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        url = f"http://127.0.0.1:{h.server.http_port}/v1/completions"
+        async with httpx.AsyncClient(timeout=30) as raw:
+            async with raw.stream("POST", url, json=body) as resp:
+                assert resp.status_code == 200
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+                        break  # leave mid-stream: closing the response drops the connection
+        metrics = h.server.metrics
+        for _ in range(200):
+            if slow.live == 0 and h.server.admission.running == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert slow.live == 0 and h.server.admission.running == 0
+        assert metrics.request_success.labels("default", "cancelled")._value.get() == 1
+        assert metrics.generation_tokens.labels("default")._value.get() < 240  # ended by the disconnect
 
 
 async def test_http_off_and_grpc_unaffected(tiny_pair):  # noqa: F811
@@ -225,22 +227,26 @@ async def test_http_off_and_grpc_unaffected(tiny_pair):  # noqa: F811
         assert messages[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
 
 
-async def test_a_client_that_gives_up_on_a_plain_request_frees_the_sequence(harness):
+async def test_a_client_that_gives_up_on_a_plain_request_frees_the_sequence(chat_pair):
     import httpx2 as httpx
 
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 240, "temperature": 0, "ignore_eos": True}
-    headers = {"authorization": f"Bearer {KEYS['alpha']}"}
-    async with httpx.AsyncClient(timeout=0.3) as raw:
-        with pytest.raises(httpx.TimeoutException):
-            await raw.post(harness.base_url + "/completions", json=body, headers=headers)
-    metrics = harness.server.metrics
-    for _ in range(200):
-        if metrics.request_success.labels("alpha", "cancelled")._value.get() == 1:
-            break
-        await asyncio.sleep(0.02)
-    assert metrics.request_success.labels("alpha", "cancelled")._value.get() == 1
-    assert metrics.generation_tokens.labels("alpha")._value.get() < 240
-    assert (await harness.coordinator.stats())["models"][MODEL]["live_sequences"] == 0
+    from test_server_support import TargetOnlyCoordinator
+
+    slow = TargetOnlyCoordinator(*chat_pair, step_delay_s=0.02)  # 240 tokens take seconds, whatever the machine
+    settings = ServerSettings(host="127.0.0.1", port=0, metrics_port=0, http_port=_free_port())
+    async with running_server(slow, settings) as h:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 240, "temperature": 0, "ignore_eos": True}
+        async with httpx.AsyncClient(timeout=0.5) as raw:
+            with pytest.raises(httpx.TimeoutException):
+                await raw.post(f"http://127.0.0.1:{h.server.http_port}/v1/completions", json=body)
+        metrics = h.server.metrics
+        for _ in range(200):
+            if metrics.request_success.labels("default", "cancelled")._value.get() == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert metrics.request_success.labels("default", "cancelled")._value.get() == 1
+        assert metrics.generation_tokens.labels("default")._value.get() < 240
+        assert slow.live == 0
 
 
 async def test_logprobs_match_the_grpc_path_plain_and_streamed(harness, chat_pair):
