@@ -280,3 +280,28 @@ async def test_logprobs_match_the_grpc_path_plain_and_streamed(harness, chat_pai
         with pytest.raises(openai.BadRequestError) as info:
             await c.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, top_logprobs=2)
         assert info.value.body["param"] == "top_logprobs"
+
+
+async def test_while_draining_new_requests_get_503_and_health_says_so(chat_pair):
+    import httpx2 as httpx
+
+    from test_server_support import TargetOnlyCoordinator
+
+    slow = TargetOnlyCoordinator(*chat_pair, step_delay_s=0.02)
+    settings = ServerSettings(host="127.0.0.1", port=0, metrics_port=0, http_port=_free_port(), grace_period_s=10)
+    async with running_server(slow, settings) as h:
+        base = f"http://127.0.0.1:{h.server.http_port}"
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+        async with httpx.AsyncClient(timeout=30) as raw:
+            in_flight = asyncio.ensure_future(raw.post(base + "/v1/completions", json=body))
+            while slow.live == 0:
+                await asyncio.sleep(0.01)
+            draining = asyncio.ensure_future(h.server.shutdown())
+            await asyncio.sleep(0.1)
+            refused = await raw.post(base + "/v1/completions", json=body)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "unavailable"
+            assert int(refused.headers["retry-after"]) >= 1
+            assert (await raw.get(base + "/health")).status_code == 503
+            finished = await in_flight  # the stream admitted before the drain still completes
+            assert finished.status_code == 200 and finished.json()["usage"]["completion_tokens"] == 60
+            await draining
