@@ -223,7 +223,7 @@ class Admission:
             if future.done() and not future.cancelled():
                 self._count(tenant.name, model, -1)  # slot was handed over just as we were cancelled
                 self._hand_out_slots()
-            else:
+            elif entry in self._waiters[tenant.name]:  # (_hand_out_slots may have dropped it already)
                 self._waiters[tenant.name].remove(entry)
             raise
 

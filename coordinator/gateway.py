@@ -20,6 +20,7 @@ completions or keys.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -214,13 +215,20 @@ class Gateway:
         """Deltas of one request; raises GatewayError (before the first delta, or mid-stream for a
         failure of the system). Closing the generator early cancels the request."""
         validated, ticket, stream = await self._admit(caller, request)
+        if caller.key_hash is not None and self.registry is not None and not self.registry.holds(
+                caller.key_hash, caller.tenant.name):  # revoked while it was validated or queued
+            self.admission.release(ticket, 0)
+            raise GatewayError("UNAUTHENTICATED", "the API key of this request was revoked")
         self._streams[stream.id] = stream
         self.lifecycle.stream_opened()
         self._update_queue_gauges()
         try:
             await self._ledger_write("start", stream)
-            async for delta in self._run(validated, stream):
-                yield delta
+            # aclosing: a consumer that stops at the last delta (or leaves) closes the coordinator's
+            # generator now, freeing the sequence before the admission slot goes to the next request.
+            async with contextlib.aclosing(self._run(validated, stream)) as deltas:
+                async for delta in deltas:
+                    yield delta
         except (asyncio.CancelledError, GeneratorExit):
             if stream.finish_reason is None and stream.status_code == "OK":
                 stream.finish_reason, stream.status_code = FinishReason.CANCELLED, "CANCELLED"
@@ -304,6 +312,8 @@ class Gateway:
                     stream.finish_reason, stream.stats = event.finish_reason, event.stats
                     stream.completion_tokens = event.completion_tokens
                     text, hit = stopper.feed(detok.flush())
+                    if hit:  # the stop string completed only in the detokenizer's last held text
+                        stream.finish_reason = FinishReason.STOP
                     yield self._final(stream, text if hit else text + stopper.flush(), ())
                     return
         finally:

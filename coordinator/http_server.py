@@ -28,11 +28,33 @@ from duospec.coordinator.gateway import Caller, Gateway, GatewayError
 log = logging.getLogger("duospec.http")
 
 
+def _closing_stream_class():
+    from starlette.responses import StreamingResponse
+
+    class ClosingStream(StreamingResponse):
+        """Closes its event generator however the response ends: when the client disconnects while a
+        chunk is being sent, Starlette cancels the send and leaves the generator suspended; closing it
+        here (shielded) frees the sequence at once instead of whenever the garbage collector runs."""
+
+        async def __call__(self, scope, receive, send):
+            import anyio
+
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self.body_iterator.aclose()
+
+    return ClosingStream
+
+
 def create_app(gateway: Gateway, is_serving: Callable[[], bool]):
     from starlette.applications import Starlette
     from starlette.requests import Request
-    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
+
+    _ClosingStream = _closing_stream_class()
 
     def error_response(exc: GatewayError, **naming) -> JSONResponse:
         status, body, headers = oai.as_http_error(exc, **naming)
@@ -64,7 +86,9 @@ def create_app(gateway: Gateway, is_serving: Callable[[], bool]):
             stream, include_usage = oai.stream_options(body)
             deltas = gateway.generate(caller, req)
             try:
-                first = await deltas.__anext__()  # errors before the first token are plain HTTP errors
+                # Errors before the first token are plain HTTP errors; a client that leaves while its
+                # request waits in the queue or is prefilled gives its place up.
+                first = await _until_disconnect(request, deltas.__anext__())
             except BaseException:
                 await deltas.aclose()
                 raise
@@ -75,8 +99,8 @@ def create_app(gateway: Gateway, is_serving: Callable[[], bool]):
         created = int(time.time())
         shape = _LogprobShape(gateway.tokenizers[model], chat) if req.HasField("logprobs") else None
         if stream:
-            return StreamingResponse(_events(deltas, first, rid, model, created, chat, include_usage, naming, shape),
-                                     media_type="text/event-stream", headers={"cache-control": "no-cache"})
+            return _ClosingStream(_events(deltas, first, rid, model, created, chat, include_usage, naming, shape),
+                                  media_type="text/event-stream", headers={"cache-control": "no-cache"})
         try:
             final, text = await _until_disconnect(request, _collect(deltas, first))
         except GatewayError as exc:

@@ -66,13 +66,16 @@ class UsageRecord:
 _COLUMNS = [f.name for f in fields(UsageRecord)]
 _INSERT = f"INSERT INTO usage ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
 _UPDATE = f"UPDATE usage SET {', '.join(f'{c} = ?' for c in _COLUMNS[1:])} WHERE id = ?"
+# Progress never overwrites a finished row (a flush racing the request's end).
+_PROGRESS = _UPDATE + f" AND status_code = '{RUNNING}'"
 
 
 class UsageLedger:
     def __init__(self, path: str | pathlib.Path, flush_interval_s: float = FLUSH_INTERVAL_S):
         self.path = pathlib.Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()  # guards the connection and the pending progress
+        self._lock = threading.Lock()  # guards the connection (held across a commit's fsync)
+        self._pending_lock = threading.Lock()  # guards _pending only: progress() never waits for an fsync
         self._conn = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=FULL")
@@ -102,14 +105,16 @@ class UsageLedger:
             self._conn.execute(_INSERT, astuple(rec))
 
     def progress(self, rec: UsageRecord) -> None:
-        """The latest state of a running request; written by the flusher within flush_interval_s."""
-        with self._lock:
+        """The latest state of a running request; written by the flusher within flush_interval_s.
+        Called on the event loop: it only takes the pending lock, never the connection's."""
+        with self._pending_lock:
             self._pending[rec.id] = rec
 
     def finish(self, rec: UsageRecord) -> None:
         """The final row, durable when this returns (inserted if `start` never ran for it)."""
-        with self._lock:
+        with self._pending_lock:
             self._pending.pop(rec.id, None)
+        with self._lock:
             if self._conn.execute(_UPDATE, _update_args(rec)).rowcount == 0:
                 self._conn.execute(_INSERT, astuple(rec))
 
@@ -121,12 +126,12 @@ class UsageLedger:
         await asyncio.to_thread(self.finish, rec)
 
     def flush(self) -> None:
-        with self._lock:
+        with self._pending_lock:
             pending, self._pending = self._pending, {}
-            if pending:
-                with self._conn:  # one transaction, one fsync
-                    self._conn.execute("BEGIN")
-                    self._conn.executemany(_UPDATE, [_update_args(r) for r in pending.values()])
+        if pending:
+            with self._lock, self._conn:  # one transaction, one fsync
+                self._conn.execute("BEGIN")
+                self._conn.executemany(_PROGRESS, [_update_args(r) for r in pending.values()])
 
     def _flush_loop(self) -> None:
         while not self._closed.wait(self._flush_interval_s):

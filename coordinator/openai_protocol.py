@@ -80,11 +80,9 @@ def completion_request(body: dict, request_id: str = "") -> pb.GenerateRequest:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        req.prompt = prompt
+        req.prompt = _text(prompt, "prompt")
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        if any(t < 0 for t in prompt):
-            raise bad("prompt", "token ids must be >= 0")
-        req.prompt_token_ids.ids.extend(prompt)
+        req.prompt_token_ids.ids.extend(_token_ids(prompt, "prompt"))
     elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise bad("prompt", f"a batch of {len(prompt)} prompts; send one prompt per request")
     else:
@@ -120,7 +118,11 @@ def chat_request(body: dict, request_id: str = "") -> pb.GenerateRequest:
         role = m.get("role")
         if role == "developer":  # OpenAI's newer name for the system role
             role = "system"
-        req.messages.messages.add(role=str(role), content=_content_text(m.get("content"), f"messages[{i}].content"))
+        if not isinstance(role, str):
+            raise bad(f"messages[{i}].role", "must be a string: system, user or assistant")
+        req.messages.messages.add(role=_text(role, f"messages[{i}].role"),
+                                  content=_text(_content_text(m.get("content"), f"messages[{i}].content"),
+                                                f"messages[{i}].content"))
     return req
 
 
@@ -152,15 +154,18 @@ def _common(body: dict, request_id: str, *, max_tokens_field: str) -> pb.Generat
         raise bad("logit_bias", "not supported; leave it unset")
     temperature = _number(body, "temperature", 1.0)
     req.sampling.temperature = temperature
-    req.sampling.top_p = _number(body, "top_p", 1.0)
+    top_p = _number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise bad("top_p", f"{top_p}; use a value in (0, 1]")
+    req.sampling.top_p = top_p
     req.sampling.top_k = _integer(body, "top_k", 0, minimum=0)  # vLLM's extension; -1 also means off
     if body.get("top_k") == -1:
         req.sampling.top_k = 0
     if body.get("seed") is not None:
-        req.sampling.seed = _integer(body, "seed", 0, minimum=0)
+        req.sampling.seed = _integer(body, "seed", 0, minimum=0, end=1 << 64)
     max_tokens = body.get(max_tokens_field)
     if max_tokens is not None:
-        if not _is_int(max_tokens) or max_tokens < 1:
+        if not _is_int(max_tokens) or not 1 <= max_tokens < _UINT32_END:
             raise bad(max_tokens_field, f"{max_tokens!r}; use a positive integer")
         req.stopping.max_new_tokens = max_tokens
     stop = body.get("stop")
@@ -169,12 +174,10 @@ def _common(body: dict, request_id: str, *, max_tokens_field: str) -> pb.Generat
     if stop is not None:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise bad("stop", "must be a string or a list of strings")
-        req.stopping.stop.extend(stop)
+        req.stopping.stop.extend(_text(s, f"stop[{i}]") for i, s in enumerate(stop))
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
-        if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
-            raise bad("stop_token_ids", "must be a list of token ids")
-        req.stopping.stop_token_ids.extend(stop_ids)
+        req.stopping.stop_token_ids.extend(_token_ids(stop_ids, "stop_token_ids"))
     if body.get("ignore_eos") is not None:
         req.stopping.ignore_eos = _boolean(body, "ignore_eos")
     _speculation(body.get("speculation"), req.speculation)
@@ -233,14 +236,32 @@ def _number(body: dict, name: str, default: float) -> float:
     return float(v)
 
 
-def _integer(body: dict, name: str, default: int, *, minimum: int, prefix: str = "") -> int:
+_UINT32_END = 1 << 32
+
+
+def _integer(body: dict, name: str, default: int, *, minimum: int, prefix: str = "", end: int = _UINT32_END) -> int:
     v = body.get(name)
     if v is None:
         return default
     if name == "top_k" and v == -1:
         return 0
-    if not _is_int(v) or v < minimum or v >= 1 << 63:
-        raise bad(prefix + name, f"{v!r}; use an integer >= {minimum}")
+    if not _is_int(v) or v < minimum or v >= end:
+        raise bad(prefix + name, f"{v!r}; use an integer in [{minimum}, {end})")
+    return v
+
+
+def _text(v: str, field: str) -> str:
+    """A string the wire can carry (UTF-8: no lone surrogates)."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad(field, "is not valid Unicode text (a lone surrogate); send UTF-8 text") from None
+    return v
+
+
+def _token_ids(v: Any, field: str) -> list[int]:
+    if not isinstance(v, list) or not all(_is_int(t) and 0 <= t < _UINT32_END for t in v):
+        raise bad(field, "must be a list of token ids (integers >= 0)")
     return v
 
 

@@ -85,9 +85,9 @@ class WorkerRecovery:
         while not self.closed:
             await asyncio.sleep(WATCH_INTERVAL_S)
             busy = set(self.inflight.seq_ids) if self.inflight is not None else set()
-            waiting = self._draft_up and any(
-                seq.finish_reason is None and seq.draft_alive and not seq.draft_paused and not seq.drafts
-                and seq.seq_id not in busy for seq in self.sequences.values())
+            waiting = self._draft_up and self._target_up and any(
+                seq.finish_reason is None and seq.draft_alive and not seq.draft_paused and not seq.draft_exhausted
+                and not seq.drafts and seq.seq_id not in busy for seq in self.sequences.values())
             now = time.monotonic()
             if not waiting or waiting_since is None or self._draft_heard_t > waiting_since:
                 waiting_since = now if waiting else None

@@ -95,6 +95,9 @@ class _Failure:
     error: CoordinatorError
 
 
+MIN_PREFILL_CHUNK = 16  # a smaller leftover of a batch's prompt budget waits for the next round
+
+
 @dataclass
 class SchedulerConfig:
     max_batch_size: int = 8  # sequences per verify batch
@@ -315,7 +318,7 @@ class Scheduler(WorkerRecovery):
         items, budget = [], self.config.prefill_chunk_tokens
         for seq in list(chosen):
             pending = len(seq.committed) - seq.target_len  # 1 while decoding; more to (re-)prefill
-            if pending > 1 and budget <= 0 and items:
+            if pending > 1 and budget < min(pending, MIN_PREFILL_CHUNK) and items:
                 chosen.remove(seq)  # this batch's prompt budget is spent: its prefill goes on next round
                 continue
             items.append(self._verify_item(seq, context_limit=max(1, budget) if pending > 1 else pending))
@@ -404,7 +407,7 @@ class Scheduler(WorkerRecovery):
             return pb.VerifyItem(seq_id=seq.seq_id, epoch=seq.epoch, start_pos=seq.target_len,
                                  context=seq.committed[seq.target_len: seq.verify_context_end],
                                  sampling=sampling_to_proto(seq.request.sampling), bonus=pb.BONUS_POLICY_SKIP)
-        seq.verify_context_end = len(seq.committed)
+        seq.verify_context_end = None
         k = min(seq.policy.verify_count(len(seq.drafts), seq.remaining), self._draft_limit(seq)) if seq.uses_draft else 0
         # Past an exhausted chunk no draft will come: the bonus is the only way on. Which positions
         # those are depends on the sequence's tokens alone (draft_worker/proposer.py), not on timing.

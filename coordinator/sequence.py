@@ -63,8 +63,8 @@ class Sequence:
     # what has arrived instead of waiting for more.
     draft_exhausted: bool = False
     target_len: int = 0  # the target's KV cache holds committed[:target_len]
-    # where the in-flight verify item's context ends: len(committed), or less for a prefill chunk
-    verify_context_end: int = 0
+    # where the in-flight verify item's context ends: None = all committed tokens; less for a prefill chunk
+    verify_context_end: int | None = None
     round_start: int = 0  # position of the first draft of the current round (after start/abort)
     finish_reason: FinishReason | None = None
     acceptance: AcceptanceTracker = field(default_factory=AcceptanceTracker)
@@ -269,10 +269,12 @@ class Sequence:
         old_len = len(self.committed)
         # The target keeps what it was fed but the last token (re-fed next round); a prefill chunk
         # fed only committed[:verify_context_end].
-        self.target_len = min(self.verify_context_end, old_len) + len(new_tokens) - 1
+        chunk_end = old_len if self.verify_context_end is None else min(self.verify_context_end, old_len)
+        self.target_len = chunk_end + len(new_tokens) - 1
         kept = self._commit(new_tokens)
         n_accepted -= branch_accepted  # of the main chain
-        self._count(k, n_accepted, len(kept), rejected, first_of_round=old_len == self.round_start)
+        if chunk_end == old_len:  # a prefill chunk is not a round: it commits and drafts nothing
+            self._count(k, n_accepted, len(kept), rejected, first_of_round=old_len == self.round_start)
         if self.finish_reason is not None or not self.uses_draft:
             return kept, DraftAction.NONE, None
         if rejected or accepted is not None:  # a path into a branch leaves the main line too

@@ -132,11 +132,14 @@ def _chat_token_ids(messages: pb.ChatMessages, info: ModelInfo, tokenizer: Any) 
     if not getattr(tokenizer, "chat_template", None):
         raise invalid("messages", f"model {info.name!r} has no chat template; send `prompt` text instead")
     # Render to text first, then encode: the template already contains any BOS it wants.
-    text = tokenizer.apply_chat_template(
-        [{"role": m.role, "content": m.content} for m in messages.messages],
-        tokenize=False,
-        add_generation_prompt=True,
-    )
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in messages.messages],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+    except Exception as exc:  # the template refuses them (e.g. roles that do not alternate)
+        raise invalid("messages", f"the model's chat template refused these messages: {exc}") from None
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -14,6 +14,8 @@ import threading
 import time
 from typing import Callable
 
+import grpc
+
 from duospec.draft_worker.drafter import Drafter
 from duospec.engine import SlotsExhausted
 from duospec.internal.v1 import pearl_pb2 as pb
@@ -177,6 +179,8 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         with self._lock:
             if self._loop is not None:
                 self._loop.stop()
+                if self._loop.alive:  # its thread is stuck in a step: two loops must never share the drafter
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter is still inside a step; retry later")
             self.drafter.release_all()
             loop = self._loop = DraftLoop(self.drafter, out.put).start()
 

@@ -161,6 +161,9 @@ class Verifier:
         return verdict
 
 
+LOGPROB_FLOOR = -9999.0
+
+
 def _logprobs(rows, accepted: list[int], parents: list[int], tokens: list[int], params,
               top_n: int) -> list[pb.TokenLogprob]:
     """Each committed token's log p at its position. Row 0 follows the context (it predicts the
@@ -170,7 +173,8 @@ def _logprobs(rows, accepted: list[int], parents: list[int], tokens: list[int], 
 
     index = [row_after(parents[j] if parents else j - 1) for j in accepted]
     index.append(row_after(accepted[-1] if accepted else -1))  # the recovered / bonus token
-    logp = logprobs_from_logits(rows[index[: len(tokens)]], params)
+    # Tokens that top-k / top-p remove have log p = -inf; users get OpenAI's floor (valid JSON everywhere).
+    logp = logprobs_from_logits(rows[index[: len(tokens)]], params).clamp_min(LOGPROB_FLOOR)
     chosen = logp.gather(1, torch.tensor(tokens, dtype=torch.long).unsqueeze(1)).squeeze(1).tolist()
     if not top_n:
         return [pb.TokenLogprob(logprob=lp) for lp in chosen]

@@ -62,6 +62,19 @@ def test_a_row_exists_from_admission_and_follows_the_stream(tmp_path):
     ledger.close()
 
 
+def test_progress_pending_when_the_request_finishes_never_overwrites_the_final_row(tmp_path):
+    ledger = UsageLedger(tmp_path / "u.db", flush_interval_s=3600)
+    ledger.start(record(1, tokens=0, status=RUNNING, finish="running"))
+    ledger.progress(record(1, tokens=5, status=RUNNING, finish="running"))
+    pending = dict(ledger._pending)  # a flush that took this progress just before the finish...
+    ledger.finish(record(1, tokens=9))
+    ledger._pending.update(pending)  # ...and writes it just after
+    ledger.flush()
+    [row] = query_usage(tmp_path / "u.db")
+    assert (row.completion_tokens, row.status_code) == (9, "OK")
+    ledger.close()
+
+
 def test_rows_left_running_by_a_crash_are_closed_as_interrupted_on_reopen(tmp_path):
     ledger = UsageLedger(tmp_path / "u.db")
     ledger.start(record(1, tokens=4, status=RUNNING, finish="running"))

@@ -242,3 +242,21 @@ async def test_logprobs_are_off_unless_asked_and_bounded(harness):
     assert not any(m.logprobs for m in messages)
     err = await rpc_error(harness.stub, request("x", 3, logprobs=21))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs" in err.details()
+
+
+def test_a_chat_template_that_refuses_the_messages_is_invalid_argument():
+    from duospec.coordinator.api import ModelInfo
+    from duospec.coordinator.validation import RequestError, _chat_token_ids
+
+    class Strict:
+        chat_template = "{{ raise_exception('roles must alternate') }}"
+
+        def apply_chat_template(self, *args, **kwargs):
+            raise ValueError("roles must alternate user/assistant")
+
+    info = ModelInfo("m", "t", None, 100, 256, None)
+    messages = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="a"),
+                                         pb.ChatMessage(role="user", content="b")])
+    with pytest.raises(RequestError) as info_:
+        _chat_token_ids(messages, info, Strict())
+    assert info_.value.code == "INVALID_ARGUMENT" and "roles must alternate" in str(info_.value)

@@ -159,6 +159,9 @@ async def test_models_and_health(harness):
     ({"model": "no-such-model"}, 404, "model"),
     ({"extra_body": {"speculation": {"mode": "fast"}}}, 400, "speculation.mode"),
     ({"extra_body": {"frobnicate": 1}}, 400, "frobnicate"),
+    ({"max_tokens": 5_000_000_000}, 400, "max_tokens"),  # past uint32: a 400, not a 500
+    ({"top_p": 0}, 400, "top_p"),
+    ({"prompt": [1, 2, 1 << 40]}, 400, "prompt"),
 ])
 async def test_user_errors_are_openai_error_bodies_naming_the_field(harness, kwargs, status, param):
     args = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **kwargs}
@@ -305,3 +308,21 @@ async def test_while_draining_new_requests_get_503_and_health_says_so(chat_pair)
             finished = await in_flight  # the stream admitted before the drain still completes
             assert finished.status_code == 200 and finished.json()["usage"]["completion_tokens"] == 60
             await draining
+
+
+async def test_logprobs_of_tokens_outside_top_k_are_a_finite_floor(harness):
+    async with client(harness) as c:
+        done = await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0.7, seed=3,
+                                          logprobs=5, extra_body={"top_k": 2})
+    values = [v for top in done.choices[0].logprobs.top_logprobs for v in top.values()]
+    assert min(values) == -9999.0 and all(v == -9999.0 or v > -50 for v in values)
+
+
+async def test_a_lone_surrogate_in_the_prompt_is_a_400(harness):
+    import httpx2 as httpx
+
+    body = json.dumps({"model": MODEL, "prompt": "x\ud800y", "max_tokens": 2})  # valid JSON, invalid Unicode
+    async with httpx.AsyncClient() as raw:
+        reply = await raw.post(harness.base_url + "/completions", content=body,
+                               headers={"authorization": f"Bearer {KEYS['alpha']}", "content-type": "application/json"})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt"
