@@ -46,6 +46,7 @@ from duospec.coordinator.guard import GoodputGuard
 from duospec.coordinator.links import verify_error
 from duospec.coordinator.patience import Patience
 from duospec.coordinator.recovery import WorkerRecovery
+from duospec.coordinator.verify_items import VerifyItems
 from duospec.coordinator.policies import SpeculationPolicy, fair_share
 from duospec.coordinator.sequence import DraftAction, Sequence
 from duospec.internal.sampling_wire import sampling_to_proto
@@ -95,9 +96,6 @@ class _Failure:
     error: CoordinatorError
 
 
-MIN_PREFILL_CHUNK = 16  # a smaller leftover of a batch's prompt budget waits for the next round
-
-
 @dataclass
 class SchedulerConfig:
     max_batch_size: int = 8  # sequences per verify batch
@@ -108,7 +106,7 @@ class SchedulerConfig:
     stats_window: list = field(default_factory=list)
 
 
-class Scheduler(WorkerRecovery):
+class Scheduler(WorkerRecovery, VerifyItems):
     def __init__(
         self,
         info: ModelInfo,
@@ -315,14 +313,7 @@ class Scheduler(WorkerRecovery):
             return
         self.patience.end()
         chosen = fair_share(ready, self._vtime, self.config.max_batch_size)
-        items, budget = [], self.config.prefill_chunk_tokens
-        for seq in list(chosen):
-            pending = len(seq.committed) - seq.target_len  # 1 while decoding; more to (re-)prefill
-            if pending > 1 and budget < min(pending, MIN_PREFILL_CHUNK) and items:
-                chosen.remove(seq)  # this batch's prompt budget is spent: its prefill goes on next round
-                continue
-            items.append(self._verify_item(seq, context_limit=max(1, budget) if pending > 1 else pending))
-            budget -= len(items[-1].context) if pending > 1 else 0
+        items = self._verify_items(chosen)  # (drops sequences whose prefill waits for the next round)
         batch = pb.VerifyBatch(batch_id=next(self._batch_ids), items=items, release_seq_ids=self._target_releases)
         self._target_releases = []
         now = time.monotonic()
@@ -373,17 +364,6 @@ class Scheduler(WorkerRecovery):
                                      self.patience.round_overhead_s.value or 0.0, len(seq.committed) - seq.target_len)
         return k - n
 
-    def _prefill_only(self, seq: Sequence, k: int) -> bool:
-        """A pearl sequence whose prompt goes to the target before any draft exists: prefill without
-        taking a token, so the drafter's first token is pre-verified as usual (and its work is kept)."""
-        return (
-            k == 0
-            and seq.uses_draft
-            and seq.policy.mode is SpeculationMode.PEARL
-            and self._draft_limit(seq) > 0
-            and seq.target_len < len(seq.committed) - 1
-        )
-
     def _adapt_draft_length(self) -> None:
         pearl = [
             s
@@ -399,37 +379,6 @@ class Scheduler(WorkerRecovery):
             if seq.draft_paused and not seq.verifying and self._draft_limit(seq) > 0:
                 seq.draft_paused = False
                 self._abort(seq)
-
-    def _verify_item(self, seq: Sequence, context_limit: int) -> pb.VerifyItem:
-        if len(seq.committed) - seq.target_len > context_limit:  # a prefill chunk: no draft, no token
-            seq.take_verify_chunk(0)
-            seq.verify_context_end = seq.target_len + context_limit
-            return pb.VerifyItem(seq_id=seq.seq_id, epoch=seq.epoch, start_pos=seq.target_len,
-                                 context=seq.committed[seq.target_len: seq.verify_context_end],
-                                 sampling=sampling_to_proto(seq.request.sampling), bonus=pb.BONUS_POLICY_SKIP)
-        seq.verify_context_end = None
-        k = min(seq.policy.verify_count(len(seq.drafts), seq.remaining), self._draft_limit(seq)) if seq.uses_draft else 0
-        # Past an exhausted chunk no draft will come: the bonus is the only way on. Which positions
-        # those are depends on the sequence's tokens alone (draft_worker/proposer.py), not on timing.
-        drafting = seq.uses_draft and not (seq.draft_exhausted and k == len(seq.drafts))
-        bonus = pb.BONUS_POLICY_SKIP if self._prefill_only(seq, k) else seq.policy.bonus(seq.greedy, drafting)
-        tokens, probs = seq.take_verify_chunk(k)
-        parents: list[int] = []
-        if tokens and seq.greedy and seq.policy.tree_nodes and self._max_hedges(seq):
-            tokens, parents = seq.add_branches(seq.policy.tree_nodes)  # hedges ride along as a token tree
-        return pb.VerifyItem(
-            seq_id=seq.seq_id,
-            epoch=seq.epoch,
-            start_pos=seq.target_len,
-            context=seq.committed[seq.target_len :],
-            draft_tokens=tokens,
-            draft_probs=probs if not seq.greedy else [],
-            sampling=sampling_to_proto(seq.request.sampling),
-            bonus=bonus,
-            draft_parents=parents,
-            logprobs=seq.request.logprobs is not None,
-            top_logprobs=seq.request.logprobs or 0,
-        )
 
     # -- verdicts in ---------------------------------------------------------------------------
     def _on_verdict_batch(self, batch: pb.VerdictBatch) -> None:

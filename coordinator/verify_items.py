@@ -1,0 +1,73 @@
+"""What goes to the target for each chosen sequence: its verify item (drafts, a token tree, the bonus
+policy, logprobs) and, for a long prompt, a prefill chunk within the batch's prompt budget.
+
+Mixed into `Scheduler` (coordinator/scheduler.py), whose state these methods read: `config`,
+`_draft_limit`, `_max_hedges`.
+"""
+
+from __future__ import annotations
+
+from duospec.coordinator.api import SpeculationMode
+from duospec.coordinator.sequence import Sequence
+from duospec.internal.sampling_wire import sampling_to_proto
+from duospec.internal.v1 import pearl_pb2 as pb
+
+MIN_PREFILL_CHUNK = 16  # a smaller leftover of a batch's prompt budget waits for the next round
+
+
+class VerifyItems:
+    def _verify_items(self, chosen: list[Sequence]) -> list[pb.VerifyItem]:
+        """One item per chosen sequence. Prompt tokens over the whole batch stay within
+        `prefill_chunk_tokens`: a sequence whose prefill does not fit is removed from `chosen` and
+        goes on next round."""
+        items, budget = [], self.config.prefill_chunk_tokens
+        for seq in list(chosen):
+            pending = len(seq.committed) - seq.target_len  # 1 while decoding; more to (re-)prefill
+            if pending > 1 and budget < min(pending, MIN_PREFILL_CHUNK) and items:
+                chosen.remove(seq)
+                continue
+            items.append(self._verify_item(seq, context_limit=max(1, budget) if pending > 1 else pending))
+            budget -= len(items[-1].context) if pending > 1 else 0
+        return items
+
+    def _verify_item(self, seq: Sequence, context_limit: int) -> pb.VerifyItem:
+        if len(seq.committed) - seq.target_len > context_limit:  # a prefill chunk: no draft, no token
+            seq.take_verify_chunk(0)
+            seq.verify_context_end = seq.target_len + context_limit
+            return pb.VerifyItem(seq_id=seq.seq_id, epoch=seq.epoch, start_pos=seq.target_len,
+                                 context=seq.committed[seq.target_len: seq.verify_context_end],
+                                 sampling=sampling_to_proto(seq.request.sampling), bonus=pb.BONUS_POLICY_SKIP)
+        seq.verify_context_end = None
+        k = min(seq.policy.verify_count(len(seq.drafts), seq.remaining), self._draft_limit(seq)) if seq.uses_draft else 0
+        # Past an exhausted chunk no draft will come: the bonus is the only way on. Which positions
+        # those are depends on the sequence's tokens alone (draft_worker/proposer.py), not on timing.
+        drafting = seq.uses_draft and not (seq.draft_exhausted and k == len(seq.drafts))
+        bonus = pb.BONUS_POLICY_SKIP if self._prefill_only(seq, k) else seq.policy.bonus(seq.greedy, drafting)
+        tokens, probs = seq.take_verify_chunk(k)
+        parents: list[int] = []
+        if tokens and seq.greedy and seq.policy.tree_nodes and self._max_hedges(seq):
+            tokens, parents = seq.add_branches(seq.policy.tree_nodes)  # hedges ride along as a token tree
+        return pb.VerifyItem(
+            seq_id=seq.seq_id,
+            epoch=seq.epoch,
+            start_pos=seq.target_len,
+            context=seq.committed[seq.target_len :],
+            draft_tokens=tokens,
+            draft_probs=probs if not seq.greedy else [],
+            sampling=sampling_to_proto(seq.request.sampling),
+            bonus=bonus,
+            draft_parents=parents,
+            logprobs=seq.request.logprobs is not None,
+            top_logprobs=seq.request.logprobs or 0,
+        )
+
+    def _prefill_only(self, seq: Sequence, k: int) -> bool:
+        """A pearl sequence whose prompt goes to the target before any draft exists: prefill without
+        taking a token, so the drafter's first token is pre-verified as usual (and its work is kept)."""
+        return (
+            k == 0
+            and seq.uses_draft
+            and seq.policy.mode is SpeculationMode.PEARL
+            and self._draft_limit(seq) > 0
+            and seq.target_len < len(seq.committed) - 1
+        )
