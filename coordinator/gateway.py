@@ -27,13 +27,15 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+import grpc
+
 from duospec.coordinator.admission import Admission, AdmissionError
 from duospec.coordinator.api import (
     Coordinator, CoordinatorError, FinishEvent, FinishReason, ModelInfo, SpecStats, SpeculationMode, TokenLogprob,
     TokensEvent,
 )
 from duospec.coordinator.config import ServerSettings
-from duospec.coordinator.ledger import RUNNING, UsageLedger, UsageRecord
+from duospec.coordinator.ledger import FLUSH_INTERVAL_S, RUNNING, UsageLedger, UsageRecord
 from duospec.coordinator.metrics import ServerMetrics
 from duospec.coordinator.tenancy import ANONYMOUS, AuthError, Tenant, TenantRegistry, authorize_model
 from duospec.coordinator.validation import RequestError, ValidatedRequest, resolve_model, validate_request, with_tenant
@@ -143,6 +145,7 @@ class _Stream:
     stats: SpecStats = field(default_factory=SpecStats)
     status_code: str = "OK"
     revoked: asyncio.Event = field(default_factory=asyncio.Event)
+    progress_t: float = 0.0  # when the ledger last got this stream's progress (monotonic)
 
     @property
     def tenant(self) -> Tenant:
@@ -223,7 +226,8 @@ class Gateway:
         self.lifecycle.stream_opened()
         self._update_queue_gauges()
         try:
-            await self._ledger_write("start", stream)
+            await self._ledger_write(self.ledger.start_async if self.ledger else None,
+                                     stream, lambda: self._record(stream, "running", RUNNING))
             # aclosing: a consumer that stops at the last delta (or leaves) closes the coordinator's
             # generator now, freeing the sequence before the admission slot goes to the next request.
             async with contextlib.aclosing(self._run(validated, stream)) as deltas:
@@ -237,7 +241,7 @@ class Gateway:
             stream.status_code = exc.code
             raise
         except CoordinatorError as exc:
-            stream.status_code = exc.code if exc.code in _STATUS_NAMES else "INTERNAL"
+            stream.status_code = exc.code if exc.code in grpc.StatusCode.__members__ else "INTERNAL"
             log.warning("request %s failed: %s %s", stream.client_request_id, stream.status_code, exc)
             raise GatewayError(stream.status_code, str(exc)) from None
         except Exception:
@@ -353,18 +357,19 @@ class Gateway:
         )
 
     def _ledger_progress(self, stream: _Stream) -> None:
-        if self.ledger is not None:
-            self.ledger.progress(self._record(stream, "running", RUNNING))  # in memory; flushed each second
+        """In memory, flushed each second; a record at most every quarter of that, not per token event."""
+        now = time.monotonic()
+        if self.ledger is not None and now - stream.progress_t >= FLUSH_INTERVAL_S / 4:
+            stream.progress_t = now
+            self.ledger.progress(self._record(stream, "running", RUNNING))
 
-    async def _ledger_write(self, what: str, stream: _Stream, record: UsageRecord | None = None) -> None:
-        if self.ledger is None:
+    async def _ledger_write(self, write, stream: _Stream, record) -> None:
+        """`write(record())`, off the loop; losing a row must not fail the request (the log says so)."""
+        if write is None:
             return
         try:
-            if what == "start":
-                await self.ledger.start_async(self._record(stream, "running", RUNNING))
-            else:
-                await self.ledger.finish_async(record)
-        except Exception:  # losing a row must not fail the request; the log says so loudly
+            await write(record())
+        except Exception:
             log.exception("request %s: could not write the usage ledger", stream.client_request_id)
 
     async def _account(self, stream: _Stream) -> None:
@@ -380,14 +385,10 @@ class Gateway:
         log.info("request %s tenant=%s model=%s prompt_tokens=%d completion_tokens=%d finish=%s",
                  stream.client_request_id, tenant, stream.model, stream.prompt_tokens, stream.completion_tokens,
                  finish)
-        await self._ledger_write("finish", stream, self._record(stream, finish, stream.status_code))
+        await self._ledger_write(self.ledger.finish_async if self.ledger else None,
+                                 stream, lambda: self._record(stream, finish, stream.status_code))
 
 
-_STATUS_NAMES = frozenset((
-    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
-    "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
-    "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED",
-))
 _INTERRUPTED = object()  # sentinel: the server's grace period ended, or the stream's key was revoked
 _END = object()  # sentinel: the coordinator's generator is exhausted
 

@@ -159,8 +159,6 @@ def _common(body: dict, request_id: str, *, max_tokens_field: str) -> pb.Generat
         raise bad("top_p", f"{top_p}; use a value in (0, 1]")
     req.sampling.top_p = top_p
     req.sampling.top_k = _integer(body, "top_k", 0, minimum=0)  # vLLM's extension; -1 also means off
-    if body.get("top_k") == -1:
-        req.sampling.top_k = 0
     if body.get("seed") is not None:
         req.sampling.seed = _integer(body, "seed", 0, minimum=0, end=1 << 64)
     max_tokens = body.get(max_tokens_field)
