@@ -14,6 +14,8 @@
         draft: /opt/duospec/models/draft     # optional; no draft -> only mode off. Or a mapping:
                                              #   {method: model, path: DIR}
                                              #   {method: layers, layers: K, path: DIR?}  target's first K layers
+                                             #   {method: eagle, path: DIR} / {method: medusa, path: DIR}
+                                             #     a head from `duospec train-heads` on the target's features
                                              #   {method: ngram, min_ngram: 2, max_ngram: 8, max_proposal: 16,
                                              #    pool: tenant|sequence, pool_tokens: 16000, max_pools: 16}
         device: auto                         # auto|cpu|cuda
@@ -265,6 +267,8 @@ _DRAFT_KEYS = {
     DraftMethod.MODEL: ("path",),
     DraftMethod.LAYERS: ("layers", "path"),
     DraftMethod.NGRAM: ("min_ngram", "max_ngram", "max_proposal", "pool", "pool_tokens", "max_pools"),
+    DraftMethod.EAGLE: ("path",),
+    DraftMethod.MEDUSA: ("path",),
 }
 
 
@@ -291,7 +295,7 @@ def _parse_draft(f: "_Fields", base_dir: pathlib.Path, target: str) -> DraftSpec
     path = d.get("path", str, default=None)
     if path == "":
         raise ConfigError(f"{d.where('path')}: empty; give the draft checkpoint's directory or remove the key")
-    if method is DraftMethod.MODEL:
+    if method in (DraftMethod.MODEL, DraftMethod.EAGLE, DraftMethod.MEDUSA):
         return DraftSpec(method, path=_resolve_model_path(d.get("path", str, required=True), base_dir))
     if method is DraftMethod.LAYERS:
         layers = d.int_in("layers", 1, 1 << 16, default=0) if "layers" in d.raw else None
@@ -335,7 +339,11 @@ def draft_from_flag(value: str, path: str | None) -> DraftSpec:
         return DraftSpec(DraftMethod.NGRAM)
     if name == "layers" and arg.isdigit() and int(arg) >= 1:
         return DraftSpec(DraftMethod.LAYERS, layers=int(arg), path=path or None)
-    raise ValueError(f"--draft-method {value!r}: use model, ngram or layers:K (K >= 1, e.g. layers:2)")
+    if name in ("eagle", "medusa") and not arg:
+        if not path:
+            raise ValueError(f"--draft-method {name} needs the head's directory (duospec train-heads): pass --draft DIR")
+        return DraftSpec(DraftMethod(name), path=path)
+    raise ValueError(f"--draft-method {value!r}: use model, ngram, eagle, medusa or layers:K (K >= 1, e.g. layers:2)")
 
 
 def _local_layer_count(target: str) -> int | None:

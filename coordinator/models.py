@@ -49,11 +49,20 @@ def model_info(model_config, max_context: int | None = None) -> ModelInfo:
     draft = spec.checkpoint(target) if spec is not None else None
     if draft == target:  # the target's own first layers: same tokenizer and context by construction
         draft = None
+    head = None
+    if spec is not None and spec.method.reads_features:  # a head: the target's tokenizer and context
+        from duospec.engine.heads import read_head
+
+        head, draft = read_head(draft, spec.method.value), None
     for path in filter(None, (target, draft)):
         if not (pathlib.Path(path) / "config.json").is_file():
             raise CheckpointError(f"{path}: not a checkpoint directory (no config.json)")
     check_pair(target, draft)
     target_cfg = AutoConfig.from_pretrained(target)
+    if head is not None and (head.hidden_size, head.vocab_size) != (target_cfg.hidden_size, target_cfg.vocab_size):
+        raise ModelPairError(f"draft: the {head.method} head {head.path} was trained for a target with hidden size "
+                             f"{head.hidden_size} and vocabulary {head.vocab_size}; {target} has "
+                             f"{target_cfg.hidden_size} and {target_cfg.vocab_size}")
     if spec is not None and spec.layers is not None and spec.path is None:
         from duospec.engine.loader import shallow_config
 
@@ -83,7 +92,7 @@ def model_info(model_config, max_context: int | None = None) -> ModelInfo:
     return ModelInfo(
         name=model_config.name,
         target_path=target,
-        draft_path=draft,
+        draft_path=str(head.path) if head is not None else draft,
         draft_method=spec.method.value if spec is not None else None,
         vocab_size=min(len(tokenizer), int(target_cfg.vocab_size)),
         max_context=context,

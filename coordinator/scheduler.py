@@ -49,6 +49,7 @@ from duospec.coordinator.recovery import WorkerRecovery
 from duospec.coordinator.verify_items import VerifyItems
 from duospec.coordinator.policies import SpeculationPolicy, fair_share
 from duospec.coordinator.sequence import DraftAction, Sequence
+from duospec.draft_worker.proposer import DraftMethod
 from duospec.internal.sampling_wire import sampling_to_proto
 from duospec.internal.v1 import pearl_pb2 as pb
 
@@ -204,6 +205,7 @@ class Scheduler(WorkerRecovery, VerifyItems):
             prompt_len=len(request.prompt_token_ids),
             eos_token_ids=self.info.end_token_ids,
             draft_alive=use_draft,
+            needs_features=use_draft and self._draft_reads_features,
         )
         seq.round_start = seq.prompt_len
         seq.acceptance = self._acceptance_prior()
@@ -346,9 +348,16 @@ class Scheduler(WorkerRecovery, VerifyItems):
         coordinator/guard.py says why sampled requests are not)."""
         return seq.policy.uses_draft and seq.policy.adaptive and seq.policy.mode is SpeculationMode.PEARL and seq.greedy
 
+    @property
+    def _draft_reads_features(self) -> bool:
+        method = self.info.draft_method
+        return method is not None and DraftMethod(method).reads_features
+
     def _ready(self, seq: Sequence) -> bool:
         if seq.uses_draft and (seq.draft_paused or seq.draft_exhausted or self._draft_limit(seq) == 0):
             return True  # backed off to target-only under load, or the drafter has nothing more for now
+        if seq.needs_features and seq.prefill_pending:
+            return True  # a head drafts from the prompt's hidden states: the target reads it first
         return seq.policy.ready(len(seq.drafts), seq.remaining, seq.uses_draft, seq.prefill_pending)
 
     def _drafts_to_wait_for(self, seq: Sequence) -> int:
@@ -434,6 +443,8 @@ class Scheduler(WorkerRecovery, VerifyItems):
     def _apply_verdict(self, seq: Sequence, verdict: pb.Verdict) -> int:
         """Commits a verdict and tells the drafter what it needs; returns the tokens committed."""
         k = len(seq.verify_tokens or ())
+        if seq.needs_features and seq.draft_started and seq.draft_alive:
+            self._forward_features(seq, verdict)
         next_token = verdict.next_token if verdict.kind != pb.NEXT_TOKEN_KIND_NONE else None
         kept, action, branch = seq.apply_verdict(verdict.n_accepted, next_token,
                                                  verdict.kind == pb.NEXT_TOKEN_KIND_RECOVERED, verdict.path)
@@ -467,6 +478,22 @@ class Scheduler(WorkerRecovery, VerifyItems):
         elif kept:  # (nothing committed, e.g. a prefill-only round: the drafter has nothing new to hear)
             self._advance(seq)
         return len(kept)
+
+    def _forward_features(self, seq: Sequence, verdict: pb.Verdict) -> None:
+        """The verdict's hidden states go to the head drafter before the command this verdict causes."""
+        if not verdict.HasField("features"):  # a target backend without hidden states: go on target-only
+            log.warning("seq %d: the target returned no hidden states for its %s drafter; it continues "
+                        "target-only (serve the target on the lean backend)", seq.seq_id, self.info.draft_method)
+            self._release_draft(seq)
+            return
+        seq.draft_exhausted = False  # the drafter may have been waiting for exactly these
+        self._draft_command(pb.DraftCommand(seq_id=seq.seq_id, epoch=seq.epoch, kind=pb.DRAFT_COMMAND_KIND_FEATURES,
+                                            features=verdict.features))
+
+    def _release_draft(self, seq: Sequence) -> None:
+        self._draft_command(pb.DraftCommand(seq_id=seq.seq_id, kind=pb.DRAFT_COMMAND_KIND_RELEASE))
+        seq.drop_drafts()
+        seq.draft_alive = False
 
     def _advance(self, seq: Sequence) -> None:
         seq.draft_exhausted = False  # the drafter knows more now: it may find more to propose

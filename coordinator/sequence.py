@@ -62,6 +62,9 @@ class Sequence:
     # The drafter said it has nothing more until its next command (DRAFT_OUTLOOK_EXHAUSTED): verify
     # what has arrived instead of waiting for more.
     draft_exhausted: bool = False
+    # Its drafter reads the target's hidden states (EAGLE, Medusa): verify items ask for them and each
+    # verdict's go to the drafter (a FEATURES command); the prompt goes to the target first.
+    needs_features: bool = False
     target_len: int = 0  # the target's KV cache holds committed[:target_len]
     # where the in-flight verify item's context ends: None = all committed tokens; less for a prefill chunk
     verify_context_end: int | None = None

@@ -36,7 +36,8 @@ class VerifyItems:
             seq.verify_context_end = seq.target_len + context_limit
             return pb.VerifyItem(seq_id=seq.seq_id, epoch=seq.epoch, start_pos=seq.target_len,
                                  context=seq.committed[seq.target_len: seq.verify_context_end],
-                                 sampling=sampling_to_proto(seq.request.sampling), bonus=pb.BONUS_POLICY_SKIP)
+                                 sampling=sampling_to_proto(seq.request.sampling), bonus=pb.BONUS_POLICY_SKIP,
+                                 features=self._wants_features(seq))
         seq.verify_context_end = None
         k = min(seq.policy.verify_count(len(seq.drafts), seq.remaining), self._draft_limit(seq)) if seq.uses_draft else 0
         # Past an exhausted chunk no draft will come: the bonus is the only way on. Which positions
@@ -59,15 +60,22 @@ class VerifyItems:
             draft_parents=parents,
             logprobs=seq.request.logprobs is not None,
             top_logprobs=seq.request.logprobs or 0,
+            features=self._wants_features(seq),
         )
+
+    @staticmethod
+    def _wants_features(seq: Sequence) -> bool:
+        # also while target-only by the guard: the drafter stays current for when speculation resumes
+        return seq.needs_features and seq.draft_started and seq.draft_alive
 
     def _prefill_only(self, seq: Sequence, k: int) -> bool:
         """A pearl sequence whose prompt goes to the target before any draft exists: prefill without
-        taking a token, so the drafter's first token is pre-verified as usual (and its work is kept)."""
+        taking a token, so the drafter's first token is pre-verified as usual (and its work is kept).
+        A head drafter (EAGLE, Medusa) needs the prompt's hidden states first, in vanilla too."""
         return (
             k == 0
             and seq.uses_draft
-            and seq.policy.mode is SpeculationMode.PEARL
+            and (seq.policy.mode is SpeculationMode.PEARL or seq.needs_features)
             and self._draft_limit(seq) > 0
             and seq.target_len < len(seq.committed) - 1
         )

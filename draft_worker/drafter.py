@@ -12,8 +12,9 @@ speculation cache's hedges (draft_worker/hedges.py).
 from __future__ import annotations
 
 from duospec.draft_worker.hedges import HedgeBook, extend, forget_alternatives
-from duospec.draft_worker.proposer import DraftState, Proposer
+from duospec.draft_worker.proposer import DraftState, FeatureStore, Proposer
 from duospec.engine.errors import SlotsExhausted
+from duospec.internal.features_wire import features_from_proto
 from duospec.internal.sampling_wire import sampling_from_proto
 from duospec.internal.v1 import pearl_pb2 as pb
 
@@ -51,6 +52,11 @@ class Drafter:
                 self._verified(seq, cmd.committed_len)
         elif kind == pb.DRAFT_COMMAND_KIND_RELEASE:
             self.release(cmd.seq_id)
+        elif kind == pb.DRAFT_COMMAND_KIND_FEATURES:
+            seq = self.sequences.get(cmd.seq_id)
+            if seq is not None and seq.features is not None:  # verified positions: true in every epoch
+                seq.features.write(*features_from_proto(cmd.features))
+                seq.waiting = False
         else:
             raise ValueError(f"unknown draft command kind {kind}")
 
@@ -99,6 +105,7 @@ class Drafter:
             draft_until=cmd.draft_until,
             pool=cmd.pool,
             max_hedges=cmd.max_hedges,
+            features=FeatureStore() if self.proposer.method.reads_features else None,
         )
         try:
             self.proposer.open(seq)
@@ -139,7 +146,7 @@ class Drafter:
     # -- drafting -------------------------------------------------------------------------------
     @staticmethod
     def _may_draft(seq: DraftState) -> bool:
-        return not seq.exhausted and seq.next_pos < seq.draft_until
+        return not seq.exhausted and not seq.waiting and seq.next_pos < seq.draft_until
 
     @classmethod
     def _may_hedge(cls, seq: DraftState) -> bool:
@@ -173,6 +180,9 @@ class Drafter:
                                           budgets + [budget for _, _, budget in hedging])
         for seq, budget, proposal in zip(active, budgets, proposals):
             if proposal.prefilling:  # still reading its prompt: nothing to send, more work next step
+                continue
+            if proposal.waiting:  # asked again once the target's features for more positions arrive
+                seq.waiting = True
                 continue
             tokens = proposal.tokens[:budget]
             start = seq.next_pos

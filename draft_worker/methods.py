@@ -13,20 +13,41 @@ def build_proposer(spec: DraftSpec, target_path: str, *, device: str = "cpu", dt
         from duospec.draft_worker.ngram_proposer import NgramProposer
 
         return NgramProposer(spec.ngram)
-    from duospec.draft_worker.model_proposer import ModelProposer
+    if spec.method is DraftMethod.MEDUSA:
+        from duospec.draft_worker.medusa_proposer import MedusaProposer
+        from duospec.engine import resolve_dtype
+        from duospec.engine.heads import load_medusa
+        from duospec.engine.loader import _resolve_device
 
+        torch_device = _resolve_device(device)
+        return MedusaProposer(load_medusa(spec.path, target_path, device=torch_device,
+                                          dtype=resolve_dtype(dtype, torch_device)))
     if runner is None:
         runner = load_draft_runner(spec, target_path, device=device, dtype=dtype, max_slots=max_slots,
                                    max_context=max_context)
-    if prefill_chunk_tokens is None:
-        return ModelProposer(runner, spec.method)
-    return ModelProposer(runner, spec.method, prefill_chunk_tokens=prefill_chunk_tokens)
+    chunking = {} if prefill_chunk_tokens is None else {"prefill_chunk_tokens": prefill_chunk_tokens}
+    if spec.method is DraftMethod.EAGLE:
+        from duospec.draft_worker.eagle_proposer import EagleProposer
+
+        return EagleProposer(runner, **chunking)
+    from duospec.draft_worker.model_proposer import ModelProposer
+
+    return ModelProposer(runner, spec.method, **chunking)
 
 
 def load_draft_runner(spec: DraftSpec, target_path: str, **kwargs):
-    """The draft model of a `model` or `layers` spec (a fine-tuned shallow draft is a plain checkpoint)."""
+    """The draft model of a `model`, `layers` or `eagle` spec (a fine-tuned shallow draft is a plain
+    checkpoint; an EAGLE head also reads the target's embedding and LM head)."""
     from duospec.engine import load_model
 
+    if spec.method is DraftMethod.EAGLE:
+        from duospec.engine import resolve_dtype
+        from duospec.engine.heads import load_eagle
+        from duospec.engine.loader import _resolve_device
+
+        device = _resolve_device(kwargs.pop("device", "cpu"))
+        dtype = resolve_dtype(kwargs.pop("dtype", "auto"), device)
+        return load_eagle(spec.path, target_path, device=device, dtype=dtype, **kwargs)
     if spec.method is DraftMethod.LAYERS and spec.path is None:
         return load_model(target_path, num_layers=spec.layers, **kwargs)
     return load_model(spec.checkpoint(target_path), **kwargs)

@@ -8,6 +8,10 @@ is one file behind this contract (in the spirit of transformers' candidate gener
     model_proposer.py   a small draft model, or the target's own first K layers (one token per step)
     ngram_proposer.py   model-free: the longest suffix match in the sequence's own text and in the
                         same tenant's recent text (many tokens per step, no accelerator)
+    eagle_proposer.py   an EAGLE head on the target's hidden states (one token per step, runs ahead
+                        on its own predicted features)
+    medusa_proposer.py  Medusa heads on the target's hidden state (several tokens at once, then waits
+                        for the next verdict)
 
 Contract, per step (`propose`), for each sequence that may draft:
 
@@ -28,6 +32,11 @@ Lifecycle: `open` when a sequence starts (allocate a KV slot), `rewind` when a R
 ``tokens[length:]`` (drop cached state past it), `observe` when more of the sequence is verified
 (learn: the n-gram index grows), `close` when it is released (free the slot; give the verified text to
 the tenant's pool).
+
+Features (head drafters, `DraftMethod.reads_features`): the target's hidden states of verified
+positions arrive in FEATURES commands and the drafter keeps them in ``seq.features``; a proposer that
+cannot propose before some arrive answers ``Proposal(waiting=True)`` and is asked again after the
+next FEATURES command for that sequence.
 
 Hedges (the speculation cache, DESIGN.md §3b; draft_worker/hedges.py): a proposer that can `branch`
 gives a hypothetical sequence — the parent's tokens before a position, then another token there —
@@ -56,10 +65,18 @@ class DraftMethod(str, enum.Enum):
     MODEL = "model"  # a separate small checkpoint with the target's tokenizer
     LAYERS = "layers"  # the target's first K layers + its final norm and LM head (self-speculation)
     NGRAM = "ngram"  # model-free: suffix matches in the sequence's and the tenant's recent text
+    EAGLE = "eagle"  # an EAGLE head (duospec train-heads) on the target's hidden states
+    MEDUSA = "medusa"  # Medusa heads (duospec train-heads) on the target's hidden states
 
     @property
     def needs_model(self) -> bool:
-        return self is not DraftMethod.NGRAM
+        """Whether the draft worker holds a ModelRunner (and so asks for an accelerator)."""
+        return self in (DraftMethod.MODEL, DraftMethod.LAYERS, DraftMethod.EAGLE)
+
+    @property
+    def reads_features(self) -> bool:
+        """Drafts from the target's hidden states (the target sends them with each verdict)."""
+        return self in (DraftMethod.EAGLE, DraftMethod.MEDUSA)
 
 
 POOL_SCOPES = ("tenant", "sequence")
@@ -90,8 +107,8 @@ class DraftSpec:
     ngram: NgramOptions = field(default_factory=NgramOptions)
 
     def checkpoint(self, target_path: str) -> str | None:
-        """The checkpoint the draft worker loads (None: no model)."""
-        if self.method is DraftMethod.MODEL:
+        """The checkpoint the draft worker loads (None: no model); a head's directory for eagle/medusa."""
+        if self.method in (DraftMethod.MODEL, DraftMethod.EAGLE, DraftMethod.MEDUSA):
             return self.path
         if self.method is DraftMethod.LAYERS:
             return self.path or target_path
@@ -100,8 +117,8 @@ class DraftSpec:
     def describe(self) -> str:
         if self.method is DraftMethod.LAYERS:
             return f"layers:{self.layers}" + (f" ({self.path})" if self.path else "")
-        if self.method is DraftMethod.MODEL:
-            return f"model ({self.path})"
+        if self.method in (DraftMethod.MODEL, DraftMethod.EAGLE, DraftMethod.MEDUSA):
+            return f"{self.method.value} ({self.path})"
         return f"ngram ({self.ngram.min_ngram}-{self.ngram.max_ngram}, pool {self.ngram.pool})"
 
 
@@ -124,11 +141,53 @@ class DraftState:
     max_hedges: int = 0  # hedges this sequence may hold (the coordinator's speculation cache setting)
     # pos -> the proposer's next-best tokens at pos (Proposal.alternatives), for positions it drafted
     alternatives: dict[int, list[int]] = field(default_factory=dict)
+    features: FeatureStore | None = None  # head drafters: the target's hidden states (shared with hedges)
+    waiting: bool = False  # the proposer waits for features: not asked again before the next FEATURES
 
     @property
     def next_pos(self) -> int:
         """The position the next drafted token will occupy."""
         return len(self.tokens)
+
+
+class FeatureStore:
+    """The target's hidden states of one sequence's verified positions, [0, known) contiguous."""
+
+    def __init__(self):
+        self.rows = None  # torch [capacity, hidden] float32
+        self.known = 0
+        self.broken = False  # a gap arrived (e.g. the drafter restarted mid-sequence): never complete
+
+    def write(self, start: int, rows) -> None:
+        import torch
+
+        if start > self.known:
+            self.broken = True
+            return
+        end = start + rows.shape[0]
+        if self.rows is None or self.rows.shape[0] < end:
+            grown = torch.zeros(max(end, 2 * (0 if self.rows is None else self.rows.shape[0]), 64), rows.shape[1])
+            if self.rows is not None:
+                grown[: self.known] = self.rows[: self.known]
+            self.rows = grown
+        self.rows[start:end] = rows
+        self.known = max(self.known, end)
+
+    def truncate(self, length: int) -> None:
+        self.known = min(self.known, length)
+
+    def prefix(self, length: int) -> FeatureStore:
+        """A copy holding rows [0, length)."""
+        copy = FeatureStore()
+        length = min(length, self.known)
+        if length:
+            copy.write(0, self.rows[:length].clone())
+        return copy
+
+
+class DraftDeclined(Exception):
+    """A proposer does not draft this sequence (e.g. a method without a sampling rule for it); the
+    sequence goes on target-only."""
 
 
 @dataclass
@@ -143,6 +202,8 @@ class Proposal:
     alternatives: list[list[int]] = field(default_factory=list)
     # True (with no tokens): the proposer is still reading a long prompt, a chunk per step; ask again
     prefilling: bool = False
+    # True (with no tokens): nothing until the target's features for more positions arrive
+    waiting: bool = False
 
 
 class Proposer(abc.ABC):

@@ -17,6 +17,7 @@ from typing import Callable
 import grpc
 
 from duospec.draft_worker.drafter import Drafter
+from duospec.draft_worker.proposer import DraftDeclined
 from duospec.engine import SlotsExhausted
 from duospec.internal.v1 import pearl_pb2 as pb
 from duospec.internal.v1 import pearl_pb2_grpc as pb_grpc
@@ -59,6 +60,9 @@ class DraftLoop:
                 self.drafter.apply(cmd)
             except SlotsExhausted as exc:
                 log.warning("draft sequence %d dropped: %s", cmd.seq_id, exc)
+                failed.append(cmd.seq_id)
+            except DraftDeclined as exc:
+                log.debug("draft sequence %d goes target-only: %s", cmd.seq_id, exc)
                 failed.append(cmd.seq_id)
             except Exception:  # a bad command drops its sequence, never the loop
                 log.exception("draft command for sequence %d failed", cmd.seq_id)

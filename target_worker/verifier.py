@@ -9,6 +9,10 @@ A greedy item may carry a token tree (`draft_parents`): the drafts go in as one 
 the verdict is the longest accepted path (`duospec.verify.verify_tree`), and `keep_path` moves that
 path's keys and values to their positions. A backend without trees verifies the tree's main chain
 (the leading drafts that form a chain): a shorter verdict, never a wrong one.
+
+An item that asks for `features` (its drafter is an EAGLE or Medusa head) gets the final hidden
+states of its committed positions with the verdict: the context's and the accepted drafts', never a
+rejected draft's.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import time
 import torch
 
 from duospec.engine import ModelRunner, SlotChunk, SlotsExhausted
+from duospec.internal.features_wire import features_to_proto
 from duospec.internal.sampling_wire import sampling_from_proto
 from duospec.internal.v1 import pearl_pb2 as pb
 from duospec.qcodec import DraftProbs
@@ -65,8 +70,12 @@ class Verifier:
             chunks.append(SlotChunk(self.slots[item.seq_id], item.start_pos, [*item.context, *item.draft_tokens],
                                     _chunk_parents(item)))
         if chunks:
+            hidden = None
             try:
-                logits = self.runner.forward(chunks)
+                if any(item.features for item in items) and self.runner.supports_hidden:
+                    logits, hidden = self.runner.forward_with_hidden(chunks)
+                else:
+                    logits = self.runner.forward(chunks)
             except Exception as exc:  # a broken batch must not take the worker down: report, go on
                 for item in items:
                     self.release(item.seq_id)
@@ -74,9 +83,9 @@ class Verifier:
                 items = []
             else:
                 self.forwards += 1
-            for item, item_logits in zip(items, logits if items else []):
+            for i, (item, item_logits) in enumerate(zip(items, logits if items else [])):
                 try:
-                    out.verdicts.append(self._verdict(item, item_logits))
+                    out.verdicts.append(self._verdict(item, item_logits, hidden[i] if hidden is not None else None))
                 except Exception as exc:
                     self.release(item.seq_id)
                     out.errors.append(_error(item, pb.VERIFY_ERROR_KIND_BAD_REQUEST, f"verify failed: {exc}"))
@@ -121,7 +130,7 @@ class Verifier:
             return _error(item, pb.VERIFY_ERROR_KIND_BAD_REQUEST, "start_pos is past the cached prefix")
         return None
 
-    def _verdict(self, item: pb.VerifyItem, logits) -> pb.Verdict:
+    def _verdict(self, item: pb.VerifyItem, logits, hidden=None) -> pb.Verdict:
         n_ctx, k = len(item.context), len(item.draft_tokens)
         params = sampling_from_proto(item.sampling)
         probs = [DraftProbs.from_bytes(b) for b in item.draft_probs] if item.draft_probs else None
@@ -151,8 +160,11 @@ class Verifier:
             next_token=result.next_token if result.next_token is not None else 0,
             path=path,
         )
+        accepted = list(path) if item.draft_parents else list(range(result.n_accepted))
+        if item.features and hidden is not None:
+            rows = [*range(n_ctx), *(n_ctx + i for i in accepted)]
+            verdict.features.CopyFrom(features_to_proto(item.start_pos, hidden[rows]))
         if item.logprobs:
-            accepted = list(path) if item.draft_parents else list(range(result.n_accepted))
             tokens = [item.draft_tokens[i] for i in accepted]
             if result.next_token is not None:
                 tokens.append(result.next_token)

@@ -1,4 +1,5 @@
-"""`duospec train-tiny` (the bundled pair) and `duospec distill` (a draft for any Llama-family target)."""
+"""`duospec train-tiny` (the bundled pair), `duospec distill` (a draft for any Llama-family target) and
+`duospec train-heads` (an EAGLE or Medusa head for one)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def register(subparsers) -> None:
     tiny.set_defaults(func=_train_tiny)
 
     _register_distill(subparsers)
+    _register_heads(subparsers)
 
 
 def _train_tiny(args: argparse.Namespace) -> int:
@@ -88,6 +90,51 @@ def _distill(args: argparse.Namespace) -> int:
         print(f"duospec distill: {err}", file=sys.stderr)
         return 2
     print(f"draft written to {result}")
+    return 0
+
+
+def _register_heads(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "train-heads",
+        help="train an EAGLE or Medusa draft head on a Llama-family target's hidden states",
+        description="Train a draft head (EAGLE: one decoder layer over the target's features; Medusa: "
+                    "residual heads predicting tokens t+2, t+3, ...) for a frozen target on text files. "
+                    "Serve it as {method: eagle|medusa, path: OUT}. Rerunning with the same --out resumes.",
+    )
+    parser.add_argument("--target", type=Path, required=True, help="target checkpoint directory")
+    parser.add_argument("--method", choices=["eagle", "medusa"], required=True)
+    parser.add_argument("--data", nargs="+", required=True, metavar="PATH",
+                        help="text files or directories; 'stdlib' = the training split of the Python standard "
+                             "library (the bundled models' corpus)")
+    parser.add_argument("--out", type=Path, required=True, help="head directory to write")
+    budget = parser.add_argument_group("budget (one or both; the first reached ends the run)")
+    budget.add_argument("--steps", type=int, help="optimizer steps")
+    budget.add_argument("--minutes", type=float, help="minutes of training")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    parser.add_argument("--medusa-heads", type=int, default=4, help="Medusa heads: tokens t+2 .. (default 4)")
+    parser.add_argument("--eval-prompts", type=int, default=24, help="held-out prompts for the acceptance figure")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
+                        help="continue from OUT's checkpoint if it belongs to the same run (default)")
+    parser.set_defaults(func=_train_heads)
+
+
+def _train_heads(args: argparse.Namespace) -> int:
+    from duospec.training.heads import HeadOptions, HeadTrainingError, train_heads
+
+    options = HeadOptions(target=args.target, method=args.method, data=tuple(str(p) for p in args.data),
+                          out=args.out, steps=args.steps, minutes=args.minutes, batch_size=args.batch_size,
+                          seq_len=args.seq_len, lr=args.lr, medusa_heads=args.medusa_heads, device=args.device,
+                          seed=args.seed, resume=args.resume, eval_prompts=args.eval_prompts)
+    try:
+        result = train_heads(options)
+    except HeadTrainingError as err:
+        print(f"duospec train-heads: {err}", file=sys.stderr)
+        return 2
+    print(f"head written to {result}")
     return 0
 
 

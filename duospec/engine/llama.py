@@ -189,6 +189,7 @@ class _Batch:
 class LeanLlamaRunner(ModelRunner):
     backend = "lean"
     supports_trees = True
+    supports_hidden = True
 
     def __init__(self, config, state_dict: dict[str, torch.Tensor], *, device: torch.device,
                  dtype: torch.dtype, max_slots: int, max_context: int) -> None:
@@ -275,25 +276,45 @@ class LeanLlamaRunner(ModelRunner):
     # ---- forward -----------------------------------------------------------------------------
 
     def _forward(self, chunks: Sequence[SlotChunk], *, last_only: bool, to_cpu: bool):
+        logits, _ = self._run(chunks, last_only=last_only, to_cpu=to_cpu)
+        return logits
+
+    def forward_with_hidden(self, chunks: Sequence[SlotChunk]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        self._validate(chunks)
+        return self._run(chunks, last_only=False, to_cpu=True, hidden=True)
+
+    def _inputs(self, batch: _Batch, features: torch.Tensor | None) -> torch.Tensor:
+        """[N, hidden] the first layer's input rows (the EAGLE head mixes in features here)."""
+        return F.embedding(batch.tokens, self.embed)
+
+    def _run(self, chunks: Sequence[SlotChunk], *, last_only: bool, to_cpu: bool, hidden: bool = False,
+             features: torch.Tensor | None = None, all_hidden: bool = False):
+        """(logits, hidden states or None): logits as `forward`/`forward_last` return them; with
+        `hidden`, the final-norm outputs of the same rows (what the LM head reads), float32, CPU;
+        with `all_hidden` (and last_only), those of every row, flat [N, hidden]."""
         with torch.inference_mode():
             batch = self._prepare(chunks)
-            h = F.embedding(batch.tokens, self.embed)  # [N, hidden]
+            h = self._inputs(batch, features)  # [N, hidden]
             cos = self.cos[batch.positions].unsqueeze(1)  # [N, 1, head_dim]
             sin = self.sin[batch.positions].unsqueeze(1)
             for layer in self.layers:
                 h = self._attention(layer, h, cos, sin, batch)
                 h = self._mlp(layer, h)
+            every = self._norm(h, self.final_norm) if all_hidden else None
             if last_only:
                 h = h[batch.last_rows]
-            h = self._norm(h, self.final_norm)
+            h = self._norm(h, self.final_norm) if every is None else every[batch.last_rows]
         # The LM head runs outside inference mode so the logits are ordinary tensors: callers
         # (temperature, top-k) may modify them in place without a copy.
         with torch.no_grad():
             logits = self.lm_head(h).float()
             if to_cpu:
                 logits = logits.cpu()
+            states = (every if every is not None else h).float().cpu() if hidden else None
         self._commit_lengths(chunks)
-        return logits if last_only else list(logits.split(batch.sizes))
+        if last_only:
+            return logits, states
+        return list(logits.split(batch.sizes)), list(states.split(batch.sizes)) if hidden else None
 
     def _prepare(self, chunks: Sequence[SlotChunk]) -> _Batch:
         sizes = [len(c.token_ids) for c in chunks]

@@ -68,6 +68,7 @@ class ModelRunner(abc.ABC):
     dtype: torch.dtype
     backend: str
     supports_trees: bool = False  # chunks with `parents` and keep_path (the lean and replay backends)
+    supports_hidden: bool = False  # forward_with_hidden (the lean backend)
 
     def __init__(self, max_slots: int, max_context: int) -> None:
         if max_slots < 1:
@@ -174,6 +175,12 @@ class ModelRunner(abc.ABC):
         Cheaper (the LM head runs on one row per chunk); the drafter's hot path."""
         self._validate(chunks)
         return self._forward(chunks, last_only=True, to_cpu=to_cpu)
+
+    def forward_with_hidden(self, chunks: Sequence[SlotChunk]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Like ``forward`` (logits on the CPU), plus per chunk the final hidden states
+        ``[n_tokens, hidden_size]`` float32: the rows the LM head reads (after the final norm). The
+        target sends these to head drafters (EAGLE, Medusa)."""
+        raise NotImplementedError(f"the {self.backend} backend does not return hidden states")
 
     @abc.abstractmethod
     def _forward(self, chunks: Sequence[SlotChunk], *, last_only: bool, to_cpu: bool):

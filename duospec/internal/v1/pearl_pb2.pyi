@@ -14,6 +14,7 @@ class DraftCommandKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DRAFT_COMMAND_KIND_RESET: _ClassVar[DraftCommandKind]
     DRAFT_COMMAND_KIND_ADVANCE: _ClassVar[DraftCommandKind]
     DRAFT_COMMAND_KIND_RELEASE: _ClassVar[DraftCommandKind]
+    DRAFT_COMMAND_KIND_FEATURES: _ClassVar[DraftCommandKind]
 
 class DraftOutlook(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -45,6 +46,7 @@ DRAFT_COMMAND_KIND_START: DraftCommandKind
 DRAFT_COMMAND_KIND_RESET: DraftCommandKind
 DRAFT_COMMAND_KIND_ADVANCE: DraftCommandKind
 DRAFT_COMMAND_KIND_RELEASE: DraftCommandKind
+DRAFT_COMMAND_KIND_FEATURES: DraftCommandKind
 DRAFT_OUTLOOK_UNSPECIFIED: DraftOutlook
 DRAFT_OUTLOOK_MORE: DraftOutlook
 DRAFT_OUTLOOK_EXHAUSTED: DraftOutlook
@@ -73,7 +75,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class DraftCommand(_message.Message):
-    __slots__ = ("seq_id", "epoch", "kind", "start_pos", "tail", "draft_until", "sampling", "pool", "committed_len", "max_hedges", "adopt")
+    __slots__ = ("seq_id", "epoch", "kind", "start_pos", "tail", "draft_until", "sampling", "pool", "committed_len", "max_hedges", "adopt", "features")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +87,7 @@ class DraftCommand(_message.Message):
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     MAX_HEDGES_FIELD_NUMBER: _ClassVar[int]
     ADOPT_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     epoch: int
     kind: DraftCommandKind
@@ -96,7 +99,18 @@ class DraftCommand(_message.Message):
     committed_len: int
     max_hedges: int
     adopt: HedgeKey
-    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., kind: _Optional[_Union[DraftCommandKind, str]] = ..., start_pos: _Optional[int] = ..., tail: _Optional[_Iterable[int]] = ..., draft_until: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., pool: _Optional[str] = ..., committed_len: _Optional[int] = ..., max_hedges: _Optional[int] = ..., adopt: _Optional[_Union[HedgeKey, _Mapping]] = ...) -> None: ...
+    features: Features
+    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., kind: _Optional[_Union[DraftCommandKind, str]] = ..., start_pos: _Optional[int] = ..., tail: _Optional[_Iterable[int]] = ..., draft_until: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., pool: _Optional[str] = ..., committed_len: _Optional[int] = ..., max_hedges: _Optional[int] = ..., adopt: _Optional[_Union[HedgeKey, _Mapping]] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
+
+class Features(_message.Message):
+    __slots__ = ("start_pos", "hidden_size", "fp16")
+    START_POS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FP16_FIELD_NUMBER: _ClassVar[int]
+    start_pos: int
+    hidden_size: int
+    fp16: bytes
+    def __init__(self, start_pos: _Optional[int] = ..., hidden_size: _Optional[int] = ..., fp16: _Optional[bytes] = ...) -> None: ...
 
 class HedgeKey(_message.Message):
     __slots__ = ("pos", "token")
@@ -145,7 +159,7 @@ class DraftChunkBatch(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[DraftChunk, _Mapping]]] = ..., busy_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., failed_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
-    __slots__ = ("seq_id", "epoch", "start_pos", "context", "draft_tokens", "draft_probs", "sampling", "bonus", "draft_parents", "logprobs", "top_logprobs")
+    __slots__ = ("seq_id", "epoch", "start_pos", "context", "draft_tokens", "draft_probs", "sampling", "bonus", "draft_parents", "logprobs", "top_logprobs", "features")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +171,7 @@ class VerifyItem(_message.Message):
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     epoch: int
     start_pos: int
@@ -168,7 +183,8 @@ class VerifyItem(_message.Message):
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
     logprobs: bool
     top_logprobs: int
-    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., start_pos: _Optional[int] = ..., context: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[bytes]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., bonus: _Optional[_Union[BonusPolicy, str]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    features: bool
+    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., start_pos: _Optional[int] = ..., context: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[bytes]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., bonus: _Optional[_Union[BonusPolicy, str]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., features: _Optional[bool] = ...) -> None: ...
 
 class VerifyBatch(_message.Message):
     __slots__ = ("batch_id", "items", "release_seq_ids")
@@ -181,7 +197,7 @@ class VerifyBatch(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("seq_id", "epoch", "n_accepted", "kind", "next_token", "path", "logprobs")
+    __slots__ = ("seq_id", "epoch", "n_accepted", "kind", "next_token", "path", "logprobs", "features")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     N_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +205,7 @@ class Verdict(_message.Message):
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     epoch: int
     n_accepted: int
@@ -196,7 +213,8 @@ class Verdict(_message.Message):
     next_token: int
     path: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., n_accepted: _Optional[int] = ..., kind: _Optional[_Union[NextTokenKind, str]] = ..., next_token: _Optional[int] = ..., path: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    features: Features
+    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., n_accepted: _Optional[int] = ..., kind: _Optional[_Union[NextTokenKind, str]] = ..., next_token: _Optional[int] = ..., path: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_ids", "top_logprobs")

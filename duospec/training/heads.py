@@ -1,0 +1,338 @@
+"""`duospec train-heads`: an EAGLE or Medusa head for a Llama-family target, trained on text files.
+
+The target is frozen; every step runs it once over a batch of windows (its final hidden states are
+the features, its logits the teacher) and trains only the head:
+
+- EAGLE: row j reads fc([embed(t[j]); f[j-1]]) and predicts f[j]. Loss = smooth-L1(g, f) +
+  `KL_WEIGHT` · KL(p_target || LM(g)), twice: once from the target's features, once from the head's
+  own (detached) predictions one row back — the head drafts on its own features past the last
+  verified position, so it is trained to (a cheap form of EAGLE-3's "training-time test").
+- Medusa: head i on f[j] predicts token j+1+i; loss = Σ_i KL(p_target(row j+i) || LM(head_i(f[j]))).
+
+Layout of `--out`: `head.json` + `model.safetensors` (duospec/engine/heads.py), and `.train-heads/`
+with `run.json`, `checkpoint.pt`, the token cache and `log.txt`. Rerunning the same command resumes.
+At the end the held-out mean accepted length (greedy, draft length 4, exact simulation against the
+target's greedy continuation) is measured, printed and written to the model card in `head.json`.
+
+`--data stdlib` means the training split of the Python standard library (duospec/training/corpus.py),
+the bundled models' corpus; the acceptance is then measured on its held-out files.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from duospec.training.data import DataError, collect_text_files
+
+STATE_DIR = ".train-heads"
+STDLIB = "stdlib"
+KL_WEIGHT = 0.5
+FEATURE_WEIGHT = 1.0
+
+
+class HeadTrainingError(ValueError):
+    """Bad input to `duospec train-heads`; the message names the option and the fix."""
+
+
+@dataclass(frozen=True)
+class HeadOptions:
+    target: Path
+    method: str
+    data: tuple[str, ...]
+    out: Path
+    steps: int | None = None
+    minutes: float | None = None
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 1e-3
+    medusa_heads: int = 4
+    device: str = "auto"
+    seed: int = 0
+    resume: bool = True
+    eval_prompts: int = 24
+
+    def validate(self) -> None:
+        if self.method not in ("eagle", "medusa"):
+            raise HeadTrainingError(f"--method must be eagle or medusa, got {self.method!r}")
+        if self.steps is None and self.minutes is None:
+            raise HeadTrainingError("give a budget: --steps N or --minutes M")
+        for name in ("steps", "minutes"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise HeadTrainingError(f"--{name} must be positive, got {value}")
+        for name in ("batch_size", "seq_len", "medusa_heads"):
+            if getattr(self, name) < 1:
+                raise HeadTrainingError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise HeadTrainingError(f"--lr must be positive, got {self.lr}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise HeadTrainingError(f"--device must be auto, cpu or cuda, got {self.device!r}")
+
+
+class EagleTrainHead(torch.nn.Module):
+    """The EAGLE head for training (transformers' Llama layer); exported under the names the lean
+    engine's EagleRunner loads (`fc.weight`, `model.layers.0.*`, `model.norm.weight`)."""
+
+    def __init__(self, layer_config):
+        from transformers import LlamaModel
+
+        super().__init__()
+        hidden = layer_config.hidden_size
+        config = type(layer_config).from_dict(layer_config.to_dict())
+        config.vocab_size = 1  # the embedding is the target's, passed in
+        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
+        self.model = LlamaModel(config)
+
+    def forward(self, embeds: torch.Tensor, prev_features: torch.Tensor) -> torch.Tensor:
+        """[B, T, H] embeddings of t[j] and features f[j-1] -> [B, T, H] predicted f[j]."""
+        x = self.fc(torch.cat([embeds, prev_features], dim=-1))
+        return self.model(inputs_embeds=x, use_cache=False).last_hidden_state
+
+    def export(self) -> dict[str, torch.Tensor]:
+        weights = {"fc.weight": self.fc.weight}
+        weights.update({f"model.{k}": v for k, v in self.model.state_dict().items() if not k.startswith("embed")})
+        return weights
+
+
+def _shift(features: torch.Tensor) -> torch.Tensor:
+    """f[j-1] for every row j (zeros at row 0)."""
+    return torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], dim=1)
+
+
+def _kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    vocab = student_logits.shape[-1]
+    log_q = F.log_softmax(student_logits.float().reshape(-1, vocab), dim=-1)
+    log_p = F.log_softmax(teacher_logits.float().reshape(-1, vocab), dim=-1)
+    return F.kl_div(log_q, log_p, log_target=True, reduction="batchmean")
+
+
+class _HeadObjective:
+    """Shared by both heads: the frozen target's features and logits for a batch."""
+
+    def __init__(self, target, head, device):
+        self.target, self.head, self.device = target, head, device
+        self.target.eval()
+        self.target.requires_grad_(False)
+
+    def trainable(self) -> dict:
+        return {"head": self.head}
+
+    @torch.no_grad()
+    def _teacher(self, batch):
+        inputs = batch[:, :-1].to(self.device)
+        features = self.target.model(input_ids=inputs, use_cache=False).last_hidden_state
+        return inputs, features, self.target.lm_head(features)
+
+    def lm(self, hidden):
+        return self.target.lm_head(hidden)
+
+    @torch.no_grad()
+    def evaluate(self, batches) -> dict:
+        self.head.eval()
+        sums: dict[str, float] = {}
+        for batch in batches:
+            _, metrics = self.loss(batch)
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + v
+        self.head.train()
+        return {k: v / max(len(batches), 1) for k, v in sums.items()}
+
+
+class EagleObjective(_HeadObjective):
+    def loss(self, batch):
+        inputs, features, teacher = self._teacher(batch)
+        embeds = self.target.model.embed_tokens(inputs)
+        total, metrics, prev = 0.0, {}, _shift(features)
+        for depth in (1, 2):
+            predicted = self.head(embeds, prev)
+            logits = self.lm(predicted)
+            feature_loss = F.smooth_l1_loss(predicted.float(), features.float())
+            kl = _kl(logits, teacher)
+            total = total + FEATURE_WEIGHT * feature_loss + KL_WEIGHT * kl
+            agree = (logits.argmax(-1) == teacher.argmax(-1)).float().mean()
+            metrics[f"kl{depth}"], metrics[f"agree{depth}"] = kl.item(), agree.item()
+            prev = _shift(predicted.detach())  # depth 2: the head's own features one row back
+        return total, metrics
+
+
+class MedusaObjective(_HeadObjective):
+    def loss(self, batch):
+        _, features, teacher = self._teacher(batch)
+        hidden = self.head(features)  # [K, B, T, H]
+        total, metrics = 0.0, {}
+        for i in range(hidden.shape[0]):
+            shift = i + 1  # head i+1 at row j predicts the token the target predicts at row j + i + 1
+            if shift >= features.shape[1]:
+                break
+            logits = self.lm(hidden[i][:, :-shift])
+            target_logits = teacher[:, shift:]
+            total = total + _kl(logits, target_logits)
+            metrics[f"agree{i + 1}"] = (logits.argmax(-1) == target_logits.argmax(-1)).float().mean().item()
+        return total, metrics
+
+
+# ---- exact greedy acceptance -----------------------------------------------------------------
+
+
+@torch.no_grad()
+def measure_head(target, head, method: str, prompts: list[list[int]], new_tokens: int,
+                 draft_len: int = 4) -> tuple[float, int]:
+    """(mean accepted length, rounds): greedy speculation with the head against the target's greedy
+    continuation, simulated exactly — each round starts after the committed text, the head drafts
+    `draft_len` tokens (EAGLE on the target's features of the verified positions, then its own),
+    the round commits the matching prefix plus one token."""
+    from duospec.training.acceptance import greedy_continuation
+
+    rounds = committed = 0
+    for prompt in prompts:
+        continuation = greedy_continuation(target, prompt, new_tokens)
+        sequence = torch.tensor([prompt + continuation])
+        features = target.model(input_ids=sequence, use_cache=False).last_hidden_state  # [1, L, H]
+        c = len(prompt) + 1  # the first generated token comes from the prefill
+        end = len(prompt) + len(continuation)
+        while c < end:
+            drafts = _draft(target, head, method, sequence, features, c, draft_len)
+            accepted = 0
+            while accepted < len(drafts) and c + accepted < end and drafts[accepted] == sequence[0, c + accepted]:
+                accepted += 1
+            step = min(accepted + 1, end - c)
+            rounds, committed, c = rounds + 1, committed + step, c + step
+    return committed / max(rounds, 1), rounds
+
+
+def _draft(target, head, method, sequence, features, c: int, draft_len: int) -> list[int]:
+    """Drafts for positions c, c+1, ... given tokens[:c] and the features of positions < c - 1
+    (row j reads f[j - 1], so rows 0 .. c - 1 read true features)."""
+    if method == "medusa":
+        hidden = head(features[0, c - 2])  # [K, H]: head i predicts position c - 1 + i
+        return target.lm_head(hidden).argmax(-1).tolist()[:draft_len]
+    tokens = sequence[0, :c].tolist()
+    prev = _shift(features[:, :c])
+    drafts = []
+    embed = target.model.embed_tokens
+    for _ in range(draft_len):
+        n = len(tokens)
+        rows = torch.tensor([tokens])
+        if prev.shape[1] < n:  # the newest row reads the head's own prediction of the previous row
+            prev = torch.cat([prev, predicted[:, -1:]], dim=1)
+        predicted = head(embed(rows), prev)
+        token = int(target.lm_head(predicted[0, -1]).argmax())
+        drafts.append(token)
+        tokens.append(token)
+    return drafts
+
+
+# ---- the command ------------------------------------------------------------------------------
+
+
+def _files(options: HeadOptions) -> list[Path]:
+    if list(options.data) == [STDLIB]:
+        from duospec.training import corpus
+
+        train, _ = corpus.split_files(corpus.stdlib_files())
+        return [f.path for f in train]
+    try:
+        return collect_text_files(options.data)
+    except DataError as err:
+        raise HeadTrainingError(str(err)) from err
+
+
+def _eval_prompts(options: HeadOptions, tokenizer, heldout_tokens) -> list[list[int]]:
+    if list(options.data) == [STDLIB]:
+        from duospec.training.acceptance import heldout_prompts
+
+        return heldout_prompts(tokenizer, options.eval_prompts, 64)
+    step = max(len(heldout_tokens) // max(options.eval_prompts, 1), 65)
+    return [heldout_tokens[s: s + 64].tolist() for s in range(0, len(heldout_tokens) - 64, step)][: options.eval_prompts]
+
+
+def train_heads(options: HeadOptions) -> Path:
+    """Validate, train (or resume) the head, measure it, write it to `options.out`."""
+    from transformers import AutoModelForCausalLM
+
+    from duospec.engine.heads import MedusaHeads, eagle_layer_config, read_target_io, write_head
+    from duospec.training.distill import DistillError, _load_tokenizer, _resolve_device, _token_sources
+    from duospec.training.loop import Logger, LoopConfig, run_loop
+    from duospec.training.models import SUPPORTED_TARGET_TYPES
+
+    options.validate()
+    try:
+        io = read_target_io(options.target)
+    except Exception as err:
+        raise HeadTrainingError(f"--target {options.target}: {err}") from err
+    if io.config.model_type not in SUPPORTED_TARGET_TYPES:
+        raise HeadTrainingError(f"--target {options.target}: model_type {io.config.model_type!r}; heads are "
+                                f"trained for {sorted(SUPPORTED_TARGET_TYPES)}")
+    try:
+        tokenizer = _load_tokenizer(options.target)
+        device = _resolve_device(options.device)
+    except DistillError as err:
+        raise HeadTrainingError(str(err)) from err
+    files = _files(options)
+    identity = {"method": options.method, "target_fingerprint": io.fingerprint, "data": list(options.data),
+                "seq_len": options.seq_len, "batch_size": options.batch_size, "lr": options.lr,
+                "seed": options.seed, "medusa_heads": options.medusa_heads if options.method == "medusa" else 0}
+    state_dir = options.out / STATE_DIR
+    run_json = state_dir / "run.json"
+    if run_json.is_file():
+        saved = json.loads(run_json.read_text())
+        changed = sorted(k for k in identity if saved.get(k) != identity[k])
+        if changed:
+            raise HeadTrainingError(f"--out {options.out}: holds a run with different {', '.join(changed)}; "
+                                    "rerun with the same options to resume, or pass a new --out")
+        if not options.resume:
+            raise HeadTrainingError(f"--out {options.out}: already holds this run; drop --no-resume to continue it")
+    elif (options.out / "head.json").exists():
+        raise HeadTrainingError(f"--out {options.out}: holds a head this command did not start; pass a new --out")
+    state_dir.mkdir(parents=True, exist_ok=True)
+    run_json.write_text(json.dumps(identity, indent=2))
+    log = Logger(state_dir / "log.txt")
+
+    class _Opts:  # what _token_sources reads
+        seq_len, seed, batch_size = options.seq_len, options.seed, options.batch_size
+
+    try:
+        source, heldout = _token_sources(_Opts, files, tokenizer, io.config.vocab_size, state_dir)
+    except DistillError as err:
+        raise HeadTrainingError(str(err)) from err
+    log(f"data: {len(files)} files, {len(source.tokens)} training tokens")
+
+    target = AutoModelForCausalLM.from_pretrained(str(options.target), dtype=torch.float32).to(device)
+    torch.manual_seed(options.seed)
+    if options.method == "eagle":
+        head = EagleTrainHead(eagle_layer_config(io.config)).to(device)
+        objective = EagleObjective(target, head, device)
+    else:
+        head = MedusaHeads(io.config.hidden_size, options.medusa_heads).to(device)
+        objective = MedusaObjective(target, head, device)
+    log(f"{options.method} head: {sum(p.numel() for p in head.parameters()):,} params, device {device}")
+    cfg = LoopConfig(batch_size=options.batch_size, lr=options.lr, max_steps=options.steps,
+                     max_seconds=options.minutes * 60 if options.minutes else None,
+                     warmup_steps=50, seed=options.seed, eval_every_s=300.0, checkpoint_every_s=120.0)
+    started = time.time()
+    state = run_loop(objective, source, heldout, cfg, state_dir / "checkpoint.pt", log, phase=options.method)
+
+    head.eval()
+    heldout_tokens = source.tokens[-1:]  # placeholder, replaced below when the held-out tail exists
+    if heldout:
+        heldout_tokens = torch.cat([b[:, :-1].reshape(-1) for b in heldout]).numpy()
+    prompts = _eval_prompts(options, tokenizer, heldout_tokens)
+    mean_len, rounds = measure_head(target.cpu(), head.cpu(), options.method, prompts, new_tokens=64)
+    log(f"held-out mean accepted length (greedy, draft length 4, {len(prompts)} prompts, {rounds} rounds): "
+        f"{mean_len:.3f}")
+    card = {"params": sum(p.numel() for p in head.parameters()), "data": list(options.data),
+            "train_tokens": state.step * options.batch_size * options.seq_len, "steps": state.step,
+            "train_seconds": round(state.elapsed_s), "heldout_mean_accepted_length": round(mean_len, 3),
+            "heldout_prompts": len(prompts), "last_eval": state.last_eval, "options": {
+                k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()}}
+    weights = head.export() if options.method == "eagle" else head.state_dict()
+    write_head(options.out, options.method, io, weights,
+               medusa_heads=options.medusa_heads if options.method == "medusa" else 0, card=card)
+    log(f"head written to {options.out} ({time.time() - started:.0f}s this run)")
+    return options.out
