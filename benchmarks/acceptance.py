@@ -3,6 +3,11 @@ acceptance at draft length 4 on held-out stdlib files.
 
     .venv/bin/python benchmarks/acceptance.py                       # models/target + models/draft
     .venv/bin/python benchmarks/acceptance.py --record models/metrics.json
+    .venv/bin/python benchmarks/acceptance.py --heads models/eagle models/medusa --record models/metrics.json
+
+`--heads`: EAGLE / Medusa heads of the target (duospec train-heads), measured on the same prompts by
+exact simulation (duospec/training/heads.py `measure_head`: each round the head drafts on the target's
+features of the verified positions, then on its own) and reported next to the draft.
 
 Cost: median seconds of one single-token decode step (position 64, one thread, fp32) on duospec's
 engine (`duospec.engine.load_model`, `forward_last`). Acceptance: exact greedy simulation from
@@ -32,6 +37,7 @@ def _parse(argv):
     parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per prompt")
     parser.add_argument("--draft-len", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=300, help="timed decode steps per model")
+    parser.add_argument("--heads", type=Path, nargs="*", default=[], help="head directories to measure too")
     parser.add_argument("--record", type=Path, help="write the figures as JSON here")
     return parser.parse_args(argv)
 
@@ -48,6 +54,25 @@ def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: int, prompt_t
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     chosen = heldout_prompts(tokenizer, prompts, prompt_tokens)
     return measure_pair(target, draft, chosen, new_tokens, draft_len), len(chosen)
+
+
+def measure_head_dir(target_dir: Path, head_dir: Path, args) -> tuple[str, float, float]:
+    """(method, mean accepted length on the held-out prompts, on the regression set) of a head."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from duospec.training.acceptance import heldout_prompts
+    from duospec.training.heads import load_trained_head, measure_head
+
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    method, head = load_trained_head(head_dir, target_dir)
+    full, _ = measure_head(target, head, method, heldout_prompts(tokenizer, args.prompts, args.prompt_tokens),
+                           args.new_tokens, args.draft_len)
+    small, _ = measure_head(target, head, method,
+                            heldout_prompts(tokenizer, REGRESSION_SET["prompts"], REGRESSION_SET["prompt_tokens"]),
+                            REGRESSION_SET["new_tokens"], REGRESSION_SET["draft_len"])
+    return method, full, small
 
 
 def main(argv=None) -> int:
@@ -73,6 +98,13 @@ def main(argv=None) -> int:
                                        REGRESSION_SET["prompt_tokens"], REGRESSION_SET["new_tokens"],
                                        REGRESSION_SET["draft_len"])
     print(f"regression set {REGRESSION_SET}: mean accepted length {regression.mean_accepted_length:.3f}")
+    heads = {}
+    for head_dir in args.heads:
+        method, full, small = measure_head_dir(args.target, head_dir, args)
+        heads[method] = {"path": str(head_dir), "mean_accepted_length": round(full, 4),
+                         "regression_set": round(small, 4)}
+        print(f"{method} head {head_dir}: mean accepted length {full:.3f} on the same {n_prompts} prompts "
+              f"(draft {stats.mean_accepted_length:.3f}); regression set {small:.3f}")
     if args.record:
         record = {
             "decode_step_ms": {k: round(v * 1e3, 4) for k, v in step_s.items()},
@@ -83,6 +115,8 @@ def main(argv=None) -> int:
                         "agreement": round(stats.agreement, 4)},
             "regression_set": {**REGRESSION_SET, "mean_accepted_length": round(regression.mean_accepted_length, 4)},
         }
+        if heads:
+            record["heads"] = heads
         args.record.write_text(json.dumps(record, indent=2) + "\n")
         print(f"recorded to {args.record}")
     return 0

@@ -26,7 +26,7 @@ class DraftWorker(GrpcModelWorker):
         return load_draft_runner(self.spec, self.target_path, **kwargs)
 
     def _serve(self, server) -> None:
-        self.drafter = Drafter(build_proposer(self.spec, self.target_path, runner=self.runner,
+        self.drafter = Drafter(build_proposer(self.spec, self.target_path, runner=self.runner, device=str(self.device),
                                               prefill_chunk_tokens=self.prefill_chunk_tokens))
         pb_grpc.add_DraftServiceServicer_to_server(DraftServicer(self.drafter), server)
 

@@ -299,3 +299,32 @@ def test_train_heads_reports_bad_input(target_dir, tmp_path, capsys):
     assert main(["train-heads", "--target", str(tmp_path / "missing"), "--method", "eagle", "--data", "stdlib",
                  "--out", str(tmp_path / "o"), "--steps", "1"]) == 2
     assert "--target" in capsys.readouterr().err
+
+
+# -- through the Ray actors --------------------------------------------------------------------------
+@pytest.mark.ray
+def test_greedy_through_actors_with_head_drafters(ray_session, target_dir, hf_target, eagle_head, medusa_dir):
+    from duospec.coordinator.api import SpeculationMode
+    from duospec.coordinator.config import ModelConfig, SpeculationDefaults
+    from duospec.coordinator.pipeline import start_pipeline
+    from pipeline_support import BackgroundLoop, request, run_all
+
+    specs = _specs(eagle_head, medusa_dir)
+    configs = [ModelConfig(name=f"tiny-{m}", target=str(target_dir), draft=spec, device="cpu", dtype="float32",
+                           speculation=SpeculationDefaults(mode=SpeculationMode.PEARL, max_draft_tokens=4,
+                                                           max_lookahead=9, adaptive=False))
+               for m, spec in specs.items()]
+    loop = BackgroundLoop()
+    coordinator = start_pipeline(configs)
+    try:
+        for method in specs:
+            assert coordinator.pairs[f"tiny-{method}"].draft_info["draft_method"] == method
+            prompts = _prompts(8, seed=17)
+            for mode in ("pearl", "vanilla"):
+                results = loop.run(run_all(coordinator, [request(p, 48, mode, model=f"tiny-{method}") for p in prompts]))
+                for prompt, result in zip(prompts, results):
+                    assert_greedy_equal(hf_target, prompt, result.tokens, hf_greedy(hf_target, prompt, 48))
+                assert sum(r.stats.drafted_tokens for r in results) > 0
+    finally:
+        loop.run(coordinator.close())
+        loop.close()

@@ -10,6 +10,7 @@ sweep. The returned report is what report.py writes as JSON, Markdown and PNG.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import pathlib
 import platform
 import time
@@ -91,6 +92,10 @@ class BenchConfig:
         if any(c < 1 for c in self.concurrency):
             raise ValueError(f"--concurrency {list(self.concurrency)}: stream counts must be >= 1")
         roles = ("target", "draft") if spec.method.value == "model" else ("target",)
+        if spec.method.reads_features:
+            from duospec.engine.heads import read_head
+
+            read_head(self.draft, spec.method.value)  # a head directory (CheckpointError says what is wrong)
         for role in roles:
             if not (pathlib.Path(getattr(self, role)) / "config.json").is_file():
                 raise FileNotFoundError(f"--{role} {getattr(self, role)}: no checkpoint there (config.json); "
@@ -176,6 +181,9 @@ def run_bench(config: BenchConfig) -> dict:
     from transformers.utils import logging as hf_logging
 
     config.validate()
+    if config.draft_method in ("eagle", "medusa") and "hf-assisted" in config.modes:
+        # transformers' assisted generation takes a draft model, not a head on the target's features
+        config = dataclasses.replace(config, modes=[m for m in config.modes if m != "hf-assisted"])
     torch.set_num_threads(1)  # one thread per model: the draft and target threads each get one core
     hf_logging.disable_progress_bar()  # per-checkpoint "Loading weights" bars would break up ours
     if config.draft_method == RANDOM_DRAFT:
@@ -202,6 +210,10 @@ def run_bench(config: BenchConfig) -> dict:
     report = summarise(collected, prompts)
     report["setup"] = _setup(config, prompt_path, len(prompts), time.time() - started)
     report["setup"]["simulation"] = simulation
+    if config.draft_method in ("eagle", "medusa"):  # what the target's hidden states cost on the wire
+        from transformers import AutoConfig
+
+        report["setup"]["features_bytes_per_token"] = 2 * AutoConfig.from_pretrained(pair.target).hidden_size
     return report
 
 

@@ -123,7 +123,7 @@ class HFGenerate:
         spec = pair.draft_spec()
         self.prompt_lookup = spec.method is DraftMethod.NGRAM
         self.draft = None
-        if spec.method is not DraftMethod.NGRAM:
+        if spec.method is not DraftMethod.NGRAM and not spec.method.reads_features:
             kwargs = {}
             if spec.method is DraftMethod.LAYERS and spec.path is None:
                 kwargs["config"] = shallow_config(pair.target, AutoConfig.from_pretrained(pair.target), spec.layers)

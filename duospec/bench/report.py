@@ -76,7 +76,10 @@ def render_markdown(report: dict) -> str:
              f"{', ' + hw['gpu'] if hw['gpu'] else ''}, one torch thread per model.  ",
              f"Prompts: {setup['prompts']} from `{setup['prompts_file']}`; greedy, {cfg['max_new_tokens']} new "
              f"tokens each (EOS ignored), γ = {cfg['gamma']}, lookahead {cfg['max_lookahead']}, "
-             f"{cfg['repeats']} repeats, medians.", ""]
+             f"{cfg['repeats']} repeats, medians." + (
+                 f"  \nHead drafter: the target's hidden states travel at {setup['features_bytes_per_token']} bytes "
+                 "per committed token (fp16; `benchmarks/head_features.py` measures their cost per round)."
+                 if setup.get("features_bytes_per_token") else ""), ""]
     for path, block in report["paths"].items():
         lines += _mode_table(path, block)
     lines += _overhead_lines(report["overhead"]) + _sweep_lines(report["sweep"]) + _exactness_lines(report)

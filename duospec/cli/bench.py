@@ -33,7 +33,8 @@ def register(subparsers) -> None:
     p.add_argument("--draft-method", default="model", metavar="METHOD",
                    help="what drafts: model (the draft checkpoint, default), ngram (model-free: matches in the "
                         "prompt and output; no draft needed) or layers:K (the target's first K layers; with "
-                        "--draft DIR a fine-tuned shallow draft from `duospec distill --init-layers K`) or random "
+                        "--draft DIR a fine-tuned shallow draft from `duospec distill --init-layers K`), eagle or "
+                        "medusa (a head from `duospec train-heads`: --draft HEAD_DIR) or random "
                         "(the adversarial case: a random-weight draft of the --draft checkpoint's shape)")
     p.add_argument("--models-label", default="", help="what the models are, printed in the report")
     p.add_argument("--prompts", type=pathlib.Path, help="JSONL prompt set (default benchmarks/prompts/prompts.jsonl)")

@@ -228,6 +228,28 @@ def _draft(target, head, method, sequence, features, c: int, draft_len: int) -> 
     return drafts
 
 
+def load_trained_head(head_dir, target_dir) -> tuple[str, torch.nn.Module]:
+    """(method, the head as a training module in eval mode) from a head directory: what
+    `measure_head` runs (serving loads heads with duospec.engine.heads.load_eagle / load_medusa)."""
+    from safetensors.torch import load_file
+
+    from duospec.engine.heads import MedusaHeads, WEIGHTS_FILE, eagle_layer_config, read_head, read_target_io
+
+    info = read_head(head_dir)
+    weights = {k: v.float() for k, v in load_file(str(Path(head_dir) / WEIGHTS_FILE)).items()}
+    if info.method == "eagle":
+        head = EagleTrainHead(eagle_layer_config(read_target_io(target_dir).config))
+        head.fc.weight.data.copy_(weights.pop("fc.weight"))
+        missing, unexpected = head.model.load_state_dict({k[len("model."):]: v for k, v in weights.items()},
+                                                          strict=False)
+        if unexpected or [k for k in missing if not k.startswith("embed")]:
+            raise ValueError(f"{head_dir}: weights do not fit an EAGLE head ({missing}, {unexpected})")
+    else:
+        head = MedusaHeads(info.hidden_size, info.medusa_heads)
+        head.load_state_dict(weights)
+    return info.method, head.eval()
+
+
 # ---- the command ------------------------------------------------------------------------------
 
 

@@ -1,0 +1,116 @@
+"""Drafters side by side in one run: the bundled draft model next to the target's EAGLE and Medusa heads.
+
+    .venv/bin/python benchmarks/drafter_compare.py --limit-prompts 6 --repeats 3
+    .venv/bin/python benchmarks/drafter_compare.py --skip-server          # in-process only (no Ray)
+
+For each drafter a coordinator (in-process) or a Ray pipeline + gRPC server (server path) is open
+for the whole run, so every repeat runs `off`, then `vanilla` and `pearl` with each drafter, in
+turn, on the same prompts (greedy, EOS ignored): drift on a shared machine hits all of them alike.
+Prints per path and drafter the median tokens/s over repeats, × off, the mean accepted length
+(committed tokens per target forward) and whether the output equals `off`'s token for token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DRAFTERS = {"model": ("model", REPO / "models" / "draft"), "eagle": ("eagle", REPO / "models" / "eagle"),
+            "medusa": ("medusa", REPO / "models" / "medusa")}  # name -> (--draft-method, default directory)
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", type=Path, default=REPO / "models" / "target")
+    parser.add_argument("--drafters", nargs="+", choices=list(DRAFTERS), default=list(DRAFTERS))
+    for name, (_, default) in DRAFTERS.items():
+        parser.add_argument(f"--{name}", type=Path, default=default, help=f"the {name} drafter's directory")
+    parser.add_argument("--limit-prompts", type=int, default=6)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--modes", nargs="+", default=["vanilla", "pearl"], choices=["vanilla", "pearl"])
+    parser.add_argument("--skip-server", action="store_true")
+    return parser.parse_args(argv)
+
+
+def _summary(runs) -> tuple[float, float, list[list[int]]]:
+    """(median tokens/s, mean accepted length, the tokens of the first run) of one mode's repeats."""
+    rate = statistics.median(r.tokens_per_s for r in runs)
+    tokens = sum(r.tokens for r in runs)
+    forwards = sum(rec.target_forwards for r in runs for rec in r.records)
+    return rate, tokens / max(forwards, 1), [rec.token_ids for rec in runs[0].records]
+
+
+async def _measure(path: str, args, prompts) -> dict:
+    from duospec.bench.inprocess import BenchPair, open_local_coordinator, run_coordinator_mode
+    from duospec.bench.served import run_client_mode, served_pipeline
+
+    async with contextlib.AsyncExitStack() as stack:
+        handles = {}
+        for name in args.drafters:
+            method, draft = DRAFTERS[name][0], getattr(args, name)
+            pair = BenchPair(str(args.target), str(draft), "cpu", method)
+            if path == "in-process":
+                coordinator = open_local_coordinator(pair, args.gamma, 2 * args.gamma + 1)
+                stack.push_async_callback(coordinator.close)
+                handles[name] = coordinator
+            else:
+                handles[name] = await stack.enter_async_context(
+                    served_pipeline(pair, args.gamma, 2 * args.gamma + 1, None))
+
+        async def run(name, mode, subset, tokens):
+            if path == "in-process":
+                return await run_coordinator_mode(handles[name], subset, mode, tokens, args.gamma, path, mode)
+            return await run_client_mode(handles[name], subset, mode, tokens, args.gamma, lambda: None)
+
+        for name in args.drafters:  # warm-up, untimed
+            for mode in ("off", *args.modes):
+                await run(name, mode, prompts[:1], 8)
+        runs: dict[tuple[str, str], list] = {}
+        first = args.drafters[0]
+        for _ in range(args.repeats):
+            runs.setdefault(("off", "off"), []).append(await run(first, "off", prompts, args.max_new_tokens))
+            for name in args.drafters:
+                for mode in args.modes:
+                    runs.setdefault((name, mode), []).append(await run(name, mode, prompts, args.max_new_tokens))
+        return runs
+
+
+def main(argv=None) -> int:
+    import torch
+
+    from duospec.bench.inprocess import encode_prompts
+    from duospec.bench.prompts import DEFAULT_PROMPTS, load_prompts
+    from duospec.engine import load_tokenizer
+
+    args = _parse(argv)
+    for name in args.drafters:
+        if not getattr(args, name).exists():
+            print(f"{name}: {getattr(args, name)} does not exist", file=sys.stderr)
+            return 2
+    torch.set_num_threads(1)
+    prompts = encode_prompts(load_tokenizer(str(args.target)), load_prompts(DEFAULT_PROMPTS, args.limit_prompts), 256)
+    for path in ("in-process",) + (() if args.skip_server else ("server",)):
+        runs = asyncio.run(_measure(path, args, prompts))
+        off_rate, _, off_tokens = _summary(runs[("off", "off")])
+        print(f"\n{path}: {len(prompts)} prompts x {args.max_new_tokens} tokens, greedy, {args.repeats} repeats, "
+              f"medians; off {off_rate:.1f} tok/s")
+        print("| drafter | mode | tok/s | x off | mean accepted length | greedy = off |")
+        print("|---|---|---:|---:|---:|---|")
+        for (name, mode), group in runs.items():
+            if name == "off":
+                continue
+            rate, mean_len, tokens = _summary(group)
+            same = "yes" if tokens == off_tokens else "**NO**"
+            print(f"| {name} | {mode} | {rate:.1f} | {rate / off_rate:.2f} | {mean_len:.2f} | {same} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
