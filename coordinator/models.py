@@ -37,6 +37,9 @@ def check_pair(target_path: str, draft_path: str | None) -> None:
         )
 
 
+FEATURES_MESSAGE_BUDGET = 32 << 20  # bytes of hidden states per verdict batch; the streams allow 64 MB
+
+
 def model_info(model_config, max_context: int | None = None) -> ModelInfo:
     """The facts a request is validated against, read from the checkpoints' configs."""
     from transformers import AutoConfig
@@ -63,6 +66,13 @@ def model_info(model_config, max_context: int | None = None) -> ModelInfo:
         raise ModelPairError(f"draft: the {head.method} head {head.path} was trained for a target with hidden size "
                              f"{head.hidden_size} and vocabulary {head.vocab_size}; {target} has "
                              f"{target_cfg.hidden_size} and {target_cfg.vocab_size}")
+    if head is not None:  # a prefill chunk's hidden states travel in one verdict (and one drafter command)
+        chunk = int(getattr(model_config, "prefill_chunk_tokens", 512))
+        fits = FEATURES_MESSAGE_BUDGET // (2 * target_cfg.hidden_size)
+        if chunk > fits:
+            raise ModelPairError(f"models[].prefill_chunk_tokens {chunk}: with the {head.method} drafter a chunk's "
+                                 f"hidden states ({2 * target_cfg.hidden_size} bytes per token) must stay under "
+                                 f"{FEATURES_MESSAGE_BUDGET >> 20} MiB per message; use at most {fits}")
     if spec is not None and spec.layers is not None and spec.path is None:
         from duospec.engine.loader import shallow_config
 

@@ -87,7 +87,10 @@ class WorkerRecovery:
             busy = set(self.inflight.seq_ids) if self.inflight is not None else set()
             waiting = self._draft_up and self._target_up and any(
                 seq.finish_reason is None and seq.draft_alive and not seq.draft_paused and not seq.draft_exhausted
-                and not seq.drafts and seq.seq_id not in busy for seq in self.sequences.values())
+                and not seq.drafts and seq.seq_id not in busy
+                # a head drafter rightly waits for the prompt's features until the target has read it
+                and not (seq.needs_features and seq.target_len < len(seq.committed) - 1)
+                for seq in self.sequences.values())
             now = time.monotonic()
             if not waiting or waiting_since is None or self._draft_heard_t > waiting_since:
                 waiting_since = now if waiting else None

@@ -356,7 +356,7 @@ class Scheduler(WorkerRecovery, VerifyItems):
     def _ready(self, seq: Sequence) -> bool:
         if seq.uses_draft and (seq.draft_paused or seq.draft_exhausted or self._draft_limit(seq) == 0):
             return True  # backed off to target-only under load, or the drafter has nothing more for now
-        if seq.needs_features and seq.prefill_pending:
+        if seq.needs_features and seq.prefill_pending and not seq.drafts:
             return True  # a head drafts from the prompt's hidden states: the target reads it first
         return seq.policy.ready(len(seq.drafts), seq.remaining, seq.uses_draft, seq.prefill_pending)
 

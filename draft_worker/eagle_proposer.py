@@ -71,8 +71,11 @@ class EagleProposer(Proposer):
         source: _HeadState = parent.proposer_state
         shared = min(source.fed, len(child.tokens) - 1)
         self.runner.copy_prefix(source.slot, slot, shared)
+        # Only predictions past the verified positions are ever read again (earlier rows read the
+        # target's features), so the hedge copies the tail, not the whole history.
+        keep_from = max(0, parent.committed_len - 2)
         child.proposer_state = _HeadState(slot, shared, min(source.fed_true, shared), source.anchor,
-                                          source.pred.prefix(shared))
+                                          source.pred.tail(keep_from, shared))
         return True
 
     def close(self, seq: DraftState) -> None:
@@ -112,7 +115,7 @@ class EagleProposer(Proposer):
         rows = torch.zeros(stop - start, self.hidden_size)
         for j in range(max(start, 1), stop):
             source = seq.features if j - 1 < usable else state.pred
-            rows[j - start] = source.rows[j - 1]
+            rows[j - start] = source.row(j - 1)
         return rows
 
     def propose(self, seqs: list[DraftState], budgets: list[int]) -> list[Proposal]:

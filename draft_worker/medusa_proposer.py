@@ -37,7 +37,7 @@ class MedusaProposer(Proposer):
         ready = []
         for i, seq in enumerate(seqs):
             source = seq.next_pos - 2  # the feature whose LM head predicted the newest token
-            if seq.features.broken:
+            if seq.features.broken or source < 0:  # (a one-token prompt: the first verdict brings f[0])
                 proposals[i] = Proposal(exhausted=True)
             elif source >= seq.features.known:
                 # verified positions' features are on their way: wait; past them: the next verdict
@@ -45,7 +45,7 @@ class MedusaProposer(Proposer):
             else:
                 ready.append((i, source))
         if ready:
-            features = torch.stack([seqs[i].features.rows[source] for i, source in ready])
+            features = torch.stack([seqs[i].features.row(source) for i, source in ready])
             logits = self.model.logits(features)  # [heads, n, vocab]
             ranked = torch.topk(logits, min(ALTERNATIVES + 1, logits.shape[-1]), dim=-1).indices  # [heads, n, k]
             for row, (i, _) in enumerate(ready):

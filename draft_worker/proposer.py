@@ -151,37 +151,47 @@ class DraftState:
 
 
 class FeatureStore:
-    """The target's hidden states of one sequence's verified positions, [0, known) contiguous."""
+    """The target's hidden states of one sequence's verified positions, rows [0, known) contiguous
+    (stored fp16, as they travel; a hedge's copy keeps only the rows from `base` on)."""
 
     def __init__(self):
-        self.rows = None  # torch [capacity, hidden] float32
+        self.rows = None  # torch [capacity, hidden] float16; row j holds position base + j
+        self.base = 0
         self.known = 0
         self.broken = False  # a gap arrived (e.g. the drafter restarted mid-sequence): never complete
 
     def write(self, start: int, rows) -> None:
         import torch
 
-        if start > self.known:
+        if start > self.known or start < self.base:
             self.broken = True
             return
         end = start + rows.shape[0]
-        if self.rows is None or self.rows.shape[0] < end:
-            grown = torch.zeros(max(end, 2 * (0 if self.rows is None else self.rows.shape[0]), 64), rows.shape[1])
+        have = 0 if self.rows is None else self.rows.shape[0]
+        if have < end - self.base:
+            grown = torch.zeros(max(end - self.base, 2 * have, 64), rows.shape[1], dtype=torch.float16)
             if self.rows is not None:
-                grown[: self.known] = self.rows[: self.known]
+                grown[: self.known - self.base] = self.rows[: self.known - self.base]
             self.rows = grown
-        self.rows[start:end] = rows
+        self.rows[start - self.base: end - self.base] = rows
         self.known = max(self.known, end)
 
-    def truncate(self, length: int) -> None:
-        self.known = min(self.known, length)
+    def row(self, pos: int):
+        """[hidden] float32 of position `pos` (< known, >= base)."""
+        if not self.base <= pos < self.known:
+            raise IndexError(f"feature of position {pos} not held (rows {self.base}..{self.known - 1})")
+        return self.rows[pos - self.base].float()
 
-    def prefix(self, length: int) -> FeatureStore:
-        """A copy holding rows [0, length)."""
+    def truncate(self, length: int) -> None:
+        self.known = max(min(self.known, length), self.base)
+
+    def tail(self, start: int, length: int) -> FeatureStore:
+        """A copy holding rows [start, length) (what a hedge branching at `length` can still read)."""
         copy = FeatureStore()
-        length = min(length, self.known)
-        if length:
-            copy.write(0, self.rows[:length].clone())
+        start, length = max(start, self.base), min(length, self.known)
+        copy.base = copy.known = start
+        if length > start:
+            copy.write(start, self.rows[start - self.base: length - self.base].clone())
         return copy
 
 

@@ -162,8 +162,8 @@ class Verifier:
         )
         accepted = list(path) if item.draft_parents else list(range(result.n_accepted))
         if item.features and hidden is not None:
-            rows = [*range(n_ctx), *(n_ctx + i for i in accepted)]
-            verdict.features.CopyFrom(features_to_proto(item.start_pos, hidden[rows]))
+            committed_rows = [*range(n_ctx), *(n_ctx + i for i in accepted)]
+            verdict.features.CopyFrom(features_to_proto(item.start_pos, hidden[committed_rows]))
         if item.logprobs:
             tokens = [item.draft_tokens[i] for i in accepted]
             if result.next_token is not None:

@@ -160,6 +160,10 @@ def test_verifier_sends_features_of_committed_positions_only(target, hf_target):
     with torch.no_grad():
         expected = hf_target.model(input_ids=torch.tensor([prompt + greedy[:1]])).last_hidden_state[0]
     assert torch.allclose(rows, expected, atol=1e-2)  # fp16 on the wire
+    with_logprobs = pb.VerifyItem(seq_id=3, epoch=0, start_pos=0, context=prompt, draft_tokens=[greedy[0]],
+                                  sampling=pb.Sampling(), features=True, logprobs=True, top_logprobs=2)
+    both = verifier.run(pb.VerifyBatch(batch_id=3, items=[with_logprobs]))
+    assert not both.errors and len(both.verdicts[0].logprobs) == 2 and both.verdicts[0].HasField("features")
     plain = pb.VerifyItem(seq_id=2, epoch=0, start_pos=0, context=prompt, sampling=pb.Sampling())
     assert not verifier.run(pb.VerifyBatch(batch_id=2, items=[plain])).verdicts[0].HasField("features")
     verifier.release_all()
@@ -328,3 +332,53 @@ def test_greedy_through_actors_with_head_drafters(ray_session, target_dir, hf_ta
     finally:
         loop.run(coordinator.close())
         loop.close()
+
+
+def test_a_target_without_hidden_states_sends_head_sequences_on_target_only(target_dir, hf_target, eagle_head):
+    """The transformers fallback backend returns no hidden states: the sequence must not stall
+    waiting for features; it goes on target-only with the target's exact output."""
+    hf_backend = load_checkpoint(target_dir, device="cpu", dtype="float32", max_slots=4, backend="hf")
+    proposer = build_proposer(DraftSpec(DraftMethod.EAGLE, path=str(eagle_head[0])), str(target_dir))
+    prompt = _prompts(1, seed=21)[0]
+    for mode in ("pearl", "vanilla"):
+        req = _request(prompt, 16, mode, SamplingParams(), 4, True)
+        events = stream_events(hf_backend, proposer, [req])[req.request_id]
+        assert_greedy_equal(hf_target, prompt, _tokens(events), hf_greedy(hf_target, prompt, 16))
+        assert events[-1].stats.drafted_tokens == 0
+
+
+def test_feature_store_rows_and_gaps():
+    from duospec.draft_worker.proposer import FeatureStore
+
+    store = FeatureStore()
+    store.write(0, torch.ones(3, 4))
+    store.write(2, torch.full((100, 4), 2.0))  # overlaps and grows past the first capacity
+    assert store.known == 102 and store.row(1).tolist() == [1.0] * 4 and store.row(2).tolist() == [2.0] * 4
+    tail = store.tail(1, 3)  # what a hedge keeps: rows 1 and 2 only
+    assert (tail.base, tail.known) == (1, 3) and tail.row(2).tolist() == [2.0] * 4
+    with pytest.raises(IndexError):
+        tail.row(0)
+    store.truncate(1)
+    assert store.known == 1 and not store.broken
+    store.write(5, torch.ones(1, 4))  # a gap: the store can never be complete again
+    assert store.broken and store.known == 1
+
+
+def test_medusa_on_a_one_token_prompt(target, target_dir, hf_target, medusa_dir):
+    proposer = build_proposer(DraftSpec(DraftMethod.MEDUSA, path=str(medusa_dir)), str(target_dir))
+    others = _prompts(3, seed=23)
+    requests = [_request(p, 16, "pearl", SamplingParams(), 4, True) for p in [[9], *others]]
+    events = stream_events(target, proposer, requests)
+    for prompt, req in zip([[9], *others], requests):  # the short one must not take the others down
+        assert_greedy_equal(hf_target, prompt, _tokens(events[req.request_id]), hf_greedy(hf_target, prompt, 16))
+    assert all(events[r.request_id][-1].stats.drafted_tokens > 0 for r in requests[1:])
+
+
+def test_prefill_chunks_too_big_for_one_message_are_refused(target_dir, eagle_head):
+    from duospec.coordinator.config import ModelConfig
+    from duospec.coordinator.models import ModelPairError, model_info
+
+    spec = DraftSpec(DraftMethod.EAGLE, path=str(eagle_head[0]))
+    model_info(ModelConfig(name="ok", target=str(target_dir), draft=spec, prefill_chunk_tokens=4096))
+    with pytest.raises(ModelPairError, match="prefill_chunk_tokens 1000000"):
+        model_info(ModelConfig(name="big", target=str(target_dir), draft=spec, prefill_chunk_tokens=1_000_000))
