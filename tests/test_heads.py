@@ -382,3 +382,21 @@ def test_prefill_chunks_too_big_for_one_message_are_refused(target_dir, eagle_he
     model_info(ModelConfig(name="ok", target=str(target_dir), draft=spec, prefill_chunk_tokens=4096))
     with pytest.raises(ModelPairError, match="prefill_chunk_tokens 1000000"):
         model_info(ModelConfig(name="big", target=str(target_dir), draft=spec, prefill_chunk_tokens=1_000_000))
+
+
+def test_simulation_records_the_eagle_heads_choices(target_dir, hf_target, eagle_head):
+    from duospec.bench.simulate import record_tables
+    from duospec.training.heads import draft_tokens
+
+    prompts = _prompts(2, seed=31)
+    entries = record_tables(str(target_dir), str(eagle_head[0]), prompts, 6, 3, progress=False, draft_method="eagle")
+    _, head = eagle_head
+    for prompt, entry in zip(prompts, entries):
+        assert list(entry.greedy[:6]) == hf_greedy(hf_target, prompt, 6)
+        sequence = torch.tensor([list(prompt) + list(entry.greedy)])
+        with torch.no_grad():
+            features = hf_target.model(input_ids=sequence).last_hidden_state
+            for j in (0, 4):  # after the prompt, and after 4 generated tokens
+                expected, second = draft_tokens(hf_target, head, "eagle", sequence, features, len(prompt) + j, 3,
+                                                with_second=True)
+                assert list(entry.drafts[j]) == expected and entry.seconds[j] == second

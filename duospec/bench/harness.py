@@ -86,9 +86,9 @@ class BenchConfig:
 
         # random: the adversarial case, a random-weight draft of the --draft checkpoint's shape
         spec = draft_from_flag("model" if self.draft_method == RANDOM_DRAFT else self.draft_method, self.draft or None)
-        if self.simulate is not None and self.draft_method != "model":
-            raise ValueError(f"--simulate replays a draft model's choices; drop --draft-method {self.draft_method} "
-                             "(or benchmark it without --simulate)")
+        if self.simulate is not None and self.draft_method not in ("model", "eagle"):
+            raise ValueError(f"--simulate replays a draft model's (or an EAGLE head's) choices; drop --draft-method "
+                             f"{self.draft_method} (or benchmark it without --simulate)")
         if any(c < 1 for c in self.concurrency):
             raise ValueError(f"--concurrency {list(self.concurrency)}: stream counts must be >= 1")
         roles = ("target", "draft") if spec.method.value == "model" else ("target",)
@@ -226,7 +226,8 @@ def _simulated_pair(config: BenchConfig, pair: BenchPair, prompts) -> tuple[Benc
     target, draft, simulation = build_replay_pair(
         config.out / f"replay-{config.simulate}", pair.target, pair.draft, [p.token_ids for p in prompts],
         scenario=config.simulate, max_new_tokens=config.max_new_tokens, gamma=config.gamma,
-        max_lookahead=config.max_lookahead, acceptance=config.acceptance, progress=config.progress)
+        max_lookahead=config.max_lookahead, acceptance=config.acceptance, progress=config.progress,
+        draft_method=config.draft_method)
     simulation["modes_not_simulated"] = [m for m in config.modes if m in HF_MODES]
     config = dataclasses.replace(config, modes=tuple(m for m in config.modes if m in OUR_MODES))
     return BenchPair(str(target), str(draft), "cpu"), config, simulation

@@ -61,9 +61,10 @@ def table_depth(gamma: int, max_lookahead: int) -> int:
 
 
 def record_tables(target_dir: str, draft_dir: str, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                  depth: int, progress: bool = True) -> list[ReplayEntry]:
+                  depth: int, progress: bool = True, draft_method: str = "model") -> list[ReplayEntry]:
     """The target's greedy continuation of every prompt (max_new_tokens + depth tokens) and the draft's
-    greedy continuation (depth tokens) after every prefix of it; one batched forward per step."""
+    greedy continuation (depth tokens) after every prefix of it; one batched forward per step.
+    `draft_method` "eagle": `draft_dir` is an EAGLE head, recorded by duospec/bench/simulate_heads.py."""
     import torch
     from tqdm import tqdm
 
@@ -84,6 +85,12 @@ def record_tables(target_dir: str, draft_dir: str, prompts: Sequence[Sequence[in
                 seqs[i].append(token)
         greedy = [q[len(p):] for q, p in zip(seqs, prompts)]
         del target
+        if draft_method == "eagle":
+            from duospec.bench.simulate_heads import record_head_continuations
+
+            drafts, seconds = record_head_continuations(target_dir, draft_dir, prompts, greedy, depth, progress)
+            return [ReplayEntry(tuple(p), tuple(g), tuple(d), tuple(s))
+                    for p, g, d, s in zip(prompts, greedy, drafts, seconds)]
 
         draft = load_model(draft_dir, dtype=torch.float32, max_slots=len(prompts), max_context=longest)
         slots = [draft.allocate_slot() for _ in prompts]
@@ -219,8 +226,10 @@ def write_replay_checkpoint(directory: pathlib.Path, source_dir: str, role: str,
 
 def build_replay_pair(out_dir: pathlib.Path, target_dir: str, draft_dir: str, prompts: Sequence[Sequence[int]], *,
                       scenario: str, max_new_tokens: int, gamma: int, max_lookahead: int,
-                      acceptance: float | None = None, progress: bool = True) -> tuple[pathlib.Path, pathlib.Path, dict]:
-    """Writes out_dir/target and out_dir/draft (replay checkpoints); returns them and a description."""
+                      acceptance: float | None = None, progress: bool = True,
+                      draft_method: str = "model") -> tuple[pathlib.Path, pathlib.Path, dict]:
+    """Writes out_dir/target and out_dir/draft (replay checkpoints); returns them and a description.
+    `draft_method` "eagle": the draft's choices and forward costs are an EAGLE head's (`draft_dir`)."""
     import torch
 
     from duospec.engine import load_model
@@ -235,9 +244,13 @@ def build_replay_pair(out_dir: pathlib.Path, target_dir: str, draft_dir: str, pr
     check_prompts_distinct(prompts)  # before minutes of recording, not when the actors load the tables
     vocab_size = AutoConfig.from_pretrained(target_dir).vocab_size
     # Synthetic draft ids must be ids both models and the tokenizer have.
-    synthetic_vocab = min(vocab_size, AutoConfig.from_pretrained(draft_dir).vocab_size, len(load_tokenizer(target_dir)))
+    head = draft_method == "eagle"
+    if head and scenario != "devices":
+        raise ValueError(f"--simulate {scenario} with an EAGLE head: only `devices` (the real pair's costs) is simulated")
+    draft_files = target_dir if head else draft_dir  # a head has the target's tokenizer and no config of its own
+    synthetic_vocab = min(vocab_size, AutoConfig.from_pretrained(draft_files).vocab_size, len(load_tokenizer(target_dir)))
     depth = table_depth(gamma, max_lookahead)
-    entries = record_tables(target_dir, draft_dir, prompts, max_new_tokens, depth, progress)
+    entries = record_tables(target_dir, draft_dir, prompts, max_new_tokens, depth, progress, draft_method)
     second_hits = second_choice_hit_rate(entries)
     if acceptance is not None:
         entries = synthetic_drafts(entries, acceptance, depth, synthetic_vocab, second_hit_rate=second_hits or 0.0)
@@ -245,7 +258,12 @@ def build_replay_pair(out_dir: pathlib.Path, target_dir: str, draft_dir: str, pr
                "large-pair": (LARGE_TARGET, LARGE_DRAFT)}[scenario]
     costs, labels = [], []
     for role, path, layout in zip(("target", "draft"), (target_dir, draft_dir), layouts):
-        if layout is None:
+        if layout is None and head and role == "draft":
+            from duospec.bench.simulate_heads import eagle_cost_runner
+
+            runner = eagle_cost_runner(path, target_dir, max(COST_BATCH_POINTS))
+            source = f"the real EAGLE head's ({path}; its inputs' features are zeros)"
+        elif layout is None:
             runner = load_model(path, dtype=torch.float32, max_slots=max(COST_BATCH_POINTS))
             source = f"the real {role}'s ({path})"
         else:
@@ -257,10 +275,12 @@ def build_replay_pair(out_dir: pathlib.Path, target_dir: str, draft_dir: str, pr
         del runner
     target_cost, draft_cost = costs
     paths = [write_replay_checkpoint(out_dir / role, source, role, cost, entries)
-             for role, source, cost in (("target", target_dir, target_cost), ("draft", draft_dir, draft_cost))]
+             for role, source, cost in (("target", target_dir, target_cost), ("draft", draft_files, draft_cost))]
     description = {
         "scenario": scenario,
         "what": (f"SIMULATED devices: tokens are the real pair's greedy choices (replayed)"
+                 + (", the draft's being an EAGLE head's (on the target's features up to each prefix, its own "
+                    "after; the features' transfer is not simulated, see benchmarks/head_features.py)" if head else "")
                  + (f", except the draft's: a synthetic drafter that agrees with the target with probability "
                     f"{acceptance} per token" if acceptance is not None else "")
                  + f"; every forward sleeps for its measured cost instead of computing — {'; '.join(labels)}. "

@@ -197,7 +197,7 @@ def measure_head(target, head, method: str, prompts: list[list[int]], new_tokens
         c = len(prompt) + 1  # the first generated token comes from the prefill
         end = len(prompt) + len(continuation)
         while c < end:
-            drafts = _draft(target, head, method, sequence, features, c, draft_len)
+            drafts = draft_tokens(target, head, method, sequence, features, c, draft_len)
             accepted = 0
             while accepted < len(drafts) and c + accepted < end and drafts[accepted] == sequence[0, c + accepted]:
                 accepted += 1
@@ -206,15 +206,18 @@ def measure_head(target, head, method: str, prompts: list[list[int]], new_tokens
     return committed / max(rounds, 1), rounds
 
 
-def _draft(target, head, method, sequence, features, c: int, draft_len: int) -> list[int]:
-    """Drafts for positions c, c+1, ... given tokens[:c] and the features of positions < c - 1
-    (row j reads f[j - 1], so rows 0 .. c - 1 read true features)."""
+def draft_tokens(target, head, method, sequence, features, c: int, draft_len: int, with_second: bool = False):
+    """Greedy drafts for positions c, c+1, ... given tokens[:c] and the features of positions < c - 1
+    (row j reads f[j - 1], so rows 0 .. c - 1 read true features); with `with_second`, also the
+    head's second choice at position c: (drafts, second)."""
     if method == "medusa":
         hidden = head(features[0, c - 2])  # [K, H]: head i predicts position c - 1 + i
-        return target.lm_head(hidden).argmax(-1).tolist()[:draft_len]
+        ranked = target.lm_head(hidden).topk(2, dim=-1).indices
+        drafts = ranked[:, 0].tolist()[:draft_len]
+        return (drafts, int(ranked[0, 1])) if with_second else drafts
     tokens = sequence[0, :c].tolist()
     prev = _shift(features[:, :c])
-    drafts = []
+    drafts, second = [], None
     embed = target.model.embed_tokens
     for _ in range(draft_len):
         n = len(tokens)
@@ -222,10 +225,11 @@ def _draft(target, head, method, sequence, features, c: int, draft_len: int) -> 
         if prev.shape[1] < n:  # the newest row reads the head's own prediction of the previous row
             prev = torch.cat([prev, predicted[:, -1:]], dim=1)
         predicted = head(embed(rows), prev)
-        token = int(target.lm_head(predicted[0, -1]).argmax())
-        drafts.append(token)
-        tokens.append(token)
-    return drafts
+        top = target.lm_head(predicted[0, -1]).topk(2).indices.tolist()
+        second = top[1] if second is None else second
+        drafts.append(top[0])
+        tokens.append(top[0])
+    return (drafts, second) if with_second else drafts
 
 
 def load_trained_head(head_dir, target_dir) -> tuple[str, torch.nn.Module]:
