@@ -151,9 +151,11 @@ def test_bench_runs_every_drafting_method(tmp_path, method):
 def test_bench_draft_method_errors(tmp_path, capsys):
     from duospec.cli import main
 
-    for argv, message in ((["--draft-method", "beam"], "use model, ngram or layers:K"),
+    for argv, message in ((["--draft-method", "beam"], "use model, ngram, eagle, medusa or layers:K"),
                           (["--draft-method", "ngram", "--draft", str(tmp_path)], "loads no draft checkpoint"),
-                          (["--draft-method", "ngram", "--simulate", "devices"], "--simulate replays a draft model")):
+                          (["--draft-method", "ngram", "--simulate", "devices"], "--simulate replays a draft model"),
+                          (["--draft-method", "eagle"], "needs the head's directory"),
+                          (["--draft-method", "medusa", "--draft", str(tmp_path)], "no head.json")):
         assert main(["bench", "--target", str(tmp_path), *argv]) == 2
         assert message in capsys.readouterr().err
 
