@@ -163,10 +163,14 @@ class FeatureStore:
     def write(self, start: int, rows) -> None:
         import torch
 
-        if start > self.known or start < self.base:
+        if start > self.known:
             self.broken = True
             return
+        if start < self.base:  # rows this copy does not keep (a hedge's tail: nothing reads them)
+            rows, start = rows[self.base - start:], self.base
         end = start + rows.shape[0]
+        if end <= start:
+            return
         have = 0 if self.rows is None else self.rows.shape[0]
         if have < end - self.base:
             grown = torch.zeros(max(end - self.base, 2 * have, 64), rows.shape[1], dtype=torch.float16)

@@ -50,7 +50,7 @@ def test_head_acceptance_has_not_regressed(hf_target, method):
 
 
 @pytest.mark.parametrize("method", ["eagle", "medusa"])
-def test_bundled_head_keeps_greedy_output(hf_target, method):
+def test_bundled_head_keeps_greedy_output(hf_target, method, caplog):
     from transformers import AutoTokenizer
 
     from duospec.decoding import _request, stream_events
@@ -73,4 +73,7 @@ def test_bundled_head_keeps_greedy_output(hf_target, method):
         assert_greedy_equal(hf_target, prompt, tokens, hf_greedy(hf_target, prompt, 48))
         stats = events[req.request_id][-1].stats
         accepted, drafted = accepted + stats.accepted_tokens, drafted + stats.drafted_tokens
-    assert drafted and accepted / drafted > 0.3, f"{method}: {accepted}/{drafted} drafts accepted"
+    # measured 2026-12-01: EAGLE about 0.6 of its drafts accepted here, Medusa 0.14 (all four heads' guesses)
+    floor = {"eagle": 0.4, "medusa": 0.07}[method]
+    assert drafted and accepted / drafted > floor, f"{method}: {accepted}/{drafted} drafts accepted"
+    assert "draft step failed" not in caplog.text  # hedges and refreshed rows ran without an error
