@@ -48,38 +48,40 @@ def _summary(runs) -> tuple[float, float, list[list[int]]]:
 
 
 async def _measure(path: str, args, prompts) -> dict:
+    """{(drafter, mode): [Run per repeat]}; `off` runs on each drafter's own coordinator or pipeline."""
     from duospec.bench.inprocess import BenchPair, open_local_coordinator, run_coordinator_mode
     from duospec.bench.served import run_client_mode, served_pipeline
 
-    async with contextlib.AsyncExitStack() as stack:
-        handles = {}
-        for name in args.drafters:
-            method, draft = DRAFTERS[name][0], getattr(args, name)
-            pair = BenchPair(str(args.target), str(draft), "cpu", method)
-            if path == "in-process":
-                coordinator = open_local_coordinator(pair, args.gamma, 2 * args.gamma + 1)
-                stack.push_async_callback(coordinator.close)
-                handles[name] = coordinator
-            else:
-                handles[name] = await stack.enter_async_context(
-                    served_pipeline(pair, args.gamma, 2 * args.gamma + 1, None))
+    def pair(name):
+        return BenchPair(str(args.target), str(getattr(args, name)), "cpu", DRAFTERS[name][0])
 
-        async def run(name, mode, subset, tokens):
-            if path == "in-process":
-                return await run_coordinator_mode(handles[name], subset, mode, tokens, args.gamma, path, mode)
-            return await run_client_mode(handles[name], subset, mode, tokens, args.gamma, lambda: None)
+    async def run(handle, mode, subset, tokens):
+        if path == "in-process":
+            return await run_coordinator_mode(handle, subset, mode, tokens, args.gamma, path, mode)
+        return await run_client_mode(handle, subset, mode, tokens, args.gamma, lambda: None)
 
-        for name in args.drafters:  # warm-up, untimed
+    async def repeats(handles: dict, runs: dict) -> None:
+        for handle in handles.values():  # warm-up, untimed
             for mode in ("off", *args.modes):
-                await run(name, mode, prompts[:1], 8)
-        runs: dict[tuple[str, str], list] = {}
-        first = args.drafters[0]
+                await run(handle, mode, prompts[:1], 8)
         for _ in range(args.repeats):
-            runs.setdefault(("off", "off"), []).append(await run(first, "off", prompts, args.max_new_tokens))
+            for name, handle in handles.items():
+                for mode in ("off", *args.modes):
+                    runs.setdefault((name, mode), []).append(await run(handle, mode, prompts, args.max_new_tokens))
+
+    runs: dict[tuple[str, str], list] = {}
+    if path == "in-process":  # every drafter's coordinator open at once: repeats interleave them
+        async with contextlib.AsyncExitStack() as stack:
+            handles = {}
             for name in args.drafters:
-                for mode in args.modes:
-                    runs.setdefault((name, mode), []).append(await run(name, mode, prompts, args.max_new_tokens))
-        return runs
+                handles[name] = open_local_coordinator(pair(name), args.gamma, 2 * args.gamma + 1)
+                stack.push_async_callback(handles[name].close)
+            await repeats(handles, runs)
+    else:  # one Ray pipeline at a time (each names its actors after the one bench model)
+        for name in args.drafters:
+            async with served_pipeline(pair(name), args.gamma, 2 * args.gamma + 1, None) as served:
+                await repeats({name: served}, runs)
+    return runs
 
 
 def main(argv=None) -> int:
@@ -98,14 +100,12 @@ def main(argv=None) -> int:
     prompts = encode_prompts(load_tokenizer(str(args.target)), load_prompts(DEFAULT_PROMPTS, args.limit_prompts), 256)
     for path in ("in-process",) + (() if args.skip_server else ("server",)):
         runs = asyncio.run(_measure(path, args, prompts))
-        off_rate, _, off_tokens = _summary(runs[("off", "off")])
         print(f"\n{path}: {len(prompts)} prompts x {args.max_new_tokens} tokens, greedy, {args.repeats} repeats, "
-              f"medians; off {off_rate:.1f} tok/s")
+              f"medians; x off = over `off` on the same drafter's coordinator/pipeline")
         print("| drafter | mode | tok/s | x off | mean accepted length | greedy = off |")
         print("|---|---|---:|---:|---:|---|")
         for (name, mode), group in runs.items():
-            if name == "off":
-                continue
+            off_rate, _, off_tokens = _summary(runs[(name, "off")])
             rate, mean_len, tokens = _summary(group)
             same = "yes" if tokens == off_tokens else "**NO**"
             print(f"| {name} | {mode} | {rate:.1f} | {rate / off_rate:.2f} | {mean_len:.2f} | {same} |")
