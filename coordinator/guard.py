@@ -10,7 +10,10 @@ load bucket (how many sequences are live), since batching changes both. The guar
 state and, now and then, one window of the other (a probe): the context may have changed (a draft
 that starts agreeing on a repetitive stretch, load going down). Probes are spaced out exponentially
 while they confirm the choice (`probe_every` .. `max_probe_every` windows), so the time spent in the
-worse state stays a small, bounded share.
+worse state stays a small, bounded share. The first choice in a load bucket rests on one window of
+each state, the first one holding a request's start-up (prefill, the drafter's first draft), so when
+it turns speculation off the guard checks it again soon (`confirm_every` windows): one unlucky
+window must not decide most of a short run.
 
 Which sequences it governs is the scheduler's business: greedy pearl sequences with `adaptive` on.
 Sampled requests keep speculating — a switch that depends on timing would decide some positions by
@@ -56,6 +59,7 @@ class GoodputGuard:
     window_s: float = 0.25  # ... and lasts at least this long (shorter ones are mostly noise)
     settle_rounds: int = 2  # rounds not measured after a switch (drafters restart, caches refill)
     probe_every: int = 8  # windows in the preferred state before the first probe of the other
+    confirm_every: int = 2  # ... after a bucket's first comparison switched speculation off
     max_probe_every: int = 64  # at 0.25 s a window: a losing state gets under 2 % of the time
     decay: float = 0.5  # weight of a bucket's older goodput when a new window comes in
     # A state must beat the other by this much to take over: when both are alike (e.g. the adaptive
@@ -116,11 +120,14 @@ class GoodputGuard:
         old = self.goodput.get(key)
         self.goodput[key] = rate if old is None else self.decay * old + (1 - self.decay) * rate
         mine, theirs = self.goodput.get(key), self.goodput.get((w.state.other, bucket))
+        first = old is None  # this state's first window in the bucket
         if self._probing:  # the probe's verdict: stay (it won clearly) or go back
             self._probing = False
             if theirs is not None and mine <= theirs * (1 + self.margin):
                 self._interval = min(self._interval * 2, self.max_probe_every)  # the choice holds
                 self._switch(w.state.other)
+            elif first and w.state is GuardState.TARGET_ONLY:
+                self._interval = self.confirm_every  # off on one window each: look again soon
             else:
                 self._interval = self.probe_every  # the probed state is better now: keep it
             return

@@ -80,6 +80,20 @@ def test_a_winning_draft_keeps_speculating():
     assert guard.state is GuardState.SPECULATE and speculated > 0.9 * 100 * per_window
 
 
+def test_an_unlucky_first_window_does_not_decide_a_short_run():
+    """The first speculating window is slow (a request's start-up); speculation pays after that. The
+    guard turns it off on that one window, but checks again within `confirm_every` windows instead of
+    spending the next `probe_every` windows target-only."""
+    guard, clock, per_window = _guard()
+    _run(guard, clock, per_window, {**GOOD_DRAFT, GuardState.SPECULATE: 1 / 60}, TOKENS)  # unlucky start
+    _run(guard, clock, per_window, GOOD_DRAFT, TOKENS)
+    assert guard.state is GuardState.TARGET_ONLY  # the one-window comparison went against speculation
+    _run(guard, clock, (guard.confirm_every + 2) * per_window, GOOD_DRAFT, TOKENS)
+    assert guard.state is GuardState.SPECULATE
+    speculated = _run(guard, clock, 20 * per_window, GOOD_DRAFT, TOKENS)
+    assert speculated > 0.85 * 20 * per_window
+
+
 def test_windows_compare_like_with_like_load():
     guard, clock, per_window = _guard()
     _run(guard, clock, 2 * per_window, SLOW_DRAFT, TOKENS, live=1)
@@ -159,9 +173,12 @@ async def test_guard_turns_a_never_agreeing_draft_off_and_a_good_one_back_on_exa
     assert scheduler._draft_limit(seq) == 0
     last = [c for m in draft.sent for c in m.commands if c.seq_id == seq.seq_id][-1]
     assert last.draft_until <= len(seq.committed)  # the drafter was told to stop drafting
+    # The first choice rested on one window each: one confirming probe comes soon, then they back off.
+    _drive(scheduler, target, seq, clock, (scheduler.guard.confirm_every + 2) * per_window, draft_agrees=False)
+    assert scheduler.guard.state is GuardState.TARGET_ONLY and seq.draft_paused
     drafted_while_off = seq.stats.drafted_tokens
-    _drive(scheduler, target, seq, clock, 3 * per_window, draft_agrees=False)
-    assert seq.stats.drafted_tokens == drafted_while_off  # no probe yet: nothing drafted
+    _drive(scheduler, target, seq, clock, 2 * per_window, draft_agrees=False)
+    assert seq.stats.drafted_tokens == drafted_while_off  # backing off (4 windows now): nothing drafted
     _drive(scheduler, target, seq, clock, (scheduler.guard.max_probe_every + 3) * per_window, draft_agrees=True)
     assert scheduler.guard.state is GuardState.SPECULATE and not seq.draft_paused
     accepted_before = seq.stats.accepted_tokens
