@@ -541,7 +541,7 @@ class Scheduler(WorkerRecovery, VerifyItems):
         self.sequences.pop(seq.seq_id, None)
         self._target_releases.append(seq.seq_id)
         if seq.draft_started and seq.draft_alive and self._draft_up:
-            self._draft_command(pb.DraftCommand(seq_id=seq.seq_id, kind=pb.DRAFT_COMMAND_KIND_RELEASE))
+            self._release_draft(seq)
         seq.drop_drafts()
         if not self.closed:
             self._dispatch()

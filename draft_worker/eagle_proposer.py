@@ -112,11 +112,14 @@ class EagleProposer(Proposer):
     def _inputs(self, seq: DraftState, start: int, stop: int) -> torch.Tensor:
         state: _HeadState = seq.proposer_state
         usable = self._usable(seq)
-        rows = torch.zeros(stop - start, self.hidden_size)
-        for j in range(max(start, 1), stop):
-            source = seq.features if j - 1 < usable else state.pred
-            rows[j - start] = source.row(j - 1)
-        return rows
+        # row j reads position j - 1: the target's features below `usable`, predictions from there
+        first, split = max(start, 1), min(max(start, 1, usable + 1), stop)
+        parts = [torch.zeros(first - start, self.hidden_size)]
+        if split > first:
+            parts.append(seq.features.rows_between(first - 1, split - 1))
+        if stop > split:
+            parts.append(state.pred.rows_between(split - 1, stop - 1))
+        return torch.cat(parts)
 
     def propose(self, seqs: list[DraftState], budgets: list[int]) -> list[Proposal]:
         plans = [self._plan(seq) for seq in seqs]

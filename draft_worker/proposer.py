@@ -186,6 +186,12 @@ class FeatureStore:
             raise IndexError(f"feature of position {pos} not held (rows {self.base}..{self.known - 1})")
         return self.rows[pos - self.base].float()
 
+    def rows_between(self, start: int, end: int):
+        """[end - start, hidden] float32 of positions start .. end - 1 (all held)."""
+        if not self.base <= start <= end <= self.known:
+            raise IndexError(f"features of positions {start}..{end - 1} not held (rows {self.base}..{self.known - 1})")
+        return self.rows[start - self.base: end - self.base].float()
+
     def truncate(self, length: int) -> None:
         self.known = max(min(self.known, length), self.base)
 

@@ -84,9 +84,11 @@ class BenchConfig:
             raise ValueError("--acceptance goes with --simulate (it replaces the draft's choices in the replay)")
         from duospec.coordinator.config import draft_from_flag
 
+        from duospec.draft_worker.proposer import DraftMethod
+
         # random: the adversarial case, a random-weight draft of the --draft checkpoint's shape
         spec = draft_from_flag("model" if self.draft_method == RANDOM_DRAFT else self.draft_method, self.draft or None)
-        if self.simulate is not None and self.draft_method not in ("model", "eagle"):
+        if self.simulate is not None and spec.method not in (DraftMethod.MODEL, DraftMethod.EAGLE):
             raise ValueError(f"--simulate replays a draft model's (or an EAGLE head's) choices; drop --draft-method "
                              f"{self.draft_method} (or benchmark it without --simulate)")
         if any(c < 1 for c in self.concurrency):
@@ -181,9 +183,6 @@ def run_bench(config: BenchConfig) -> dict:
     from transformers.utils import logging as hf_logging
 
     config.validate()
-    if config.draft_method in ("eagle", "medusa") and "hf-assisted" in config.modes:
-        # transformers' assisted generation takes a draft model, not a head on the target's features
-        config = dataclasses.replace(config, modes=[m for m in config.modes if m != "hf-assisted"])
     torch.set_num_threads(1)  # one thread per model: the draft and target threads each get one core
     hf_logging.disable_progress_bar()  # per-checkpoint "Loading weights" bars would break up ours
     if config.draft_method == RANDOM_DRAFT:
@@ -191,6 +190,10 @@ def run_bench(config: BenchConfig) -> dict:
                          config.device, "model")
     else:
         pair = BenchPair(str(config.target), str(config.draft), config.device, config.draft_method)
+    heads = pair.draft_spec().method.reads_features
+    if heads and "hf-assisted" in config.modes:
+        # transformers' assisted generation takes a draft model, not a head on the target's features
+        config = dataclasses.replace(config, modes=[m for m in config.modes if m != "hf-assisted"])
     prompt_path = config.prompts or DEFAULT_PROMPTS
     prompts = encode_prompts(load_tokenizer(pair.target), load_prompts(prompt_path, config.prompt_limit),
                              config.max_prompt_tokens)
@@ -210,7 +213,7 @@ def run_bench(config: BenchConfig) -> dict:
     report = summarise(collected, prompts)
     report["setup"] = _setup(config, prompt_path, len(prompts), time.time() - started)
     report["setup"]["simulation"] = simulation
-    if config.draft_method in ("eagle", "medusa"):  # what the target's hidden states cost on the wire
+    if heads:  # what the target's hidden states cost on the wire
         from transformers import AutoConfig
 
         report["setup"]["features_bytes_per_token"] = 2 * AutoConfig.from_pretrained(pair.target).hidden_size
