@@ -59,9 +59,11 @@ def launch_pair(
     deployment_secret: str | None = None,
     internal_tls: InternalTls | None = None,
     prefill_chunk_tokens: int | None = None,
+    placement: str = "auto",
 ) -> WorkerPair:
     """Places and starts the pair; `deployment_secret` (default: a new one) authenticates the streams;
-    `max_context`: positions per sequence on both workers (the serve config's max_model_len)."""
+    `max_context`: positions per sequence on both workers (the serve config's max_model_len);
+    `placement`: auto | separate | colocated (cluster/placement.py)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -81,7 +83,8 @@ def launch_pair(
     if isinstance(draft, str):  # a draft checkpoint path: the model drafter
         draft = DraftSpec(DraftMethod.MODEL, path=draft)
     use_gpu = {"cpu": False, "cuda": True}.get(device)
-    plan = plan_placement(ray.nodes(), use_gpu=use_gpu, draft_needs_gpu=draft is not None and draft.method.needs_model)
+    plan = plan_placement(ray.nodes(), use_gpu=use_gpu, draft_needs_gpu=draft is not None and draft.method.needs_model,
+                          placement=placement)
     log.info("placing %s: %s", model, plan.description)
     group = create_placement_group(plan, name=f"duospec-{model}", timeout_s=placement_timeout_s)
     handles = {}
@@ -94,11 +97,12 @@ def launch_pair(
             .options(
                 name=actor_name(role, model),
                 namespace=NAMESPACE,
-                num_cpus=plan.bundles[index].get("CPU", 1),
-                num_gpus=plan.bundles[index].get("GPU", 0),
+                num_cpus=plan.resources(index).get("CPU", 1),
+                num_gpus=plan.resources(index).get("GPU", 0),
                 max_restarts=max_restarts,
                 max_concurrency=4,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=plan.bundle_of[index]),
             )
             .remote(*args, deployment_secret=deployment_secret, internal_tls=internal_tls, device=device, dtype=dtype,
                     max_slots=max_slots,

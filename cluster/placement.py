@@ -1,16 +1,27 @@
-"""Placing the draft and the target on different GPUs (DESIGN.md §2).
+"""Placing the draft and the target (DESIGN.md §2).
 
+`placement: separate` (each model its own GPU; the overlap PEARL needs):
     one node with >= 2 GPUs      → two {GPU: 1} bundles on that node (different GPU ids)
     >= 2 nodes with >= 1 GPU     → STRICT_SPREAD: one bundle per node
-    no GPUs at all (CPU cluster) → two {CPU: 1} bundles; each actor uses one torch thread
-    exactly one GPU              → error: the pair needs two (or run both on CPU)
-    a model-free drafter (ngram) → the target's {GPU: 1} bundle plus a {CPU: 1} draft bundle, packed:
+`placement: colocated` (both on one GPU, each actor a fraction of it):
+    one {GPU: 1, CPU: 2} bundle; the target takes TARGET_GPU_SHARE of the GPU, the draft the rest
+`placement: auto` (the default): separate where the cluster has two GPUs, else colocated where it
+    has exactly one, so a single-GPU machine runs duospec out of the box
+no GPUs at all (CPU cluster)     → two {CPU: 1} bundles; each actor uses one torch thread
+a model-free drafter (ngram, medusa) → the target's {GPU: 1} bundle plus a {CPU: 1} draft bundle, packed:
                                    one GPU anywhere is enough
+
+Ray's GPU fractions are bookkeeping only: colocated actors see the same device and share its memory
+and compute (each worker checks at load that its KV cache fits in what is free then).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+PLACEMENTS = ("auto", "separate", "colocated")
+# Colocated: the target does most of the work; the split only decides what Ray counts as taken.
+TARGET_GPU_SHARE = 0.75
 
 
 class PlacementError(RuntimeError):
@@ -20,14 +31,40 @@ class PlacementError(RuntimeError):
 @dataclass(frozen=True)
 class PlacementPlan:
     strategy: str  # a Ray placement-group strategy
-    bundles: tuple[dict, ...]  # (draft bundle, target bundle)
+    bundles: tuple[dict, ...]  # what the placement group reserves
     uses_gpu: bool
     description: str
+    # (draft, target): the bundle each actor runs in, and what it asks of that bundle
+    bundle_of: tuple[int, int] = (0, 1)
+    actor_resources: tuple[dict, dict] | None = None  # None: each actor takes its whole bundle
+
+    def resources(self, role_index: int) -> dict:
+        """{"CPU": .., "GPU": ..} the actor of role 0 (draft) or 1 (target) asks for."""
+        if self.actor_resources is not None:
+            return self.actor_resources[role_index]
+        return self.bundles[self.bundle_of[role_index]]
+
+    @property
+    def colocated(self) -> bool:
+        return self.bundle_of[0] == self.bundle_of[1]
 
 
-def plan_placement(nodes: list[dict], *, use_gpu: bool | None = None, draft_needs_gpu: bool = True) -> PlacementPlan:
+def _colocated() -> PlacementPlan:
+    return PlacementPlan(
+        "PACK", ({"GPU": 1, "CPU": 2},), True,
+        f"both on one GPU (colocated: target {TARGET_GPU_SHARE:g}, draft {1 - TARGET_GPU_SHARE:g} of it)",
+        bundle_of=(0, 0),
+        actor_resources=({"GPU": 1 - TARGET_GPU_SHARE, "CPU": 1}, {"GPU": TARGET_GPU_SHARE, "CPU": 1}),
+    )
+
+
+def plan_placement(nodes: list[dict], *, use_gpu: bool | None = None, draft_needs_gpu: bool = True,
+                   placement: str = "auto") -> PlacementPlan:
     """Pure: decides the placement from `ray.nodes()`-style dicts (Alive, Resources).
-    `draft_needs_gpu=False`: the drafter loads no model (n-gram); only the target asks for a GPU."""
+    `draft_needs_gpu=False`: the drafter loads no model (n-gram); only the target asks for a GPU.
+    `placement`: auto | separate | colocated (module docstring)."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement={placement!r}: use one of {', '.join(PLACEMENTS)}")
     alive = [n for n in nodes if n.get("Alive", n.get("alive", True))]
     gpus_per_node = [int(n.get("Resources", {}).get("GPU", 0)) for n in alive]
     total = sum(gpus_per_node)
@@ -35,15 +72,17 @@ def plan_placement(nodes: list[dict], *, use_gpu: bool | None = None, draft_need
         use_gpu = total > 0
     if not use_gpu:
         return PlacementPlan("PACK", ({"CPU": 1}, {"CPU": 1}), False, "CPU only: two 1-CPU actors")
+    if total < 1:
+        raise PlacementError(
+            f"the target needs a GPU, but the cluster has none across {len(alive)} node(s); add a GPU "
+            f"node, or set `device: cpu` in the model config"
+        )
     if not draft_needs_gpu:
-        if total < 1:
-            raise PlacementError(
-                f"the target needs a GPU, but the cluster has none across {len(alive)} node(s); add a GPU "
-                f"node, or set `device: cpu` in the model config"
-            )
         return PlacementPlan(
             "PACK", ({"CPU": 1}, {"GPU": 1, "CPU": 1}), True, "target on one GPU, model-free drafter on a CPU"
         )
+    if placement == "colocated":
+        return _colocated()
     if any(g >= 2 for g in gpus_per_node):
         return PlacementPlan(
             "PACK", ({"GPU": 1, "CPU": 1}, {"GPU": 1, "CPU": 1}), True, "one node, two GPUs (one each)"
@@ -52,9 +91,12 @@ def plan_placement(nodes: list[dict], *, use_gpu: bool | None = None, draft_need
         return PlacementPlan(
             "STRICT_SPREAD", ({"GPU": 1, "CPU": 1}, {"GPU": 1, "CPU": 1}), True, "two nodes, one GPU each"
         )
+    if placement == "auto":
+        return _colocated()
     raise PlacementError(
-        f"the draft and target need a GPU each, but the cluster has {total} GPU(s) across {len(alive)} "
-        f"node(s); add a GPU node, or set `device: cpu` in the model config to run both on CPU"
+        f"placement: separate needs a GPU each for the draft and target, but the cluster has {total} GPU(s) "
+        f"across {len(alive)} node(s); add a GPU node, set `placement: colocated` to share the one GPU, or set "
+        f"`device: cpu` in the model config to run both on CPU"
     )
 
 

@@ -19,6 +19,9 @@
                                              #   {method: ngram, min_ngram: 2, max_ngram: 8, max_proposal: 16,
                                              #    pool: tenant|sequence, pool_tokens: 16000, max_pools: 16}
         device: auto                         # auto|cpu|cuda
+        placement: auto                      # auto|separate|colocated: separate = a GPU each (two
+                                             # needed); colocated = both on one GPU; auto = separate
+                                             # with two GPUs, colocated with one
         dtype: auto                          # auto|float32|bfloat16|float16
         max_batch_size: 8                    # sequences per verify forward
         max_num_seqs: 16                     # live sequences (KV slots per worker); more wait in the
@@ -45,6 +48,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from duospec.cluster.placement import PLACEMENTS
 from duospec.coordinator.api import SpeculationMode
 from duospec.draft_worker.proposer import POOL_SCOPES, DraftMethod, DraftSpec, NgramOptions
 
@@ -114,6 +118,7 @@ class ModelConfig:
     # What drafts: a DraftSpec; a plain path (str) is read as {method: model, path: ...}
     draft: DraftSpec | str | None = None
     device: str = "auto"
+    placement: str = "auto"  # auto | separate | colocated (cluster/placement.py)
     dtype: str = "auto"
     max_batch_size: int = 8
     max_num_seqs: int = 16  # live sequences at once (vLLM's name); KV slots on each worker
@@ -251,6 +256,7 @@ def _parse_model(f: "_Fields", base_dir: pathlib.Path) -> ModelConfig:
         target=_resolve_model_path(target, base_dir),
         draft=draft,
         device=f.choice("device", DEVICES, default="auto"),
+        placement=f.choice("placement", PLACEMENTS, default="auto"),
         dtype=f.choice("dtype", DTYPES, default="auto"),
         max_batch_size=f.int_in("max_batch_size", 1, 4096, default=8),
         max_num_seqs=f.int_in("max_num_seqs", 1, 4096, default=16),

@@ -119,6 +119,7 @@ def start_pipeline(models: list, *, ray_address: str | None = None, placement_ti
                 str(config.target),
                 getattr(config, "draft", None),
                 device=getattr(config, "device", "auto"),
+                placement=getattr(config, "placement", "auto"),
                 dtype=getattr(config, "dtype", "auto"),
                 max_slots=scheduler_config(config).max_num_seqs,
                 max_context=info.max_context,

@@ -121,13 +121,21 @@ def uniform(seed: int, position: int, purpose: Purpose) -> float:
     return (_key_hash(seed, position, purpose) >> 11) * _INV_2_53
 
 
-def uniforms(seeds: np.ndarray, position: int, purpose: Purpose) -> np.ndarray:
-    """``uniform`` for many seeds at once: ``[n]`` float64, bit-identical to the scalar calls."""
+def uniforms(seeds: np.ndarray, positions: np.ndarray | int, purpose: Purpose) -> np.ndarray:
+    """``uniform`` for many keys at once: seeds and positions broadcast against each other (an int
+    position for all seeds, or an array); float64, bit-identical to the scalar calls."""
     seeds = np.asarray(seeds)
     if seeds.dtype.kind not in "iu" or (seeds.dtype.kind == "i" and (seeds < 0).any()):
         raise ValueError("seeds must be an array of non-negative integers")
-    _check_key(position)
-    h = _key_hash(seeds.astype(np.uint64), position, purpose)
+    if isinstance(positions, (int, np.integer)):
+        _check_key(int(positions))
+        keys = int(positions)
+    else:
+        keys = np.asarray(positions)
+        if keys.dtype.kind not in "iu" or (keys.dtype.kind == "i" and (keys < 0).any()):
+            raise ValueError("positions must be non-negative integers")
+        keys = keys.astype(np.uint64)
+    h = _key_hash(seeds.astype(np.uint64), keys, purpose)
     return (h >> 11).astype(np.float64) * _INV_2_53
 
 

@@ -1,4 +1,7 @@
-"""The target's side of a verify round: one ragged batched forward, then the pure verify rule.
+"""The target's side of a verify round: one ragged batched forward, then the verify rule for the whole
+batch where the logits are — on a GPU as batched tensor code (`duospec.verify_batch`, which makes
+`duospec.verify`'s decisions, tested bit for bit), on a CPU the reference item by item; only token
+ids, counts and asked-for logprobs and features leave the device.
 
 For each item the target feeds `context` (committed tokens it has not seen) followed by the draft
 tokens, in one forward with every other sequence of the batch. Rows n_ctx-1 .. n_ctx-1+k of the
@@ -27,7 +30,8 @@ from duospec.internal.sampling_wire import sampling_from_proto
 from duospec.internal.v1 import pearl_pb2 as pb
 from duospec.qcodec import DraftProbs
 from duospec.sampling import logprobs_from_logits
-from duospec.verify import NextTokenKind, verify, verify_tree
+from duospec.verify import NextTokenKind, TreeVerdict
+from duospec.verify_batch import VerifyTask, verify_batch, verify_each
 
 _KIND_TO_PROTO = {
     NextTokenKind.RECOVERED: pb.NEXT_TOKEN_KIND_RECOVERED,
@@ -39,8 +43,11 @@ _KIND_TO_PROTO = {
 class Verifier:
     """Target model state (one KV slot per sequence) and the verify step."""
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, *, batched: bool | None = None):
+        """`batched`: decide a batch with `verify_batch` on the runner's device (default: where that
+        is an accelerator) instead of the reference item by item (`verify_each`, faster on a CPU)."""
         self.runner = runner
+        self._decide = verify_batch if (runner.device.type != "cpu" if batched is None else batched) else verify_each
         self.slots: dict[int, int] = {}  # seq_id -> slot
         self.forwards = 0
         self.tokens_verified = 0
@@ -59,23 +66,28 @@ class Verifier:
         for seq_id in batch.release_seq_ids:
             self.release(seq_id)
         out = pb.VerdictBatch(batch_id=batch.batch_id)
-        items, chunks = [], []
+        items, chunks, tasks = [], [], []
         for item in batch.items:
             error = self._check(item)
             if error is not None:
                 out.errors.append(error)
                 continue
             item = self._as_supported(item)
+            try:
+                tasks.append(_task(item, first_row=sum(len(i.draft_tokens) + 1 for i in items)))
+            except ValueError as exc:  # a malformed q fails its own item only
+                self.release(item.seq_id)
+                out.errors.append(_error(item, pb.VERIFY_ERROR_KIND_BAD_REQUEST, f"verify failed: {exc}"))
+                continue
             items.append(item)
             chunks.append(SlotChunk(self.slots[item.seq_id], item.start_pos, [*item.context, *item.draft_tokens],
                                     _chunk_parents(item)))
         if chunks:
-            hidden = None
+            want_hidden = any(item.features for item in items) and self.runner.supports_hidden
             try:
-                if any(item.features for item in items) and self.runner.supports_hidden:
-                    logits, hidden = self.runner.forward_with_hidden(chunks)
-                else:
-                    logits = self.runner.forward(chunks)
+                logits, hidden = self.runner.forward_for_verify(chunks, [len(item.context) - 1 for item in items],
+                                                                hidden=want_hidden)
+                decisions = self._decide(logits, tasks)
             except Exception as exc:  # a broken batch must not take the worker down: report, go on
                 for item in items:
                     self.release(item.seq_id)
@@ -83,9 +95,16 @@ class Verifier:
                 items = []
             else:
                 self.forwards += 1
-            for i, (item, item_logits) in enumerate(zip(items, logits if items else [])):
+            hidden_start = 0
+            for item, task, decision in zip(items, tasks, decisions if items else []):
+                rows = logits[task.first_row : task.first_row + len(item.draft_tokens) + 1]
+                item_hidden = hidden[hidden_start : hidden_start + len(item.context) + len(item.draft_tokens)] \
+                    if hidden is not None else None
+                hidden_start += len(item.context) + len(item.draft_tokens)
                 try:
-                    out.verdicts.append(self._verdict(item, item_logits, hidden[i] if hidden is not None else None))
+                    if isinstance(decision, Exception):
+                        raise decision
+                    out.verdicts.append(self._verdict(item, decision, rows, item_hidden))
                 except Exception as exc:
                     self.release(item.seq_id)
                     out.errors.append(_error(item, pb.VERIFY_ERROR_KIND_BAD_REQUEST, f"verify failed: {exc}"))
@@ -130,26 +149,14 @@ class Verifier:
             return _error(item, pb.VERIFY_ERROR_KIND_BAD_REQUEST, "start_pos is past the cached prefix")
         return None
 
-    def _verdict(self, item: pb.VerifyItem, logits, hidden=None) -> pb.Verdict:
-        n_ctx, k = len(item.context), len(item.draft_tokens)
-        params = sampling_from_proto(item.sampling)
-        probs = [DraftProbs.from_bytes(b) for b in item.draft_probs] if item.draft_probs else None
-        rows = logits[n_ctx - 1 : n_ctx + k]
-        # A draft whose logits are wider than the target's (padded embeddings) may propose an id the
-        # target cannot produce: give such ids probability 0 (-inf logits) so the rule rejects them.
-        widest = max([*item.draft_tokens, *(int(q.token_ids[-1]) for q in probs or ())], default=0) + 1
-        if widest > rows.shape[-1]:
-            rows = torch.nn.functional.pad(rows, (0, widest - rows.shape[-1]), value=float("-inf"))
-        sample_bonus = item.bonus != pb.BONUS_POLICY_SKIP
-        path: tuple[int, ...] = ()
+    def _verdict(self, item: pb.VerifyItem, decision: TreeVerdict, rows: torch.Tensor, hidden=None) -> pb.Verdict:
+        """The verdict message for one decided item; its KV slot keeps the committed prefix less the
+        newest token (fed at the start of the next round). `rows`: its k + 1 logits rows (device)."""
+        n_ctx = len(item.context)
+        result = decision.verdict
+        path = decision.path if item.draft_parents else ()
         if item.draft_parents:
-            tree = verify_tree(list(item.draft_tokens), list(item.draft_parents), rows, params,
-                               item.start_pos + n_ctx, sample_bonus=sample_bonus)
-            path, result = tree.path, tree.verdict
             self.runner.keep_path(self.slots[item.seq_id], item.start_pos + n_ctx, path)
-        else:
-            result = verify(list(item.draft_tokens), rows, probs, params, item.start_pos + n_ctx,
-                            sample_bonus=sample_bonus)
         committed_len = item.start_pos + n_ctx + result.n_accepted + (result.next_token is not None)
         self.runner.truncate(self.slots[item.seq_id], committed_len - 1)
         verdict = pb.Verdict(
@@ -162,15 +169,24 @@ class Verifier:
         )
         accepted = list(path) if item.draft_parents else list(range(result.n_accepted))
         if item.features and hidden is not None:
-            committed_rows = [*range(n_ctx), *(n_ctx + i for i in accepted)]
+            committed_rows = torch.tensor([*range(n_ctx), *(n_ctx + i for i in accepted)], device=hidden.device)
             verdict.features.CopyFrom(features_to_proto(item.start_pos, hidden[committed_rows]))
         if item.logprobs:
             tokens = [item.draft_tokens[i] for i in accepted]
             if result.next_token is not None:
                 tokens.append(result.next_token)
-            verdict.logprobs.extend(_logprobs(rows, accepted, list(item.draft_parents), tokens, params,
-                                              item.top_logprobs))
+            verdict.logprobs.extend(_logprobs(rows, accepted, list(item.draft_parents), tokens,
+                                              sampling_from_proto(item.sampling), item.top_logprobs))
         return verdict
+
+
+def _task(item: pb.VerifyItem, first_row: int) -> VerifyTask:
+    """The item's verify task; its k + 1 logits rows start at `first_row` of the batch's verify rows."""
+    return VerifyTask(
+        draft_tokens=list(item.draft_tokens), first_row=first_row, params=sampling_from_proto(item.sampling),
+        start_pos=item.start_pos + len(item.context), parents=list(item.draft_parents) if item.draft_parents else None,
+        draft_probs=[DraftProbs.from_bytes(b) for b in item.draft_probs] if item.draft_probs else None,
+        sample_bonus=item.bonus != pb.BONUS_POLICY_SKIP)
 
 
 LOGPROB_FLOOR = -9999.0
@@ -187,7 +203,7 @@ def _logprobs(rows, accepted: list[int], parents: list[int], tokens: list[int], 
     index.append(row_after(accepted[-1] if accepted else -1))  # the recovered / bonus token
     # Tokens that top-k / top-p remove have log p = -inf; users get OpenAI's floor (valid JSON everywhere).
     logp = logprobs_from_logits(rows[index[: len(tokens)]], params).clamp_min(LOGPROB_FLOOR)
-    chosen = logp.gather(1, torch.tensor(tokens, dtype=torch.long).unsqueeze(1)).squeeze(1).tolist()
+    chosen = logp.gather(1, torch.tensor(tokens, dtype=torch.long, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
     if not top_n:
         return [pb.TokenLogprob(logprob=lp) for lp in chosen]
     values, ids = torch.topk(logp, min(top_n, logp.shape[1]), dim=-1)

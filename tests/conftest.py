@@ -2,6 +2,9 @@
 
 One Ray instance serves the whole session (ray.init costs ~6 s). Model actors each take one torch
 thread; the instance declares 2 logical GPUs so placement code runs the same as on a GPU node.
+
+DUOSPEC_TEST_DEVICE=cuda runs the device-aware tests (engine parity, bf16 exactness, the batched
+verify rule: the `test_device` fixture) on a GPU; benchmarks/gpu_check.sh sets it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+@pytest.fixture(scope="session")
+def test_device() -> str:
+    device = os.environ.get("DUOSPEC_TEST_DEVICE", "cpu")
+    if device not in ("cpu", "cuda"):
+        pytest.fail(f"DUOSPEC_TEST_DEVICE={device!r}: use cpu or cuda")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.fail("DUOSPEC_TEST_DEVICE=cuda but torch sees no CUDA device")
+    return device
 
 
 @pytest.fixture(scope="session")

@@ -37,13 +37,18 @@ def main(target: str, draft: str) -> None:
         print(json.dumps({"scenario": "one_node", "draft": pair.draft_info, "target": pair.target_info}), flush=True)
         pair.shutdown()
         cluster.remove_node(c)
-        # 3. One GPU in the whole cluster: a clear error at once, not a hang.
+        # 3. One GPU in the whole cluster: placement auto shares it (colocated, fractional GPUs) ...
         cluster.add_node(num_cpus=2, num_gpus=1)
         cluster.wait_for_nodes()
         time.sleep(1)
+        pair = launch_pair("shared", target, draft, placement_timeout_s=60)
+        print(json.dumps({"scenario": "colocated", "draft": pair.draft_info, "target": pair.target_info,
+                          "available_gpu": ray.available_resources().get("GPU", 0.0)}), flush=True)
+        pair.shutdown()
+        # ... and placement separate is a clear error at once, not a hang.
         started = time.monotonic()
         try:
-            launch_pair("short", target, draft, placement_timeout_s=60)
+            launch_pair("short", target, draft, placement_timeout_s=60, placement="separate")
             result = {"scenario": "one_gpu", "error": None}
         except PlacementError as exc:
             result = {"scenario": "one_gpu", "error": str(exc), "seconds": time.monotonic() - started}

@@ -60,6 +60,7 @@ def test_yaml_and_toml_load_the_same_config(tmp_path):
     ({"models": [{"name": "m"}]}, "models[0].target"),
     ({"models": [{"name": "m", "target": "t", "device": "tpu"}]}, "models[0].device"),
     ({"models": [{"name": "m", "target": "t", "dtype": "int4"}]}, "models[0].dtype"),
+    ({"models": [{"name": "m", "target": "t", "placement": "together"}]}, "models[0].placement"),
     ({"models": [{"name": "m", "target": "t", "max_batch_size": 0}]}, "models[0].max_batch_size"),
     ({"models": [{"name": "m", "target": "t", "speculation": {"mode": "turbo"}}]}, "models[0].speculation.mode"),
     ({"models": [{"name": "m", "target": "t", "speculation": {"mode": "pearl"}}]}, "models[0].speculation.mode"),
@@ -84,6 +85,12 @@ def test_bad_config_names_the_field(raw, where):
     with pytest.raises(ConfigError) as info:
         parse_serve_config(raw, source="c.yaml")
     assert f"c.yaml: {where}" in str(info.value)
+
+
+def test_placement_defaults_to_auto_and_takes_colocated():
+    models = parse_serve_config({"models": [{"name": "a", "target": "t"},
+                                            {"name": "b", "target": "t", "placement": "colocated"}]}).models
+    assert [m.placement for m in models] == ["auto", "colocated"]
 
 
 def test_internal_tls_files_and_server_name(tmp_path):

@@ -98,8 +98,8 @@ def drive_scenario(runner, seqs, ref):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_lean_matches_transformers(name, ckpt_dirs, sequences):
-    runner = load_model(ckpt_dirs[name], max_slots=4, max_context=64)
+def test_lean_matches_transformers(name, ckpt_dirs, sequences, test_device):
+    runner = load_model(ckpt_dirs[name], max_slots=4, max_context=64, device=test_device)
     assert runner.backend == "lean"
     drive_scenario(runner, sequences, reference_logits(ckpt_dirs[name], sequences))
 

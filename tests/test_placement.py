@@ -33,9 +33,28 @@ def test_plan_cpu_only_cluster_uses_cpu_bundles():
     assert not plan.uses_gpu and all("GPU" not in b for b in plan.bundles)
 
 
-def test_plan_single_gpu_is_a_clear_error():
-    with pytest.raises(PlacementError, match="need a GPU each.*1 GPU"):
-        plan_placement([_node(1), _node(0), _node(1, alive=False)])
+def test_plan_single_gpu_separate_is_a_clear_error():
+    with pytest.raises(PlacementError, match="separate needs a GPU each.*1 GPU.*placement: colocated"):
+        plan_placement([_node(1), _node(0), _node(1, alive=False)], placement="separate")
+
+
+def test_plan_single_gpu_auto_colocates_both_actors_on_it():
+    plan = plan_placement([_node(1), _node(0), _node(1, alive=False)])
+    assert plan.colocated and plan.uses_gpu and plan.bundles == ({"GPU": 1, "CPU": 2},)
+    draft, target = plan.resources(0), plan.resources(1)
+    assert draft["GPU"] + target["GPU"] == 1 and target["GPU"] > draft["GPU"] > 0
+    assert plan.bundle_of == (0, 0)
+
+
+def test_plan_colocated_on_request_even_with_two_gpus():
+    assert plan_placement([_node(2)], placement="colocated").colocated
+    assert not plan_placement([_node(2)]).colocated
+    assert not plan_placement([_node(2)], placement="colocated", use_gpu=False).colocated  # CPU: two 1-CPU actors
+
+
+def test_plan_unknown_placement_is_refused():
+    with pytest.raises(ValueError, match="placement='both'"):
+        plan_placement([_node(2)], placement="both")
 
 
 def test_plan_device_cpu_ignores_gpus():
@@ -56,13 +75,17 @@ def test_actors_land_on_different_nodes_and_gpus(tmp_path):
     )
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     results = {r["scenario"]: r for r in lines}
-    assert set(results) == {"two_nodes", "one_node", "one_gpu"}, proc.stderr[-3000:]
+    assert set(results) == {"two_nodes", "one_node", "colocated", "one_gpu"}, proc.stderr[-3000:]
     two = results["two_nodes"]
     assert two["draft"]["node_id"] != two["target"]["node_id"]
     one = results["one_node"]
     assert one["draft"]["node_id"] == one["target"]["node_id"]
     assert one["draft"]["gpu_ids"] and one["target"]["gpu_ids"]
     assert one["draft"]["gpu_ids"] != one["target"]["gpu_ids"]
+    shared = results["colocated"]
+    assert shared["draft"]["node_id"] == shared["target"]["node_id"]
+    assert shared["draft"]["gpu_ids"] and shared["draft"]["gpu_ids"] == shared["target"]["gpu_ids"]
+    assert shared["available_gpu"] == 0.0  # the pair holds the node's one GPU between them
     short = results["one_gpu"]
     assert short["error"] and "GPU" in short["error"] and short["seconds"] < 10
 

@@ -51,6 +51,7 @@ class BenchConfig:
     concurrency: tuple[int, ...] = (1, 2, 4, 8)
     sweep_requests_per_stream: int = 2
     device: str = "cpu"
+    placement: str = "auto"  # the server runs' draft/target placement (cluster/placement.py)
     gamma: int = 4  # max draft tokens per verify (pearl), γ (vanilla, HF assisted)
     max_lookahead: int = 9
     max_prompt_tokens: int = 256
@@ -187,9 +188,9 @@ def run_bench(config: BenchConfig) -> dict:
     hf_logging.disable_progress_bar()  # per-checkpoint "Loading weights" bars would break up ours
     if config.draft_method == RANDOM_DRAFT:
         pair = BenchPair(str(config.target), str(random_draft(config.draft, config.out / "random-draft")),
-                         config.device, "model")
+                         config.device, "model", config.placement)
     else:
-        pair = BenchPair(str(config.target), str(config.draft), config.device, config.draft_method)
+        pair = BenchPair(str(config.target), str(config.draft), config.device, config.draft_method, config.placement)
     heads = pair.draft_spec().method.reads_features
     if heads and "hf-assisted" in config.modes:
         # transformers' assisted generation takes a draft model, not a head on the target's features
@@ -251,6 +252,7 @@ def _setup(config: BenchConfig, prompt_path, n_prompts: int, elapsed_s: float) -
             "processor": platform.processor() or _cpu_model(),
             "cpu_count": os.cpu_count(),
             "device": config.device,
+            "placement": config.placement,
             "gpu": torch.cuda.get_device_name(0) if config.device == "cuda" and torch.cuda.is_available() else None,
             "torch_threads_per_model": 1,
         },

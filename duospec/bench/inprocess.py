@@ -22,6 +22,7 @@ class BenchPair:
     draft: str  # the draft checkpoint ("" when the method loads none of its own)
     device: str = "cpu"
     draft_method: str = "model"  # --draft-method: model | ngram | layers:K
+    placement: str = "auto"  # --placement: auto | separate | colocated (the server runs)
 
     def draft_spec(self):
         from duospec.coordinator.config import draft_from_flag
@@ -40,7 +41,7 @@ def model_config(pair: BenchPair, gamma: int, max_lookahead: int):
     from duospec.coordinator.config import ModelConfig, SpeculationDefaults
 
     return ModelConfig(name=MODEL_NAME, target=pair.target, draft=pair.draft_spec(), device=pair.device,
-                       speculation=SpeculationDefaults(SpeculationMode.PEARL, gamma, max_lookahead))
+                       placement=pair.placement, speculation=SpeculationDefaults(SpeculationMode.PEARL, gamma, max_lookahead))
 
 
 def request_for(prompt: EncodedPrompt, mode: str, max_new_tokens: int, gamma: int, tag: str):

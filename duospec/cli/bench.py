@@ -8,6 +8,8 @@ import os
 import pathlib
 import sys
 
+from duospec.cluster.placement import PLACEMENTS
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODES = ("off", "hf", "hf-assisted", "vanilla", "pearl-nocache", "pearl-notree", "pearl")  # = bench.records.ALL_MODES
 SIMULATION_SCENARIOS = ("devices", "large-target", "large-pair")  # duospec.bench.simulate.SCENARIOS
@@ -50,6 +52,9 @@ def register(subparsers) -> None:
     p.add_argument("--address", help="Ray cluster to join for the server runs (default: a local Ray)")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("bench-out"), help="output folder")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--placement", choices=PLACEMENTS, default="auto",
+                   help="server runs, on GPUs: separate (a GPU each), colocated (both on one GPU) or auto "
+                        "(separate with two GPUs, colocated with one)")
     p.add_argument("--simulate", choices=SIMULATION_SCENARIOS,
                    help="time the pipeline as if each model had its own device: the pair's greedy tokens replayed, "
                         "each forward sleeping for its measured cost (devices: the pair's own costs; large-target: "
@@ -91,7 +96,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
             target=str(target), draft=str(draft) if draft is not None else "", out=args.out, prompts=args.prompts, prompt_limit=args.limit_prompts,
             max_new_tokens=args.max_new_tokens, repeats=args.repeats, modes=tuple(args.modes),
             skip_server=args.skip_server, concurrency=args.concurrency, sweep_requests_per_stream=args.sweep_requests,
-            device=args.device, gamma=args.gamma, ray_address=args.address,
+            device=args.device, placement=args.placement, gamma=args.gamma, ray_address=args.address,
             models_label=args.models_label or ("bundled pair" if args.models is None and args.target is None else ""),
             progress=not args.no_progress, simulate=args.simulate,
             acceptance=args.acceptance, draft_method=args.draft_method,

@@ -283,15 +283,26 @@ class LeanLlamaRunner(ModelRunner):
         self._validate(chunks)
         return self._run(chunks, last_only=False, to_cpu=True, hidden=True)
 
+    def _forward_rows(self, chunks: Sequence[SlotChunk], first_rows: Sequence[int],
+                      hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        offsets = [0, *accumulate(len(c.token_ids) for c in chunks)]
+        keep = list(chain.from_iterable(range(o + f, o + len(c.token_ids))
+                                        for o, f, c in zip(offsets, first_rows, chunks)))
+        return self._run(chunks, last_only=False, to_cpu=False, hidden=hidden, keep_rows=keep)
+
     def _inputs(self, batch: _Batch, features: torch.Tensor | None) -> torch.Tensor:
         """[N, hidden] the first layer's input rows (the EAGLE head mixes in features here)."""
         return F.embedding(batch.tokens, self.embed)
 
     def _run(self, chunks: Sequence[SlotChunk], *, last_only: bool, to_cpu: bool, hidden: bool = False,
-             features: torch.Tensor | None = None, all_hidden: bool = False):
+             features: torch.Tensor | None = None, all_hidden: bool = False, keep_rows: list[int] | None = None):
         """(logits, hidden states or None): logits as `forward`/`forward_last` return them; with
         `hidden`, the final-norm outputs of the same rows (what the LM head reads), float32, CPU;
-        with `all_hidden` (and last_only), those of every row, flat [N, hidden]."""
+        with `all_hidden` (and last_only), those of every row, flat [N, hidden].
+
+        `keep_rows` (flat row indices; `forward_for_verify`): the LM head runs on those rows only and
+        both results stay on the device, flat: logits [len(keep_rows), V], hidden states of every row."""
+        all_hidden = all_hidden or (keep_rows is not None and hidden)
         with torch.inference_mode():
             batch = self._prepare(chunks)
             h = self._inputs(batch, features)  # [N, hidden]
@@ -301,13 +312,20 @@ class LeanLlamaRunner(ModelRunner):
                 h = self._attention(layer, h, cos, sin, batch)
                 h = self._mlp(layer, h)
             every = self._norm(h, self.final_norm) if all_hidden else None
-            if last_only:
-                h = h[batch.last_rows]
-            h = self._norm(h, self.final_norm) if every is None else every[batch.last_rows]
+            keep = batch.last_rows if last_only else None
+            if keep_rows is not None:
+                keep = torch.tensor(keep_rows, dtype=torch.long).to(self.device, non_blocking=True)
+            if every is not None:
+                h = every if keep is None else every[keep]
+            else:
+                h = self._norm(h if keep is None else h[keep], self.final_norm)
         # The LM head runs outside inference mode so the logits are ordinary tensors: callers
         # (temperature, top-k) may modify them in place without a copy.
         with torch.no_grad():
             logits = self.lm_head(h).float()
+            if keep_rows is not None:
+                self._commit_lengths(chunks)
+                return logits, every.float() if hidden else None
             if to_cpu:
                 logits = logits.cpu()
             states = (every if every is not None else h).float().cpu() if hidden else None

@@ -16,8 +16,9 @@ Glossary:
              ``keep_path(slot, start_pos, path)`` then moves the accepted path to its positions and
              drops the rest — at most the path's length in copies. A chain is ``parents = [-1, 0, ...]``.
 
-Logits are returned as float32 on the CPU by default (the verify rule runs there, in float32);
-``to_cpu=False`` keeps them float32 on the runner's device.
+Logits are returned as float32 on the CPU by default; ``to_cpu=False`` keeps them float32 on the
+runner's device, and ``forward_for_verify`` (the target's) returns only the rows the verify rule
+reads, on the device, where `duospec.verify_batch` decides the batch.
 """
 
 from __future__ import annotations
@@ -181,6 +182,25 @@ class ModelRunner(abc.ABC):
         ``[n_tokens, hidden_size]`` float32: the rows the LM head reads (after the final norm). The
         target sends these to head drafters (EAGLE, Medusa)."""
         raise NotImplementedError(f"the {self.backend} backend does not return hidden states")
+
+    def forward_for_verify(self, chunks: Sequence[SlotChunk], first_rows: Sequence[int], *,
+                           hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The verifier's forward: the logits of rows ``first_rows[i] ..`` of each chunk (the rows the
+        verify rule reads), flat ``[R, vocab]`` float32 on the runner's device — no copy to the host.
+        With ``hidden`` (backends with ``supports_hidden``), also every row's final hidden state,
+        flat ``[N, hidden_size]`` float32 on the device. Slot lengths as after ``forward``."""
+        self._validate(chunks)
+        if len(first_rows) != len(chunks) or any(not 0 <= r < len(c.token_ids) for r, c in zip(first_rows, chunks)):
+            raise ValueError(f"first_rows {list(first_rows)}: need one row index per chunk, within the chunk")
+        if hidden and not self.supports_hidden:
+            raise NotImplementedError(f"the {self.backend} backend does not return hidden states")
+        return self._forward_rows(chunks, first_rows, hidden)
+
+    def _forward_rows(self, chunks: Sequence[SlotChunk], first_rows: Sequence[int],
+                      hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Backend part of ``forward_for_verify``; this default slices a full forward on the device."""
+        logits = self._forward(chunks, last_only=False, to_cpu=False)
+        return torch.cat([rows[first:] for rows, first in zip(logits, first_rows)]), None
 
     @abc.abstractmethod
     def _forward(self, chunks: Sequence[SlotChunk], *, last_only: bool, to_cpu: bool):
