@@ -110,7 +110,8 @@ def verify(
         sample_bonus: if False, an all-accepted chunk yields kind NONE instead of a bonus token.
     """
     k = _check_inputs(draft_tokens, target_logits, params, start_pos)
-    # The rule runs on the CPU: k+1 rows are cheap to move and numpy does the per-token work.
+    # The reference runs on the CPU: k+1 rows are cheap to move and numpy does the per-token work
+    # (duospec/verify_batch.py decides whole batches on the device with the same arithmetic).
     target_logits = target_logits.detach().cpu()
     tokens = [int(t) for t in draft_tokens]
     if params.greedy:

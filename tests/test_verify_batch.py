@@ -159,7 +159,7 @@ def test_only_small_results_leave_the_device():
     assert seen and all(int(np.prod(shape)) <= 3 * 8 for shape in seen), seen
 
 
-def test_the_verifier_gives_the_same_verdict_batch_either_way(tmp_path):
+def test_the_verifier_gives_the_same_verdict_batch_either_way(tmp_path, test_device):
     """One real target, one batch of every item kind (greedy chain with logprobs, a tree, a sampled
     chain with q, a sampled item with a wrong-width q, features): the batched verify on the device and
     the reference item by item produce identical VerdictBatch messages and leave identical KV."""
@@ -195,7 +195,7 @@ def test_the_verifier_gives_the_same_verdict_batch_either_way(tmp_path):
 
     outputs = []
     for batched in (True, False):
-        runner = load_model(path, max_slots=4, max_context=64)
+        runner = load_model(path, max_slots=4, max_context=64, device=test_device)
         verifier = Verifier(runner, batched=batched)
         first = verifier.run(batch(1, 0))
         lengths = {seq: runner.slot_length(slot) for seq, slot in verifier.slots.items()}
