@@ -25,11 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from duospec.draft_worker.model_proposer import ALTERNATIVES, PREFILL_CHUNK_TOKENS
+from duospec.draft_worker.model_proposer import PREFILL_CHUNK_TOKENS, proposals_from_logits
 from duospec.draft_worker.proposer import DraftMethod, DraftState, FeatureStore, Proposal, Proposer
 from duospec.engine import SlotChunk, SlotsExhausted
 from duospec.engine.heads import EagleRunner
-from duospec.qcodec import draft_sample
 
 
 @dataclass
@@ -133,8 +132,7 @@ class EagleProposer(Proposer):
             chunks.append(SlotChunk(seq.proposer_state.slot, start, seq.tokens[start:stop]))
             inputs.append(self._inputs(seq, start, stop))
         logits, predicted = self.runner.forward_eagle(chunks, torch.cat(inputs))
-        ranked = torch.topk(logits, min(ALTERNATIVES + 1, logits.shape[-1]), dim=-1).indices.tolist()
-        offset = 0
+        offset, ready = 0, []
         for row, (i, (start, stop)) in enumerate(fed):
             seq = seqs[i]
             state: _HeadState = seq.proposer_state
@@ -149,9 +147,11 @@ class EagleProposer(Proposer):
             if stop < len(seq.tokens):  # more rows first (a long prompt, or rows that read predictions)
                 proposals[i] = Proposal(prefilling=True)
                 continue
-            token, q = draft_sample(logits[row], seq.sampling, seq.next_pos)
-            others = [t for t in ranked[row] if t != token][:ALTERNATIVES]
-            proposals[i] = Proposal([token], [q] if q is not None else [], alternatives=[others])
+            ready.append((row, i))
+        if ready:
+            chosen = proposals_from_logits(logits[[row for row, _ in ready]], [seqs[i] for _, i in ready])
+            for (_, i), proposal in zip(ready, chosen):
+                proposals[i] = proposal
         return proposals
 
     def stats(self) -> dict:

@@ -27,6 +27,23 @@ from duospec.qcodec import draft_sample
 ALTERNATIVES = 2  # next-best tokens named per drafted position (hedge keys)
 
 
+def proposals_from_logits(logits: torch.Tensor, seqs: list[DraftState]) -> list[Proposal]:
+    """One drafted token per row of ``logits [n, V]`` for ``seqs[i]`` at its next position — greedy:
+    the argmax; sampled: a draw from q (`draft_sample`) — with the draft's next-best tokens as hedge
+    keys. The logits may stay on the runner's device: only token ids come back from it, plus the rows
+    of sampled sequences (their q is encoded on the host)."""
+    ranked = torch.topk(logits, min(ALTERNATIVES + 1, logits.shape[-1]), dim=-1).indices.tolist()
+    best = logits.argmax(dim=-1).tolist()
+    sampled = [i for i, seq in enumerate(seqs) if not seq.sampling.greedy]
+    host = dict(zip(sampled, logits[sampled].cpu())) if sampled else {}
+    proposals = []
+    for row, seq in enumerate(seqs):
+        token, q = draft_sample(host[row], seq.sampling, seq.next_pos) if row in host else (best[row], None)
+        others = [t for t in ranked[row] if t != token][:ALTERNATIVES]
+        proposals.append(Proposal([token], [q] if q is not None else [], alternatives=[others]))
+    return proposals
+
+
 @dataclass
 class _SlotState:
     slot: int
@@ -73,19 +90,20 @@ class ModelProposer(Proposer):
         states: list[_SlotState] = [seq.proposer_state for seq in seqs]
         ends = [min(len(seq.tokens), state.fed + self.prefill_chunk_tokens) for seq, state in zip(seqs, states)]
         logits = self.runner.forward_last(
-            [SlotChunk(state.slot, state.fed, seq.tokens[state.fed:end]) for seq, state, end in zip(seqs, states, ends)]
+            [SlotChunk(state.slot, state.fed, seq.tokens[state.fed:end]) for seq, state, end in zip(seqs, states, ends)],
+            to_cpu=False,
         )
-        ranked = torch.topk(logits, min(ALTERNATIVES + 1, logits.shape[-1]), dim=-1).indices.tolist()
-        proposals = []
+        proposals = [Proposal(prefilling=True) for _ in seqs]
+        ready = []
         for row, (seq, state, end) in enumerate(zip(seqs, states, ends)):
             if end < len(seq.tokens):  # a chunk of a long prompt read; no token until the rest is in
                 state.fed = end
-                proposals.append(Proposal(prefilling=True))
                 continue
-            token, q = draft_sample(logits[row], seq.sampling, seq.next_pos)
             state.fed = seq.next_pos  # everything before the new token is now cached
-            others = [t for t in ranked[row] if t != token][:ALTERNATIVES]
-            proposals.append(Proposal([token], [q] if q is not None else [], alternatives=[others]))
+            ready.append(row)
+        if ready:
+            for row, proposal in zip(ready, proposals_from_logits(logits[ready], [seqs[r] for r in ready])):
+                proposals[row] = proposal
         return proposals
 
     def stats(self) -> dict:

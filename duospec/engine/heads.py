@@ -215,10 +215,10 @@ class EagleRunner(LeanLlamaRunner):
 
     def forward_eagle(self, chunks, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed `chunks` with `features` [N tokens over all chunks, hidden] (row j's feature is that of
-        position j - 1); returns each chunk's last row's logits [len(chunks), vocab] and every row's
-        predicted feature [N, hidden], both float32 on the CPU."""
+        position j - 1); returns each chunk's last row's logits [len(chunks), vocab] (float32, on the
+        head's device) and every row's predicted feature [N, hidden] (float32, on the CPU)."""
         self._validate(chunks)
-        return self._run(chunks, last_only=True, to_cpu=True, hidden=True, features=features, all_hidden=True)
+        return self._run(chunks, last_only=True, to_cpu=False, hidden=True, features=features, all_hidden=True)
 
 
 def load_eagle(path, target_path, *, device="cpu", dtype=torch.float32, max_slots: int = 16,
