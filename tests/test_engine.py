@@ -259,6 +259,33 @@ def test_packed_cpu_linear_matches_f_linear(shape, rows):
         assert linear.packed is None
 
 
+@pytest.mark.parametrize("plain_rows", [0, 4, 16])
+def test_each_kernel_choice_computes_f_linear(monkeypatch, plain_rows):
+    """Whatever the load-time measurement picks (oneDNN from the first row, from the fifth, or never),
+    every row count gives F.linear's result and runs the kernel the measurement chose."""
+    from duospec.engine import llama
+
+    if not llama._packed_linear_works():
+        pytest.skip("no oneDNN packed linear in this torch build")
+    monkeypatch.setattr(llama, "_plain_rows_limit", lambda *shape: plain_rows)
+    gen = torch.Generator().manual_seed(plain_rows)
+    weight, bias = torch.randn(1024, 256, generator=gen), torch.randn(1024, generator=gen)
+    linear = llama._Linear(weight, bias, pack=True)
+    assert (linear.packed is None) == (plain_rows >= 16) and (linear.weight is None) == (plain_rows == 0)
+    for rows in (1, 3, 4, 5, 9, 40):
+        x = torch.randn(rows, 256, generator=gen)
+        torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_the_measured_choice_is_a_row_count():
+    from duospec.engine import llama
+
+    if not llama._packed_linear_works():
+        pytest.skip("no oneDNN packed linear in this torch build")
+    assert llama._plain_rows_limit(768, 256) in (0, *llama._CALIBRATE_ROWS)
+    assert llama._plain_rows_limit(1 << 12, 1 << 12) in (0, 1)  # too big to measure: the fixed rule
+
+
 def test_packed_linear_can_be_switched_off(monkeypatch):
     from duospec.engine import llama
 

@@ -17,6 +17,7 @@ import functools
 import logging
 import math
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain
@@ -100,9 +101,13 @@ def _layer_windows(config) -> list[int | None]:
 
 # Set DUOSPEC_PACKED_LINEAR=0 to run every CPU projection through plain F.linear.
 PACKED_LINEAR_ENV = "DUOSPEC_PACKED_LINEAR"
-# oneDNN's fixed cost per call is ~10 µs: weights below _PACK_MIN_ELEMENTS stay plain F.linear, and
-# up to _PLAIN_ONE_ROW_MAX_ELEMENTS a one-row product (the drafter's step) still takes the plain copy.
+# oneDNN's fixed cost per call is ~10 µs: weights below _PACK_MIN_ELEMENTS stay plain F.linear.
 _PACK_MIN_ELEMENTS = 1 << 17
+# Which kernel is faster for how many rows differs by machine (below): measured once per weight shape
+# at load, for weights up to _CALIBRATE_MAX_ELEMENTS; bigger ones (seconds per product on a CPU) use
+# the fixed rule: plain for one row up to _PLAIN_ONE_ROW_MAX_ELEMENTS, oneDNN otherwise.
+_CALIBRATE_MAX_ELEMENTS = 1 << 23
+_CALIBRATE_ROWS = (1, 2, 4, 8, 16)
 _PLAIN_ONE_ROW_MAX_ELEMENTS = 1 << 19
 # Weights too big for the cache: oneDNN's kernel for 1-2 rows is slower than for 3-5 (measured: a
 # 2304x768 weight takes 525/602 µs for 1/2 rows, 388 µs for 4), so products of 1-3 rows with such
@@ -120,34 +125,69 @@ def _packed_linear_works() -> bool:
         gen = torch.Generator().manual_seed(0)
         w, b, x = (torch.randn(shape, generator=gen) for shape in ((64, 32), (64,), (5, 32)))
         got = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, 8), b, "none", [], "")
-        return bool(torch.allclose(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5))
+        return bool(torch.allclose(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4))
     except Exception as exc:  # an op missing from this torch build
         log.info("oneDNN packed linear unavailable (%s); using F.linear", exc)
         return False
 
 
+def _faster_first(a, b, repeats: int = 15) -> bool:
+    """Whether `a()` takes no longer than `b()` (medians of interleaved calls, so drift hits both)."""
+    a(), b()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for fn, out in ((a, times[0]), (b, times[1])):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return sorted(times[0])[repeats // 2] <= sorted(times[1])[repeats // 2]
+
+
+@functools.cache
+def _plain_rows_limit(out_features: int, in_features: int) -> int:
+    """Up to how many rows plain F.linear (MKL) beats the prepacked oneDNN kernel for this weight
+    shape on this machine (0: never), measured on random data. On an AMD EPYC VM oneDNN won from 2
+    rows for every weight over _PACK_MIN_ELEMENTS; on an Intel Xeon VM MKL won up to 8 rows for a
+    768x256 weight, and oneDNN from 4 rows for a 4096x256 one (the LM head)."""
+    if out_features * in_features > _CALIBRATE_MAX_ELEMENTS:
+        return 1 if out_features * in_features <= _PLAIN_ONE_ROW_MAX_ELEMENTS else 0
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
+    limit = 0
+    for rows in _CALIBRATE_ROWS:
+        x = torch.randn(rows, in_features, generator=gen)
+        if not _faster_first(lambda: F.linear(x, weight),
+                             lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")):
+            break
+        limit = rows
+    log.debug("linear %dx%d: plain F.linear up to %d rows, oneDNN beyond", out_features, in_features, limit)
+    return limit
+
+
 class _Linear:
     """``x @ weight.T + bias`` for 2-D ``x``.
 
-    On the CPU in float32 the weight is prepacked once for oneDNN: its GEMM costs about the same for
-    2-8 rows as for one, where F.linear (MKL) costs about twice as much for two rows as for one and
-    ~3x for five on this kind of machine — and a verify forward is exactly 1 + k rows per sequence.
-    Small weights stay (or also stay) plain, where F.linear is cheaper (the drafter's one-row step).
+    On the CPU in float32 a weight may also be prepacked once for oneDNN, whose GEMM costs about the
+    same for 2-8 rows as for one — and a verify forward is exactly 1 + k rows per sequence. Which of
+    the two kernels runs for how many rows is measured per weight shape at load (`_plain_rows_limit`);
+    small weights stay plain (oneDNN's fixed cost per call dominates there).
     """
 
-    __slots__ = ("weight", "bias", "packed", "pad")
+    __slots__ = ("weight", "bias", "packed", "pad", "plain_rows")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, pack: bool) -> None:
         self.bias = bias
         pack = pack and weight.numel() >= _PACK_MIN_ELEMENTS
+        self.plain_rows = _plain_rows_limit(*weight.shape) if pack else 1 << 62
+        pack = pack and self.plain_rows < _CALIBRATE_ROWS[-1]  # oneDNN wins somewhere below 16 rows
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8) if pack else None
-        keep_plain = not pack or weight.numel() <= _PLAIN_ONE_ROW_MAX_ELEMENTS
-        self.weight = weight if keep_plain else None
+        self.weight = weight if not pack or self.plain_rows > 0 else None
         self.pad = pack and weight.numel() >= _PAD_MIN_ELEMENTS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self.packed is None or (self.weight is not None and rows == 1):
+        if self.packed is None or rows <= self.plain_rows:
             return F.linear(x, self.weight, self.bias)
         if self.pad and rows < _PAD_ROWS:
             padded = F.pad(x, (0, 0, 0, _PAD_ROWS - rows))
