@@ -423,7 +423,7 @@ class Scheduler(WorkerRecovery, VerifyItems):
                 committed_guarded += kept if self._guarded(seq) else 0
             if guarded:
                 was_speculating = self.guard.speculating
-                self.guard.observe_round(committed_guarded, len(guarded), drafted)
+                self.guard.observe_round(committed_guarded, len(guarded), drafted, inflight.decode_only)
                 if self.guard.speculating and not was_speculating:  # a probe or a switch back: really try
                     for seq in guarded:
                         seq.acceptance = self._acceptance_prior()

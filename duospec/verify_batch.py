@@ -7,12 +7,16 @@ path, the next token and its kind. The only host->device traffic is small index 
 uniforms (computed on the host by the same counter-based hash, `duospec.sampling.uniforms`, so the
 random draws are the reference's by construction).
 
-Bit for bit on the CPU: every floating-point step repeats the reference's (float32
-`probs_from_logits`, then float64 acceptance ratios, residuals and inverse-CDF sampling);
-tests/test_verify_batch.py checks the decisions over randomized batches. On a GPU the reductions
-(softmax, cumulative sums) may round differently from the CPU's, so a seeded sampled run can differ
-from the CPU's in a draw that lands within rounding of a boundary; each draw is still distributed
-exactly as the rule says, and greedy decisions are argmaxes (identical).
+The same decisions on the CPU: every floating-point step repeats the reference's (float32
+`probs_from_logits`, then float64 acceptance ratios, residuals and inverse-CDF sampling) — bit for
+bit for chains; a sampled tree's residual is normalised by a sum that numpy adds pairwise and torch
+in another order (1 ulp apart in some rows), so a decision there could differ only for a uniform
+within ~1e-16 of its threshold. tests/test_verify_batch.py checks the decisions over randomized
+batches. On a GPU the reductions (softmax, cumulative sums) may round differently from the CPU's, so
+a seeded sampled run can differ from the CPU's in a draw that lands within rounding of a boundary;
+each draw is still distributed exactly as the rule says, and greedy decisions are argmaxes
+(identical). Broken logits (NaN, +inf, an all -inf row) fail an item exactly where the reference
+raises.
 
 Shapes: B items, K = the most draft nodes of an item, M = the most children of a node, D = the
 deepest path + 1 (the positions a walk can visit).
@@ -244,7 +248,13 @@ def _sampled(logits: torch.Tensor, tasks: Sequence[VerifyTask], width: int) -> l
     if width > rows.shape[1]:
         rows = torch.nn.functional.pad(rows, (0, width - rows.shape[1]), value=float("-inf"))
     rows = rows.float()
-    broken = torch.isnan(rows).any(-1) | (rows == float("-inf")).all(-1)  # the reference's ValueErrors
+    # Rows on which the reference raises (NaN; all -inf; +inf, which turns p into NaN), and only
+    # where it reads them: a chain's draft rows always, its bonus row when it draws the bonus; a
+    # tree's rows along the walk.
+    broken = (torch.isnan(rows).any(-1) | (rows == float("-inf")).all(-1)
+              | (rows == float("inf")).any(-1)).view(tab.b, tab.k + 1)
+    n_drafts = torch.tensor([len(p) for p in tab.parents], device=device)
+    draft_rows = torch.arange(tab.k + 1, device=device)[None, :] < n_drafts[:, None]
     params = [t.params for t in tasks]
     per_row = lambda values, dtype: torch.tensor(values, dtype=dtype).repeat_interleave(tab.k + 1).to(device)  # noqa: E731
     p = probs_from_logits_rows(rows, per_row([x.temperature for x in params], torch.float64),
@@ -292,6 +302,7 @@ def _sampled(logits: torch.Tensor, tasks: Sequence[VerifyTask], width: int) -> l
     accept_u, residual_u, target_u = (torch.from_numpy(x).to(device) for x in (accept_u, residual_u, target_u))
     is_tree = torch.tensor([t.parents is not None for t in tasks], device=device)
     sample_bonus = torch.tensor([t.sample_bonus for t in tasks], device=device)
+    item_broken = (broken & draft_rows).any(1) & ~is_tree
 
     node = torch.full((tab.b,), -1, dtype=torch.long, device=device)
     active = torch.ones(tab.b, dtype=torch.bool, device=device)
@@ -306,6 +317,8 @@ def _sampled(logits: torch.Tensor, tasks: Sequence[VerifyTask], width: int) -> l
         options = tab.children[b_idx, node + 1]  # [B, M]
         n_options = (options >= 0).sum(1)
         leaf = active & (n_options == 0)
+        row_broken = broken[b_idx, node + 1]
+        item_broken |= row_broken & ((leaf & sample_bonus) | (active & ~leaf & is_tree))
         final_row = torch.where(leaf[:, None], residual, final_row)
         final_u = torch.where(leaf, target_u[:, depth], final_u)
         kind = torch.where(leaf, torch.where(sample_bonus, _BONUS, _NONE), kind)
@@ -338,12 +351,11 @@ def _sampled(logits: torch.Tensor, tasks: Sequence[VerifyTask], width: int) -> l
         node = torch.where(deciding & (matched >= 0), matched, node)
         active = deciding & (matched >= 0)
     next_token = _sample_rows(final_row, final_u)
-    item_broken = broken.view(tab.b, tab.k + 1).any(1)
     packed = torch.cat([path_nodes, next_token[:, None], kind[:, None], item_broken.long()[:, None]], 1).cpu().numpy()
     verdicts: list[TreeVerdict | ValueError] = []
     for b in range(tab.b):
         if packed[b, -1]:
-            verdicts.append(ValueError("logits contain NaN or an all -inf row; the model output is broken"))
+            verdicts.append(ValueError("logits contain NaN, +inf or an all -inf row; the model output is broken"))
             continue
         path = tuple(int(n) for n in packed[b, : tab.d] if n >= 0)
         k = _KINDS[int(packed[b, tab.d + 1])]

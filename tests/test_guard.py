@@ -281,3 +281,22 @@ def test_a_benchmark_can_make_every_speculation_variant_learn_on_its_own():
     router.entries = {"m": types.SimpleNamespace(scheduler=scheduler), "unopened": types.SimpleNamespace(scheduler=None)}
     router.forget_speculation_choices()
     assert scheduler.guard.state is GuardState.SPECULATE and scheduler.guard.goodput == {}
+
+
+def test_rounds_that_read_prompts_are_not_measured():
+    """A wave of prompt prefills costs the same in either state; counted, it made whichever state was
+    running then look slow (requests arriving together at 8 streams)."""
+    guard, clock, per_window = _guard()
+    for _ in range(3 * per_window):  # speculating: decode rounds at 250 tok/s
+        clock.now += 2 / 250
+        guard.observe_round(2, 1)
+        if guard.state is GuardState.TARGET_ONLY:
+            break
+    assert guard.state is GuardState.TARGET_ONLY  # the probe of the unmeasured state
+    for i in range(3 * per_window):  # target-only at 100 tok/s, every other round a slow prefill
+        if guard.state is not GuardState.TARGET_ONLY:
+            break
+        prefill = i % 2 == 0
+        clock.now += 0.05 if prefill else 1 / 100
+        guard.observe_round(1, 1, decode_only=not prefill)
+    assert guard.stats()["goodput"]["target_only@1"] == pytest.approx(100, rel=0.01)

@@ -129,8 +129,9 @@ def test_bad_items_get_their_own_error_and_the_rest_their_verdicts():
     greedy = VerifyTask(draft_tokens=[1], first_row=0, params=SamplingParams(), start_pos=0)
     out_of_rows = VerifyTask(draft_tokens=[1, 2, 3], first_row=2, params=SamplingParams(), start_pos=0)
     missing_q = VerifyTask(draft_tokens=[1], first_row=0, params=SamplingParams(temperature=1.0), start_pos=0)
-    broken = VerifyTask(draft_tokens=[1], first_row=2, params=SamplingParams(temperature=1.0), start_pos=0,
-                        parents=[-1])
+    broken = VerifyTask(draft_tokens=[1], first_row=3, params=SamplingParams(temperature=1.0), start_pos=0,
+                        parents=[-1])  # its first row (the one the walk reads first) is NaN
+    logits = torch.cat([logits, torch.randn(1, 10)])
     got = verify_batch(logits, [greedy, out_of_rows, missing_q, broken])
     assert isinstance(got[0], TreeVerdict)
     assert isinstance(got[1], ValueError) and "outside" in str(got[1])
@@ -210,3 +211,40 @@ def test_the_verifier_gives_the_same_verdict_batch_either_way(tmp_path, test_dev
     assert not first_b.errors and len(first_b.verdicts) == 4
     assert first_b == first_r and second_b == second_r and lengths_b == lengths_r
     assert first_b.verdicts[0].features.fp16 and len(first_b.verdicts[0].logprobs) >= 1
+
+
+def test_broken_logits_fail_an_item_exactly_where_the_reference_raises():
+    """NaN / +inf / all -inf rows: an error where the reference reads such a row, a verdict where it
+    does not (a chain's bonus row after a rejection, a declined bonus, a tree's unvisited node)."""
+    gen = torch.Generator().manual_seed(3)
+    sampled = SamplingParams(temperature=1.0, seed=9)
+    vocab = 40
+
+    def case(k, parents, bad_row, value, bonus=True, accept_first=False, q=True):
+        rows = torch.randn(k + 1, vocab, generator=gen)
+        tokens = [int(rows[0].argmax()) if accept_first else int(rows[0].argmin())] + [3] * (k - 1)
+        if bad_row is not None:
+            if value == "all -inf":
+                rows[bad_row] = float("-inf")
+            else:
+                rows[bad_row, 5] = value
+        probs = [DraftProbs.from_probs(torch.softmax(rows[i].nan_to_num(0, 0, 0), 0)) for i in range(k)] if q else None
+        return VerifyTask(tokens[:k], 0, sampled, 10, parents=parents, draft_probs=probs, sample_bonus=bonus), rows
+
+    cases = [
+        case(2, None, 1, float("inf")),  # +inf in a draft row: the reference raises
+        case(2, None, 2, float("nan")),  # NaN in the bonus row after an early rejection: a verdict
+        case(2, None, 2, float("nan"), bonus=False),
+        case(0, None, 0, float("nan"), bonus=False),  # nothing read: NONE
+        case(0, None, 0, float("nan")),  # the bonus row is read: error
+        case(2, [-1, -1], 2, float("nan"), q=False),  # a tree: node 1's row is never visited
+        case(2, [-1, 0], 1, "all -inf", accept_first=True, q=False),  # visited: error
+    ]
+    outcomes = []
+    for task, rows in cases:
+        got, want = verify_batch(rows, [task])[0], verify_each(rows, [task])[0]
+        assert isinstance(got, ValueError) == isinstance(want, ValueError), (task, got, want)
+        if not isinstance(want, ValueError):
+            assert got == want
+        outcomes.append(isinstance(want, ValueError))
+    assert True in outcomes and False in outcomes

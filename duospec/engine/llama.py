@@ -104,11 +104,10 @@ PACKED_LINEAR_ENV = "DUOSPEC_PACKED_LINEAR"
 # oneDNN's fixed cost per call is ~10 µs: weights below _PACK_MIN_ELEMENTS stay plain F.linear.
 _PACK_MIN_ELEMENTS = 1 << 17
 # Which kernel is faster for how many rows differs by machine (below): measured once per weight shape
-# at load, for weights up to _CALIBRATE_MAX_ELEMENTS; bigger ones (seconds per product on a CPU) use
-# the fixed rule: plain for one row up to _PLAIN_ONE_ROW_MAX_ELEMENTS, oneDNN otherwise.
+# at load, for weights up to _CALIBRATE_MAX_ELEMENTS; bigger ones (seconds per product on a CPU) run
+# oneDNN for every row count, as the fixed rule did for weights that size.
 _CALIBRATE_MAX_ELEMENTS = 1 << 23
 _CALIBRATE_ROWS = (1, 2, 4, 8, 16)
-_PLAIN_ONE_ROW_MAX_ELEMENTS = 1 << 19
 # Weights too big for the cache: oneDNN's kernel for 1-2 rows is slower than for 3-5 (measured: a
 # 2304x768 weight takes 525/602 µs for 1/2 rows, 388 µs for 4), so products of 1-3 rows with such
 # weights run padded to 4 rows.
@@ -150,7 +149,7 @@ def _plain_rows_limit(out_features: int, in_features: int) -> int:
     rows for every weight over _PACK_MIN_ELEMENTS; on an Intel Xeon VM MKL won up to 8 rows for a
     768x256 weight, and oneDNN from 4 rows for a 4096x256 one (the LM head)."""
     if out_features * in_features > _CALIBRATE_MAX_ELEMENTS:
-        return 1 if out_features * in_features <= _PLAIN_ONE_ROW_MAX_ELEMENTS else 0
+        return 0
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=gen)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
