@@ -73,8 +73,7 @@ def verify_batch(logits: torch.Tensor, tasks: Sequence[VerifyTask]) -> list[Tree
         # A draft wider than the target (padded embeddings) proposes ids the target cannot produce:
         # they get -inf logits, as the verifier gives the reference (and the same width, so the
         # softmax sums the same terms).
-        width = max([vocab, *(t + 1 for t in task.draft_tokens),
-                     *(int(q.token_ids[-1]) + 1 for q in task.draft_probs or ())])
+        width = max(vocab, _widest_id(task) + 1)
         greedy = task.params.greedy
         groups.setdefault((greedy, vocab if greedy else width), []).append(i)
     for (greedy, width), members in groups.items():
@@ -98,7 +97,7 @@ def verify_each(logits: torch.Tensor, tasks: Sequence[VerifyTask]) -> list[TreeV
             results.append(error)
             continue
         rows = logits[task.first_row : task.first_row + len(task.draft_tokens) + 1].cpu()
-        widest = max([*task.draft_tokens, *(int(q.token_ids[-1]) for q in task.draft_probs or ())], default=0) + 1
+        widest = _widest_id(task) + 1
         if widest > rows.shape[-1]:
             rows = torch.nn.functional.pad(rows, (0, widest - rows.shape[-1]), value=float("-inf"))
         try:
@@ -112,6 +111,12 @@ def verify_each(logits: torch.Tensor, tasks: Sequence[VerifyTask]) -> list[TreeV
         except ValueError as exc:
             results.append(exc)
     return results
+
+
+def _widest_id(task: VerifyTask) -> int:
+    """The largest token id the item names (a draft token or q's support): a draft with padded
+    embeddings may name ids past the target's vocabulary, which get -inf logits (probability 0)."""
+    return max([*task.draft_tokens, *(int(q.token_ids[-1]) for q in task.draft_probs or ())], default=0)
 
 
 def _check(task: VerifyTask, n_rows: int) -> ValueError | None:

@@ -67,6 +67,7 @@ class Verifier:
             self.release(seq_id)
         out = pb.VerdictBatch(batch_id=batch.batch_id)
         items, chunks, tasks = [], [], []
+        first_row = 0  # where the next item's verify rows start in the forward's logits
         for item in batch.items:
             error = self._check(item)
             if error is not None:
@@ -74,12 +75,13 @@ class Verifier:
                 continue
             item = self._as_supported(item)
             try:
-                tasks.append(_task(item, first_row=sum(len(i.draft_tokens) + 1 for i in items)))
+                tasks.append(_task(item, first_row))
             except ValueError as exc:  # a malformed q fails its own item only
                 self.release(item.seq_id)
                 out.errors.append(_error(item, pb.VERIFY_ERROR_KIND_BAD_REQUEST, f"verify failed: {exc}"))
                 continue
             items.append(item)
+            first_row += len(item.draft_tokens) + 1
             chunks.append(SlotChunk(self.slots[item.seq_id], item.start_pos, [*item.context, *item.draft_tokens],
                                     _chunk_parents(item)))
         if chunks:
