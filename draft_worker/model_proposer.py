@@ -32,14 +32,14 @@ def proposals_from_logits(logits: torch.Tensor, seqs: list[DraftState]) -> list[
     the argmax; sampled: a draw from q (`draft_sample`) — with the draft's next-best tokens as hedge
     keys. The logits may stay on the runner's device: only token ids come back from it, plus the rows
     of sampled sequences (their q is encoded on the host)."""
-    ranked = torch.topk(logits, min(ALTERNATIVES + 1, logits.shape[-1]), dim=-1).indices.tolist()
-    best = logits.argmax(dim=-1).tolist()
+    ranked = torch.topk(logits, min(ALTERNATIVES + 1, logits.shape[-1]), dim=-1).indices
+    picks = torch.cat([logits.argmax(dim=-1, keepdim=True), ranked], dim=1).tolist()  # one copy off the device
     sampled = [i for i, seq in enumerate(seqs) if not seq.sampling.greedy]
     host = dict(zip(sampled, logits[sampled].cpu())) if sampled else {}
     proposals = []
     for row, seq in enumerate(seqs):
-        token, q = draft_sample(host[row], seq.sampling, seq.next_pos) if row in host else (best[row], None)
-        others = [t for t in ranked[row] if t != token][:ALTERNATIVES]
+        token, q = draft_sample(host[row], seq.sampling, seq.next_pos) if row in host else (picks[row][0], None)
+        others = [t for t in picks[row][1:] if t != token][:ALTERNATIVES]
         proposals.append(Proposal([token], [q] if q is not None else [], alternatives=[others]))
     return proposals
 

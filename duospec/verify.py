@@ -201,7 +201,7 @@ def _walk_sampled(tokens: list[int], parents: list[int], target_logits: torch.Te
     """The recursive residual over each position's candidates (module docstring)."""
     vocab = target_logits.shape[1]
     given = list(draft_probs) if draft_probs is not None else []
-    children = _children(parents)
+    children = tree_children(parents)
     path, node = [], -1
     while True:
         pos = start_pos + len(path)
@@ -230,7 +230,7 @@ def _walk_sampled(tokens: list[int], parents: list[int], target_logits: torch.Te
         node = match
 
 
-def _children(parents: list[int]) -> dict[int, list[int]]:
+def tree_children(parents: Sequence[int]) -> dict[int, list[int]]:
     """node -> its children in index order (-1: the roots)."""
     children: dict[int, list[int]] = {}
     for i, parent in enumerate(parents):
@@ -252,7 +252,7 @@ def _dense_q(q, token: int, vocab: int) -> np.ndarray:
 def _walk_greedy(tokens: list[int], parents: list[int], target_logits: torch.Tensor,
                  sample_bonus: bool) -> tuple[list[int], Verdict]:
     argmax = target_logits.argmax(dim=-1).tolist()  # argmax[i + 1]: after node i; argmax[0]: the roots'
-    children = _children(parents)
+    children = tree_children(parents)
     path, node = [], -1
     while True:
         want = argmax[node + 1]

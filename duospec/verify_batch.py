@@ -32,7 +32,8 @@ import torch
 
 from duospec.qcodec import DraftProbs
 from duospec.sampling import Purpose, SamplingParams, sibling_key, uniforms
-from duospec.verify import NextTokenKind, TreeVerdict, Verdict, verify, verify_tree
+from duospec.engine.runner import tree_depths
+from duospec.verify import NextTokenKind, TreeVerdict, Verdict, tree_children, verify, verify_tree
 
 __all__ = ["VerifyTask", "verify_batch", "verify_each", "probs_from_logits_rows"]
 
@@ -147,13 +148,10 @@ class _Tables:
         self.parents = [list(map(int, t.parents)) if t.parents is not None else list(range(-1, len(t.draft_tokens) - 1))
                         for t in tasks]
         self.k = max(1, max(len(p) for p in self.parents))
-        depths = [_depths(p) for p in self.parents]
+        depths = [tree_depths(p) for p in self.parents]
         self.d = 1 + max((max(ds) + 1 for ds in depths if ds), default=0)  # positions a walk may visit
-        children = [[[] for _ in range(len(p) + 1)] for p in self.parents]  # [b][node + 1] -> child nodes
-        for b, ps in enumerate(self.parents):
-            for node, parent in enumerate(ps):
-                children[b][parent + 1].append(node)
-        self.m = max(1, max(len(c) for cs in children for c in cs))
+        children = [tree_children(p) for p in self.parents]  # [b] {node: its children}, -1: the roots
+        self.m = max(1, max((len(c) for cs in children for c in cs.values()), default=1))
         tokens = np.full((self.b, self.k), -1, np.int64)
         parents = np.full((self.b, self.k), -2, np.int64)
         kids = np.full((self.b, self.k + 1, self.m), -1, np.int64)
@@ -161,23 +159,15 @@ class _Tables:
             n = len(self.parents[b])
             tokens[b, :n] = task.draft_tokens
             parents[b, :n] = self.parents[b]
-            for node, cs in enumerate(children[b]):
-                kids[b, node, : len(cs)] = cs
+            for node, cs in children[b].items():
+                kids[b, node + 1, : len(cs)] = cs
         rows = np.array([[t.first_row] for t in tasks], np.int64) + np.arange(self.k + 1)
         rows = np.minimum(rows, np.array([[t.first_row + len(p)] for t, p in zip(tasks, self.parents)]))
-        self.children_np = kids
         t = torch.from_numpy(np.stack([tokens, parents])).to(device, non_blocking=True)
         self.tokens, self.parent = t[0], t[1]  # [B, K]
         self.rows = torch.from_numpy(rows).to(device, non_blocking=True)  # [B, K + 1]
         self.children = torch.from_numpy(kids).to(device, non_blocking=True)  # [B, K + 1, M]
         self.valid = self.parent > -2
-
-
-def _depths(parents: list[int]) -> list[int]:
-    depths: list[int] = []
-    for parent in parents:
-        depths.append(0 if parent < 0 else depths[parent] + 1)
-    return depths
 
 
 def _greedy(logits: torch.Tensor, tasks: Sequence[VerifyTask], _width: int) -> list[TreeVerdict]:

@@ -106,7 +106,7 @@ class Verifier:
                 try:
                     if isinstance(decision, Exception):
                         raise decision
-                    out.verdicts.append(self._verdict(item, decision, rows, item_hidden))
+                    out.verdicts.append(self._verdict(item, task, decision, rows, item_hidden))
                 except Exception as exc:
                     self.release(item.seq_id)
                     out.errors.append(_error(item, pb.VERIFY_ERROR_KIND_BAD_REQUEST, f"verify failed: {exc}"))
@@ -151,7 +151,8 @@ class Verifier:
             return _error(item, pb.VERIFY_ERROR_KIND_BAD_REQUEST, "start_pos is past the cached prefix")
         return None
 
-    def _verdict(self, item: pb.VerifyItem, decision: TreeVerdict, rows: torch.Tensor, hidden=None) -> pb.Verdict:
+    def _verdict(self, item: pb.VerifyItem, task: VerifyTask, decision: TreeVerdict, rows: torch.Tensor,
+                 hidden=None) -> pb.Verdict:
         """The verdict message for one decided item; its KV slot keeps the committed prefix less the
         newest token (fed at the start of the next round). `rows`: its k + 1 logits rows (device)."""
         n_ctx = len(item.context)
@@ -169,7 +170,7 @@ class Verifier:
             next_token=result.next_token if result.next_token is not None else 0,
             path=path,
         )
-        accepted = list(path) if item.draft_parents else list(range(result.n_accepted))
+        accepted = list(decision.path)  # a chain's path is 0 .. n_accepted - 1
         if item.features and hidden is not None:
             committed_rows = torch.tensor([*range(n_ctx), *(n_ctx + i for i in accepted)], device=hidden.device)
             verdict.features.CopyFrom(features_to_proto(item.start_pos, hidden[committed_rows]))
@@ -177,8 +178,8 @@ class Verifier:
             tokens = [item.draft_tokens[i] for i in accepted]
             if result.next_token is not None:
                 tokens.append(result.next_token)
-            verdict.logprobs.extend(_logprobs(rows, accepted, list(item.draft_parents), tokens,
-                                              sampling_from_proto(item.sampling), item.top_logprobs))
+            verdict.logprobs.extend(_logprobs(rows, accepted, list(item.draft_parents), tokens, task.params,
+                                              item.top_logprobs))
         return verdict
 
 

@@ -31,7 +31,7 @@ import torch
 
 from duospec.engine.errors import SlotsExhausted
 
-__all__ = ["SlotChunk", "ModelRunner"]
+__all__ = ["SlotChunk", "ModelRunner", "tree_depths"]
 
 
 @dataclass(frozen=True)
@@ -48,10 +48,15 @@ class SlotChunk:
         """Position offset of each token from start_pos (a chain: 0, 1, 2, ...)."""
         if self.parents is None:
             return list(range(len(self.token_ids)))
-        depths: list[int] = []
-        for parent in self.parents:
-            depths.append(0 if parent < 0 else depths[parent] + 1)
-        return depths
+        return tree_depths(self.parents)
+
+
+def tree_depths(parents: Sequence[int]) -> list[int]:
+    """Each node's depth in a tree given as parent indices (-1: a root at depth 0; parents[i] < i)."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return depths
 
 
 class ModelRunner(abc.ABC):
