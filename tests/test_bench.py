@@ -10,7 +10,7 @@ import pytest
 
 from duospec.bench import arithmetic as ar
 from duospec.bench.records import RequestRecord, Run, WorkerWindow, window
-from duospec.bench.summary import add_ideal_bound, exactness, mode_summary
+from duospec.bench.summary import add_ideal_bound, exactness, mode_summary, sweep_medians, targets
 
 GROUNDED = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "grounded.jsonl"
 
@@ -85,6 +85,31 @@ def test_mode_summary_medians_and_ideal_bound():
     assert s["ideal_tokens_per_s"] == pytest.approx(25.0)  # 2.5 tokens / 0.1 s, in every run
     assert s["efficiency_runs"] == pytest.approx([0.8, 0.4, 1.0])  # 20, 10, 25 tokens/s over 25
     assert s["efficiency"] == pytest.approx(0.8)
+
+
+def _sweep_point(streams, mode, tokens_per_s, repeat):
+    return {"mode": mode, "streams": streams, "requests": 2 * streams, "tokens": 256 * streams, "wall_s": 1.0,
+            "aggregate_tokens_per_s": tokens_per_s, "ttft_p50_s": 0.01 * repeat, "ttft_p99_s": 0.02,
+            "itl_p50_s": None, "itl_p99_s": None, "repeat": repeat}
+
+
+def test_sweep_medians_over_passes_and_the_8_stream_target_reads_them():
+    points = [_sweep_point(s, m, v, r) for r, pass_values in enumerate([(100, 110, 800, 900), (90, 100, 950, 880),
+                                                                        (120, 105, 700, 910)])
+              for s, m, v in zip((1, 1, 8, 8), ("pearl", "off") * 2, pass_values)]
+    rows = sweep_medians(points)
+    assert [(r["streams"], r["mode"]) for r in rows] == [(1, "pearl"), (1, "off"), (8, "pearl"), (8, "off")]
+    pearl8 = rows[2]
+    assert pearl8["aggregate_tokens_per_s"] == 800 and pearl8["aggregate_tokens_per_s_runs"] == [800, 950, 700]
+    assert pearl8["repeats"] == 3 and pearl8["ttft_p50_s"] == pytest.approx(0.01) and pearl8["itl_p50_s"] is None
+    report = {"paths": {}, "overhead": [], "sweep": rows}
+    at8 = next(t for t in targets(report) if t["key"] == "pearl_vs_off_at_8_streams")
+    assert at8["measured"] == pytest.approx(800 / 900) and at8["met"] is False
+    from duospec.bench.report import _sweep_lines
+
+    text = "\n".join(_sweep_lines(rows))
+    assert "| 8 | pearl | 800.0 | 3 |" in text
+    assert "8 streams: pearl / off 0.89 (medians; pass by pass 0.89, 1.08, 0.77)" in text
 
 
 def test_exactness_names_the_diverging_prompt_and_position():

@@ -130,7 +130,7 @@ def _planned_requests(config: BenchConfig, n_prompts: int) -> int:
     total = per_pass * len(config.modes) + n_prompts  # + in-process overhead pass
     if not config.skip_server:
         total += per_pass * len([m for m in config.modes if m in OUR_MODES]) + n_prompts
-        total += sum(c * config.sweep_requests_per_stream for c in config.concurrency) * 2
+        total += sum(c * config.sweep_requests_per_stream for c in config.concurrency) * 2 * config.repeats
     return total
 
 
@@ -168,10 +168,14 @@ async def _through_server(config: BenchConfig, pair: BenchPair, prompts, progres
                                                       progress.tick))
         out.overhead.append(await round_overhead(served.coordinator, prompts, config.max_new_tokens, "pipeline",
                                                  progress.tick))
-        for streams in config.concurrency:
-            for mode in ("pearl", "off"):
-                out.sweep.append(await sweep_point(served, prompts, mode, streams, config.sweep_requests_per_stream,
-                                                   config.max_new_tokens, config.gamma, progress.tick))
+        # The sweep is repeated like the runs above, pearl and off interleaved, and reported as medians:
+        # one pass at 8 streams lasts a few seconds, and single passes on a shared VM differed by ±10 %.
+        for repeat in range(config.repeats):
+            for streams in config.concurrency:
+                for mode in ("pearl", "off"):
+                    point = await sweep_point(served, prompts, mode, streams, config.sweep_requests_per_stream,
+                                              config.max_new_tokens, config.gamma, progress.tick)
+                    out.sweep.append({**point, "repeat": repeat})
 
 
 def run_bench(config: BenchConfig) -> dict:

@@ -67,6 +67,26 @@ def add_ideal_bound(summary: dict, runs: list[Run]) -> None:
         summary["efficiency_runs"] = efficiencies
 
 
+SWEEP_MEASURES = ("aggregate_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")
+
+
+def sweep_medians(points: list[dict]) -> list[dict]:
+    """One row per (streams, mode), in first-seen order: the median of each measure over the sweep's
+    passes, and each pass's aggregate tokens/s (`aggregate_tokens_per_s_runs`, in pass order)."""
+    groups: dict[tuple[int, str], list[dict]] = {}
+    for point in points:
+        groups.setdefault((point["streams"], point["mode"]), []).append(point)
+    rows = []
+    for (streams, mode), group in groups.items():
+        row = {"streams": streams, "mode": mode, "repeats": len(group),
+               "requests": group[0]["requests"], "tokens": group[0]["tokens"]}
+        for measure in SWEEP_MEASURES:
+            row[measure] = _median_or_none(p[measure] for p in group)
+        row["aggregate_tokens_per_s_runs"] = [p["aggregate_tokens_per_s"] for p in group]
+        rows.append(row)
+    return rows
+
+
 def exactness(runs: list[Run]) -> dict:
     """Greedy outputs of every run against the first in-process `off` run, prompt by prompt."""
     reference_run = next((r for r in runs if r.mode == "off" and r.path == "in-process"), None)
@@ -107,7 +127,8 @@ def summarise(collected, prompts) -> dict:
             "modes": modes,
             "speedups": speedups({m: s["tokens_per_s"] for m, s in modes.items()}),
         }
-    report = {"paths": paths, "overhead": collected.overhead, "sweep": collected.sweep,
+    report = {"paths": paths, "overhead": collected.overhead, "sweep": sweep_medians(collected.sweep),
+              "sweep_runs": collected.sweep,
               "exactness": exactness(collected.runs)}
     report["targets"] = targets(report)
     return report
