@@ -54,21 +54,28 @@ class ModelRouter:
         self.entries: dict[str, ModelEntry] = {}
         self.default_model: str | None = None
         self.closed = False
+        self._variant: str | None = None  # use_speculation_choices: whose goodput guards are in place
+        self._guards: dict[tuple[str, str], object] = {}  # (variant, model) -> its GoodputGuard, when not in place
 
     def add_model(self, entry: ModelEntry) -> None:
         self.entries[entry.info.name] = entry
         if self.default_model is None:
             self.default_model = entry.info.name
 
-    def forget_speculation_choices(self) -> None:
-        """A fresh goodput guard for every open scheduler (nothing may be in flight): a benchmark's runs
-        of different speculation variants then each start from the same state instead of inheriting
-        what the guard learned from another variant."""
+    def use_speculation_choices(self, variant: str) -> None:
+        """Gives every open scheduler the goodput guard of `variant` (nothing may be in flight): what
+        the guard learned so far goes with the variant that was running, and `variant` continues from
+        its own (a fresh guard the first time). A benchmark that interleaves speculation variants then
+        measures each as a server running only that variant would behave — learning once, then
+        steady — instead of one variant inheriting another's choices, or every run learning anew."""
         from duospec.coordinator.guard import GoodputGuard
 
-        for entry in self.entries.values():
+        for name, entry in self.entries.items():
             if entry.scheduler is not None:
-                entry.scheduler.guard = GoodputGuard()
+                if self._variant is not None:
+                    self._guards[(self._variant, name)] = entry.scheduler.guard
+                entry.scheduler.guard = self._guards.get((variant, name)) or GoodputGuard()
+        self._variant = variant
 
     def models(self) -> list[ModelInfo]:
         return [entry.info for entry in self.entries.values()]

@@ -270,17 +270,26 @@ async def test_going_target_only_on_a_rejection_rolls_the_drafter_back():
     assert list(last.tail)[-1] == 99 and last.draft_until == len(seq.committed)
 
 
-def test_a_benchmark_can_make_every_speculation_variant_learn_on_its_own():
+def test_a_benchmark_keeps_one_guard_per_speculation_variant():
+    """Interleaved variants: each continues from what it learned itself, none inherits another's."""
     import types
 
     from duospec.coordinator.router import ModelRouter
 
     router = ModelRouter()
     scheduler = types.SimpleNamespace(guard=GoodputGuard())
-    scheduler.guard.state = GuardState.TARGET_ONLY  # what one variant's runs taught it
     router.entries = {"m": types.SimpleNamespace(scheduler=scheduler), "unopened": types.SimpleNamespace(scheduler=None)}
-    router.forget_speculation_choices()
-    assert scheduler.guard.state is GuardState.SPECULATE and scheduler.guard.goodput == {}
+    router.use_speculation_choices("pearl")
+    pearls = scheduler.guard
+    pearls.state = GuardState.TARGET_ONLY  # what the pearl runs taught it
+    router.use_speculation_choices("pearl-notree")
+    assert scheduler.guard is not pearls and scheduler.guard.state is GuardState.SPECULATE
+    assert scheduler.guard.goodput == {}
+    notrees = scheduler.guard
+    router.use_speculation_choices("pearl")
+    assert scheduler.guard is pearls and scheduler.guard.state is GuardState.TARGET_ONLY
+    router.use_speculation_choices("pearl-notree")
+    assert scheduler.guard is notrees
 
 
 def test_rounds_that_read_prompts_are_not_measured():

@@ -89,7 +89,7 @@ def _no_tick() -> None:
 async def run_coordinator_mode(coordinator, prompts: list[EncodedPrompt], mode: str, max_new_tokens: int,
                                gamma: int, path: str, tag: str, tick: Callable[[], None] = _no_tick) -> Run:
     """Every prompt once, one request at a time, through a LocalCoordinator or PipelineCoordinator."""
-    coordinator.forget_speculation_choices()  # each pearl variant learns on its own (records.OUR_MODES)
+    coordinator.use_speculation_choices(mode)  # each pearl variant learns on its own, once (records.OUR_MODES)
     before = await coordinator.stats()
     started = time.perf_counter()
     records = []

@@ -23,6 +23,10 @@ def _num(value, digits: int = 2, scale: float = 1.0, suffix: str = "") -> str:
     return "–" if value is None else f"{value * scale:.{digits}f}{suffix}"
 
 
+def _runs(values) -> str:
+    return " / ".join(f"{v:.1f}" for v in values) if values else "–"
+
+
 def _mode_table(path: str, block: dict) -> list[str]:
     lines = [f"### {path}", "",
              "| mode | tokens/s (median) | × off | mean accepted length | acceptance | cache hits | verify fwd (ms) "
@@ -51,7 +55,9 @@ def _mode_table(path: str, block: dict) -> list[str]:
               f"{_num(pearl.get('speculated_share'), 0, 100, ' %')} of its rounds (the rest: target-only, by the "
               f"goodput guard or the adaptive length); token trees: {_num(pearl.get('tree_nodes_per_forward'))} "
               f"branch tokens per verify, {_num(pearl.get('tree_hit_rate'), 0, 100, ' %')} of verifies took a "
-              "branch.", ""]
+              f"branch; pearl run by run {_runs(pearl.get('tokens_per_s_runs'))} tokens/s, off "
+              f"{_runs(block['modes'].get('off', {}).get('tokens_per_s_runs'))} (each pearl variant's goodput guard "
+              "learns from scratch in its first run and keeps what it learned in the later ones).", ""]
     return lines
 
 

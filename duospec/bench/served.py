@@ -80,7 +80,7 @@ async def client_request(client, prompt: EncodedPrompt, mode: str, max_new_token
 
 async def run_client_mode(served: Served, prompts: list[EncodedPrompt], mode: str, max_new_tokens: int, gamma: int,
                           tick: Callable[[], None]) -> Run:
-    served.coordinator.forget_speculation_choices()  # each pearl variant learns on its own
+    served.coordinator.use_speculation_choices(mode)  # each pearl variant learns on its own, once
     before = await served.coordinator.stats()
     started = time.perf_counter()
     records = []
@@ -94,6 +94,7 @@ async def run_client_mode(served: Served, prompts: list[EncodedPrompt], mode: st
 async def sweep_point(served: Served, prompts: list[EncodedPrompt], mode: str, streams: int, requests_per_stream: int,
                       max_new_tokens: int, gamma: int, tick: Callable[[], None]) -> dict:
     """`streams` client streams at once, each running `requests_per_stream` requests back to back."""
+    served.coordinator.use_speculation_choices(mode)
 
     async def stream_worker(index: int) -> list[RequestRecord]:
         out = []
