@@ -88,10 +88,17 @@ def launch_pair(
     log.info("placing %s: %s", model, plan.description)
     group = create_placement_group(plan, name=f"duospec-{model}", timeout_s=placement_timeout_s)
     handles = {}
+    pair = WorkerPair(model, None, None, group, {}, None, deployment_secret, internal_tls)
     roles = (("draft", DraftWorker, (draft, target_path, prefill_chunk_tokens)), ("target", TargetWorker, (target_path,)))
+    infos = {}
     for index, (role, cls, args) in enumerate(roles):
         if role == "draft" and draft is None:
             continue
+        if plan.colocated and handles:
+            # One GPU's memory for both: each worker checks at load that its KV cache fits in what is
+            # free, so the target loads only once the draft holds its weights and cache — started
+            # together, both would see the whole GPU free and could jointly overcommit it.
+            infos.update(_wait_loaded(pair, handles, load_timeout_s))
         handles[role] = (
             ray.remote(cls)
             .options(
@@ -108,15 +115,21 @@ def launch_pair(
                     max_slots=max_slots,
                     max_context=max_context)
         )
-    pair = WorkerPair(model, handles["target"], handles.get("draft"), group, {}, None, deployment_secret,
-                      internal_tls)
+        pair.target, pair.draft = handles.get("target"), handles.get("draft")  # what a failure must stop
+    infos.update(_wait_loaded(pair, {r: h for r, h in handles.items() if r not in infos}, load_timeout_s))
+    pair.target_info = infos["target"]
+    pair.draft_info = infos.get("draft")
+    return pair
+
+
+def _wait_loaded(pair: WorkerPair, handles: dict, timeout_s: float) -> dict[str, dict]:
+    """{role: info} once every worker in `handles` has loaded; on failure stops the pair (every worker
+    started so far) and raises a PlacementError naming the cause."""
+    import ray
+
     try:
-        infos = ray.get([h.info.remote() for h in handles.values()], timeout=load_timeout_s)
+        return dict(zip(handles, ray.get([h.info.remote() for h in handles.values()], timeout=timeout_s)))
     except Exception as exc:
         pair.shutdown()
         cause = getattr(exc, "cause", None) or exc
-        raise PlacementError(f"the {model} workers failed to start: {type(cause).__name__}: {cause}") from None
-    by_role = dict(zip(handles, infos))
-    pair.target_info = by_role["target"]
-    pair.draft_info = by_role.get("draft")
-    return pair
+        raise PlacementError(f"the {pair.model} workers failed to start: {type(cause).__name__}: {cause}") from None

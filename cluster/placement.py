@@ -12,7 +12,9 @@ a model-free drafter (ngram, medusa) → the target's {GPU: 1} bundle plus a {CP
                                    one GPU anywhere is enough
 
 Ray's GPU fractions are bookkeeping only: colocated actors see the same device and share its memory
-and compute (each worker checks at load that its KV cache fits in what is free then).
+and compute. Each worker checks at load that its KV cache fits in what is free then, so a colocated
+pair loads one after the other (the draft first; cluster/actors.py): the target's check then sees
+what the draft holds.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ node, report where they are."""
 from __future__ import annotations
 
 import os
+import time
 from concurrent import futures
 
 import grpc
@@ -29,11 +30,13 @@ class GrpcModelWorker:
                  max_slots: int = 16, max_context: int | None = None, internal_tls: InternalTls | None = None):
         import torch
 
+        self.started_at = time.time()  # wall clock, comparable across the pair's processes (info())
         torch.set_num_threads(torch_threads_for_actor())
         self.model_path = model_path
         self.device = resolve_device(device)
         self.runner = self._load(model_path, device=self.device, dtype=dtype, max_slots=max_slots,
                                  max_context=max_context)
+        self.loaded_at = time.time()  # weights and KV cache allocated
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"duospec-{self.role}"),
             interceptors=[DeploymentSecretInterceptor(deployment_secret)],
@@ -75,6 +78,8 @@ class GrpcModelWorker:
             "free_slots": self.runner.free_slots if self.runner is not None else None,
             "max_slots": self.runner.max_slots if self.runner is not None else None,
             "max_context": self.runner.max_context if self.runner is not None else None,
+            "started_at": self.started_at,
+            "loaded_at": self.loaded_at,
         }
 
     def health(self) -> bool:

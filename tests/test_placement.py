@@ -86,6 +86,9 @@ def test_actors_land_on_different_nodes_and_gpus(tmp_path):
     assert shared["draft"]["node_id"] == shared["target"]["node_id"]
     assert shared["draft"]["gpu_ids"] and shared["draft"]["gpu_ids"] == shared["target"]["gpu_ids"]
     assert shared["available_gpu"] == 0.0  # the pair holds the node's one GPU between them
+    # sharing one GPU's memory, the target starts loading only once the draft holds its KV cache, so
+    # its free-memory check sees the draft's share (started together, both would see it all free)
+    assert shared["target"]["started_at"] >= shared["draft"]["loaded_at"]
     short = results["one_gpu"]
     assert short["error"] and "GPU" in short["error"] and short["seconds"] < 10
 
