@@ -137,7 +137,12 @@ class GoodputGuard:
             else:
                 self._interval = self.probe_every  # the probed state is better now: keep it
             return
-        if theirs is None or theirs > mine * (1 + self.margin):  # unmeasured here, or clearly better
+        # Speculation unmeasured at this load but it lost at a lighter one: measure it at the first
+        # regular probe, not at once.
+        deferred = theirs is None and w.state is GuardState.TARGET_ONLY and self._lost_at_lighter_load(bucket)
+        if deferred and first:
+            self._interval = self.probe_every
+        if not deferred and (theirs is None or theirs > mine * (1 + self.margin)):  # unmeasured, or clearly better
             if theirs is not None:
                 self._interval = self.probe_every
             self._probing = theirs is None
@@ -147,6 +152,19 @@ class GoodputGuard:
         if self._since_probe >= self._interval:
             self._probing = True
             self._switch(w.state.other)
+
+    def _lost_at_lighter_load(self, bucket: int) -> bool:
+        """Whether, at the heaviest lighter load bucket where both states were measured, speculation
+        lost. More sequences in a batch only make a verify's extra rows dearer relative to what the
+        batch commits anyway (the reason vLLM turns speculation off above a batch size), so a bucket
+        entered target-only after that stays so until its first regular probe instead of measuring
+        speculation at once: a short burst at a new load then pays no learning phase."""
+        lighter = [b for (state, b) in self.goodput if state is GuardState.SPECULATE and b < bucket
+                   and (GuardState.TARGET_ONLY, b) in self.goodput]
+        if not lighter:
+            return False
+        b = max(lighter)
+        return self.goodput[(GuardState.SPECULATE, b)] < self.goodput[(GuardState.TARGET_ONLY, b)]
 
     def _switch(self, state: GuardState) -> None:
         self._since_probe = 0

@@ -96,10 +96,30 @@ def test_an_unlucky_first_window_does_not_decide_a_short_run():
 
 def test_windows_compare_like_with_like_load():
     guard, clock, per_window = _guard()
+    _run(guard, clock, 2 * per_window, GOOD_DRAFT, TOKENS, live=1)
+    assert guard.state is GuardState.SPECULATE
+    _run(guard, clock, 2 * per_window, SLOW_DRAFT, TOKENS, live=8)  # another load: measured afresh
+    assert {(s.value, b) for s, b in guard.goodput} == {("target_only", 0), ("speculate", 0), ("speculate", 3),
+                                                       ("target_only", 3)}
+    assert guard.state is GuardState.TARGET_ONLY
+
+
+def test_speculation_that_lost_at_a_lighter_load_is_not_measured_at_once_at_a_heavier_one():
+    """A burst at a new, heavier load starts target-only when speculation lost at a lighter one; it is
+    still measured there, at the first regular probe, and taken when it wins."""
+    guard, clock, per_window = _guard()
     _run(guard, clock, 2 * per_window, SLOW_DRAFT, TOKENS, live=1)
     assert guard.state is GuardState.TARGET_ONLY
-    _run(guard, clock, 2 * per_window, GOOD_DRAFT, TOKENS, live=8)  # another load: measured afresh
-    assert {(s.value, b) for s, b in guard.goodput} >= {("target_only", 0), ("speculate", 3), ("target_only", 3)}
+    speculated = _run(guard, clock, (guard.probe_every - 1) * per_window, GOOD_DRAFT, TOKENS, live=8)
+    assert speculated == 0 and (GuardState.SPECULATE, load_bucket(8)) not in guard.goodput
+    _run(guard, clock, 3 * per_window, GOOD_DRAFT, TOKENS, live=8)
+    assert guard.state is GuardState.SPECULATE and (GuardState.SPECULATE, load_bucket(8)) in guard.goodput
+    # the other way round there is no such rule: a lighter load never inherits a heavier one's verdict
+    guard, clock, per_window = _guard()
+    _run(guard, clock, 2 * per_window, SLOW_DRAFT, TOKENS, live=8)
+    assert guard.state is GuardState.TARGET_ONLY
+    _run(guard, clock, 3 * per_window, GOOD_DRAFT, TOKENS, live=1)
+    assert (GuardState.SPECULATE, load_bucket(1)) in guard.goodput and guard.state is GuardState.SPECULATE
 
 
 def test_idle_time_between_requests_does_not_count():
