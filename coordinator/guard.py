@@ -13,7 +13,9 @@ while they confirm the choice (`probe_every` .. `max_probe_every` windows), so t
 worse state stays a small, bounded share. The first choice in a load bucket rests on one window of
 each state, the first one holding a request's start-up (prefill, the drafter's first draft), so when
 it turns speculation off the guard checks it again soon (`confirm_every` windows): one unlucky
-window must not decide most of a short run.
+window must not decide most of a short run. One rule carries across buckets: when speculation lost
+at a lighter load, a heavier bucket entered target-only measures speculation at its first regular
+probe (`probe_every` windows) rather than at once — more load never makes speculation pay more.
 
 Which sequences it governs is the scheduler's business: greedy pearl sequences with `adaptive` on.
 Sampled requests keep speculating — a switch that depends on timing would decide some positions by
