@@ -63,7 +63,8 @@ def launch_pair(
 ) -> WorkerPair:
     """Places and starts the pair; `deployment_secret` (default: a new one) authenticates the streams;
     `max_context`: positions per sequence on both workers (the serve config's max_model_len);
-    `placement`: auto | separate | colocated (cluster/placement.py)."""
+    `placement`: auto | separate | colocated (cluster/placement.py). `load_timeout_s` bounds each wait for
+    workers to load: one wait for a separate pair, two in a row for a colocated one (the draft first)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -91,32 +92,37 @@ def launch_pair(
     pair = WorkerPair(model, None, None, group, {}, None, deployment_secret, internal_tls)
     roles = (("draft", DraftWorker, (draft, target_path, prefill_chunk_tokens)), ("target", TargetWorker, (target_path,)))
     infos = {}
-    for index, (role, cls, args) in enumerate(roles):
-        if role == "draft" and draft is None:
-            continue
-        if plan.colocated and handles:
-            # One GPU's memory for both: each worker checks at load that its KV cache fits in what is
-            # free, so the target loads only once the draft holds its weights and cache — started
-            # together, both would see the whole GPU free and could jointly overcommit it.
-            infos.update(_wait_loaded(pair, handles, load_timeout_s))
-        handles[role] = (
-            ray.remote(cls)
-            .options(
-                name=actor_name(role, model),
-                namespace=NAMESPACE,
-                num_cpus=plan.resources(index).get("CPU", 1),
-                num_gpus=plan.resources(index).get("GPU", 0),
-                max_restarts=max_restarts,
-                max_concurrency=4,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    group, placement_group_bundle_index=plan.bundle_of[index]),
+    try:
+        for index, (role, cls, args) in enumerate(roles):
+            if role == "draft" and draft is None:
+                continue
+            if plan.colocated and handles:
+                # One GPU's memory for both: each worker checks at load that its KV cache fits in what is
+                # free, so the target loads only once the draft holds its weights and cache — started
+                # together, both would see the whole GPU free and could jointly overcommit it.
+                infos.update(_wait_loaded(pair, handles, load_timeout_s))
+            handles[role] = (
+                ray.remote(cls)
+                .options(
+                    name=actor_name(role, model),
+                    namespace=NAMESPACE,
+                    num_cpus=plan.resources(index).get("CPU", 1),
+                    num_gpus=plan.resources(index).get("GPU", 0),
+                    max_restarts=max_restarts,
+                    max_concurrency=4,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        group, placement_group_bundle_index=plan.bundle_of[index]),
+                )
+                .remote(*args, deployment_secret=deployment_secret, internal_tls=internal_tls, device=device,
+                        dtype=dtype, max_slots=max_slots, max_context=max_context)
             )
-            .remote(*args, deployment_secret=deployment_secret, internal_tls=internal_tls, device=device, dtype=dtype,
-                    max_slots=max_slots,
-                    max_context=max_context)
-        )
-        pair.target, pair.draft = handles.get("target"), handles.get("draft")  # what a failure must stop
-    infos.update(_wait_loaded(pair, {r: h for r, h in handles.items() if r not in infos}, load_timeout_s))
+            pair.target, pair.draft = handles.get("target"), handles.get("draft")  # what a failure must stop
+        infos.update(_wait_loaded(pair, {r: h for r, h in handles.items() if r not in infos}, load_timeout_s))
+    except PlacementError:
+        raise  # _wait_loaded stopped the pair already
+    except BaseException:  # e.g. creating the second actor failed: the first must not keep its GPU
+        pair.shutdown()
+        raise
     pair.target_info = infos["target"]
     pair.draft_info = infos.get("draft")
     return pair

@@ -28,9 +28,9 @@ class GrpcModelWorker:
 
     def __init__(self, model_path: str, *, deployment_secret: str, device: str = "auto", dtype: str = "auto",
                  max_slots: int = 16, max_context: int | None = None, internal_tls: InternalTls | None = None):
+        self.started_at = time.time()  # wall clock, comparable across the pair's processes (info())
         import torch
 
-        self.started_at = time.time()  # wall clock, comparable across the pair's processes (info())
         torch.set_num_threads(torch_threads_for_actor())
         self.model_path = model_path
         self.device = resolve_device(device)

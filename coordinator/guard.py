@@ -142,8 +142,8 @@ class GoodputGuard:
         # Speculation unmeasured at this load but it lost at a lighter one: measure it at the first
         # regular probe, not at once.
         deferred = theirs is None and w.state is GuardState.TARGET_ONLY and self._lost_at_lighter_load(bucket)
-        if deferred and first:
-            self._interval = self.probe_every
+        if deferred and first:  # this bucket's probe schedule starts now, whatever a lighter one's was
+            self._interval, self._since_probe = self.probe_every, 0
         if not deferred and (theirs is None or theirs > mine * (1 + self.margin)):  # unmeasured, or clearly better
             if theirs is not None:
                 self._interval = self.probe_every

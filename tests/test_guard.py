@@ -114,6 +114,14 @@ def test_speculation_that_lost_at_a_lighter_load_is_not_measured_at_once_at_a_he
     assert speculated == 0 and (GuardState.SPECULATE, load_bucket(8)) not in guard.goodput
     _run(guard, clock, 3 * per_window, GOOD_DRAFT, TOKENS, live=8)
     assert guard.state is GuardState.SPECULATE and (GuardState.SPECULATE, load_bucket(8)) in guard.goodput
+    # after a long target-only stretch at the lighter load (its probe counter well past probe_every)
+    guard, clock, per_window = _guard()
+    _run(guard, clock, 40 * per_window, SLOW_DRAFT, TOKENS, live=1)
+    if guard.state is GuardState.SPECULATE:  # mid-probe: let it lose and return
+        _run(guard, clock, 2 * per_window, SLOW_DRAFT, TOKENS, live=1)
+    assert guard.state is GuardState.TARGET_ONLY
+    speculated = _run(guard, clock, (guard.probe_every - 1) * per_window, GOOD_DRAFT, TOKENS, live=8)
+    assert speculated == 0 and (GuardState.SPECULATE, load_bucket(8)) not in guard.goodput
     # the other way round there is no such rule: a lighter load never inherits a heavier one's verdict
     guard, clock, per_window = _guard()
     _run(guard, clock, 2 * per_window, SLOW_DRAFT, TOKENS, live=8)

@@ -141,7 +141,8 @@ async def _in_process(config: BenchConfig, pair: BenchPair, prompts, hf: HFGener
     try:
         ours = [m for m in config.modes if m in OUR_MODES]
         for mode in ours:  # warm-up: first-call allocations and caches, untimed
-            await run_coordinator_mode(coordinator, prompts[:1], mode, WARMUP_TOKENS, config.gamma, "warmup", "warmup")
+            await run_coordinator_mode(coordinator, prompts[:1], mode, WARMUP_TOKENS, config.gamma, "warmup", "warmup",
+                                       variant=f"warmup-{mode}")
         for rep in range(config.repeats):
             for mode in config.modes:
                 if mode in HF_MODES:
@@ -161,7 +162,8 @@ async def _through_server(config: BenchConfig, pair: BenchPair, prompts, progres
     ours = [m for m in config.modes if m in OUR_MODES]
     async with served_pipeline(pair, config.gamma, config.max_lookahead, config.ray_address) as served:
         for mode in ours:
-            await run_client_mode(served, prompts[:1], mode, WARMUP_TOKENS, config.gamma, lambda: None)
+            await run_client_mode(served, prompts[:1], mode, WARMUP_TOKENS, config.gamma, lambda: None,
+                                  variant=f"warmup-{mode}")
         for _ in range(config.repeats):
             for mode in ours:
                 out.runs.append(await run_client_mode(served, prompts, mode, config.max_new_tokens, config.gamma,

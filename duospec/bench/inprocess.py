@@ -87,9 +87,12 @@ def _no_tick() -> None:
 
 
 async def run_coordinator_mode(coordinator, prompts: list[EncodedPrompt], mode: str, max_new_tokens: int,
-                               gamma: int, path: str, tag: str, tick: Callable[[], None] = _no_tick) -> Run:
-    """Every prompt once, one request at a time, through a LocalCoordinator or PipelineCoordinator."""
-    coordinator.use_speculation_choices(mode)  # each pearl variant learns on its own, once (records.OUR_MODES)
+                               gamma: int, path: str, tag: str, tick: Callable[[], None] = _no_tick,
+                               variant: str | None = None) -> Run:
+    """Every prompt once, one request at a time, through a LocalCoordinator or PipelineCoordinator.
+    `variant`: whose goodput guard runs it (default `mode`; a warm-up passes its own, so that the timed
+    runs' guard starts from scratch)."""
+    coordinator.use_speculation_choices(variant or mode)  # each pearl variant learns on its own, once
     before = await coordinator.stats()
     started = time.perf_counter()
     records = []

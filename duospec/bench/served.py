@@ -79,8 +79,9 @@ async def client_request(client, prompt: EncodedPrompt, mode: str, max_new_token
 
 
 async def run_client_mode(served: Served, prompts: list[EncodedPrompt], mode: str, max_new_tokens: int, gamma: int,
-                          tick: Callable[[], None]) -> Run:
-    served.coordinator.use_speculation_choices(mode)  # each pearl variant learns on its own, once
+                          tick: Callable[[], None], variant: str | None = None) -> Run:
+    """`variant`: as in inprocess.run_coordinator_mode."""
+    served.coordinator.use_speculation_choices(variant or mode)  # each pearl variant learns on its own, once
     before = await served.coordinator.stats()
     started = time.perf_counter()
     records = []
