@@ -88,7 +88,6 @@ def launch_pair(
                           placement=placement)
     log.info("placing %s: %s", model, plan.description)
     group = create_placement_group(plan, name=f"duospec-{model}", timeout_s=placement_timeout_s)
-    handles = {}
     pair = WorkerPair(model, None, None, group, {}, None, deployment_secret, internal_tls)
     roles = (("draft", DraftWorker, (draft, target_path, prefill_chunk_tokens)), ("target", TargetWorker, (target_path,)))
     infos = {}
@@ -96,12 +95,12 @@ def launch_pair(
         for index, (role, cls, args) in enumerate(roles):
             if role == "draft" and draft is None:
                 continue
-            if plan.colocated and handles:
+            if plan.colocated and pair.draft is not None:
                 # One GPU's memory for both: each worker checks at load that its KV cache fits in what is
                 # free, so the target loads only once the draft holds its weights and cache — started
                 # together, both would see the whole GPU free and could jointly overcommit it.
-                infos.update(_wait_loaded(pair, handles, load_timeout_s))
-            handles[role] = (
+                infos.update(_wait_loaded(model, {"draft": pair.draft}, load_timeout_s))
+            handle = (
                 ray.remote(cls)
                 .options(
                     name=actor_name(role, model),
@@ -116,11 +115,11 @@ def launch_pair(
                 .remote(*args, deployment_secret=deployment_secret, internal_tls=internal_tls, device=device,
                         dtype=dtype, max_slots=max_slots, max_context=max_context)
             )
-            pair.target, pair.draft = handles.get("target"), handles.get("draft")  # what a failure must stop
-        infos.update(_wait_loaded(pair, {r: h for r, h in handles.items() if r not in infos}, load_timeout_s))
-    except PlacementError:
-        raise  # _wait_loaded stopped the pair already
-    except BaseException:  # e.g. creating the second actor failed: the first must not keep its GPU
+            setattr(pair, role, handle)  # from here on a failure stops it too
+        waiting = {role: h for role, h in (("draft", pair.draft), ("target", pair.target))
+                   if h is not None and role not in infos}
+        infos.update(_wait_loaded(model, waiting, load_timeout_s))
+    except BaseException:  # a worker failed to load, or creating the second actor failed: free the first
         pair.shutdown()
         raise
     pair.target_info = infos["target"]
@@ -128,14 +127,13 @@ def launch_pair(
     return pair
 
 
-def _wait_loaded(pair: WorkerPair, handles: dict, timeout_s: float) -> dict[str, dict]:
-    """{role: info} once every worker in `handles` has loaded; on failure stops the pair (every worker
-    started so far) and raises a PlacementError naming the cause."""
+def _wait_loaded(model: str, handles: dict, timeout_s: float) -> dict[str, dict]:
+    """{role: info} once every worker in `handles` has loaded; a PlacementError naming the cause if one
+    does not (the caller stops the pair)."""
     import ray
 
     try:
         return dict(zip(handles, ray.get([h.info.remote() for h in handles.values()], timeout=timeout_s)))
     except Exception as exc:
-        pair.shutdown()
         cause = getattr(exc, "cause", None) or exc
-        raise PlacementError(f"the {pair.model} workers failed to start: {type(cause).__name__}: {cause}") from None
+        raise PlacementError(f"the {model} workers failed to start: {type(cause).__name__}: {cause}") from None
