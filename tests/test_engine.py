@@ -244,57 +244,67 @@ def test_tiny_checkpoints_are_deterministic_and_cached(tmp_path):
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 40])
 @pytest.mark.parametrize("shape", [(64, 32), (1024, 256), (4096, 160), (1536, 1024)])
-def test_packed_cpu_linear_matches_f_linear(shape, rows):
-    # The prepacked oneDNN path (float32, CPU) must compute what F.linear does, for 1 row (the
+def test_measured_cpu_linear_matches_f_linear(shape, rows):
+    # Whichever kernel the load-time measurement picks computes what F.linear does, for 1 row (the
     # drafter) and for verify/prefill-sized batches; small weights stay plain.
-    from duospec.engine.llama import _Linear, _packed_linear_works
+    from duospec.engine.cpu_linear import CpuLinear, Kernel, packed_linear_works
 
     gen = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(shape, generator=gen), torch.randn(shape[0], generator=gen)
     x = torch.randn(rows, shape[1], generator=gen)
-    linear = _Linear(weight, bias, pack=_packed_linear_works())
+    linear = CpuLinear(weight, bias, measure=packed_linear_works(), model_weight_bytes=8 << 20)
     want = torch.nn.functional.linear(x, weight, bias)
     torch.testing.assert_close(linear(x), want, rtol=1e-5, atol=1e-4)
-    if weight.numel() < 1 << 17:
-        assert linear.packed is None
+    if weight.numel() < 1 << 14:
+        assert set(linear.choices) == {Kernel.PLAIN}
 
 
-@pytest.mark.parametrize("plain_rows", [0, 4, 16])
-def test_each_kernel_choice_computes_f_linear(monkeypatch, plain_rows):
-    """Whatever the load-time measurement picks (oneDNN from the first row, from the fifth, or never),
-    every row count gives F.linear's result and runs the kernel the measurement chose."""
-    from duospec.engine import llama
+@pytest.mark.parametrize("kernels", [("PLAIN",) * 5, ("TRANSPOSED",) * 5, ("ONEDNN",) * 5,
+                                     ("TRANSPOSED", "ONEDNN", "ONEDNN", "PLAIN", "ONEDNN")])
+def test_each_kernel_choice_computes_f_linear(monkeypatch, kernels):
+    """Whatever the load-time measurement picks for each row count, every row count gives F.linear's
+    result, runs the kernel chosen for it, and only the layouts those kernels read are kept."""
+    from duospec.engine import cpu_linear
+    from duospec.engine.cpu_linear import Kernel
 
-    if not llama._packed_linear_works():
+    if not cpu_linear.packed_linear_works():
         pytest.skip("no oneDNN packed linear in this torch build")
-    monkeypatch.setattr(llama, "_plain_rows_limit", lambda *shape: plain_rows)
-    gen = torch.Generator().manual_seed(plain_rows)
-    weight, bias = torch.randn(1024, 256, generator=gen), torch.randn(1024, generator=gen)
-    linear = llama._Linear(weight, bias, pack=True)
-    assert (linear.packed is None) == (plain_rows >= 16) and (linear.weight is None) == (plain_rows == 0)
-    for rows in (1, 3, 4, 5, 9, 40):
-        x = torch.randn(rows, 256, generator=gen)
-        torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    choices = tuple(Kernel[k] for k in kernels)
+    monkeypatch.setattr(cpu_linear, "kernel_choices", lambda *shape: choices)
+    gen = torch.Generator().manual_seed(len(set(kernels)))
+    for out_features in (1024, 2048):  # 2048x1024 is big enough to pad oneDNN's 1-3 rows
+        weight, bias = torch.randn(out_features, 1024, generator=gen), torch.randn(out_features, generator=gen)
+        linear = cpu_linear.CpuLinear(weight, bias, measure=True)
+        assert set(linear.weights) == set(choices)
+        for rows, want_kernel in ((1, 0), (2, 1), (3, 1), (4, 2), (5, 2), (9, 3), (16, 4), (40, 4)):
+            assert linear.kernel(rows) is choices[want_kernel]
+            x = torch.randn(rows, 1024, generator=gen)
+            torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
 
 
-def test_the_measured_choice_is_a_row_count():
-    from duospec.engine import llama
+def test_the_measured_choice_is_a_kernel_per_row_count():
+    from duospec.engine import cpu_linear
 
-    if not llama._packed_linear_works():
+    if not cpu_linear.packed_linear_works():
         pytest.skip("no oneDNN packed linear in this torch build")
-    assert llama._plain_rows_limit(768, 256) in (0, *llama._CALIBRATE_ROWS)
-    assert llama._plain_rows_limit(1 << 12, 1 << 12) in (0, 1)  # too big to measure: the fixed rule
+    choices = cpu_linear.kernel_choices(768, 256, 4)
+    assert len(choices) == len(cpu_linear.CALIBRATE_ROWS) and all(isinstance(k, cpu_linear.Kernel) for k in choices)
+    # too big to measure: oneDNN for every row count
+    assert cpu_linear.kernel_choices(1 << 12, 1 << 12) == (cpu_linear.Kernel.ONEDNN,) * len(cpu_linear.CALIBRATE_ROWS)
+    # a working set the model's size: as many copies as fit, capped
+    assert cpu_linear.copies_for(1 << 20, 23 << 20) == 23 and cpu_linear.copies_for(1 << 20, 0) == 1
+    assert cpu_linear.copies_for(1 << 20, 1 << 40) == 256
 
 
 def test_packed_linear_can_be_switched_off(monkeypatch):
-    from duospec.engine import llama
+    from duospec.engine import cpu_linear
 
-    llama._packed_linear_works.cache_clear()
-    monkeypatch.setenv(llama.PACKED_LINEAR_ENV, "0")
+    cpu_linear.packed_linear_works.cache_clear()
+    monkeypatch.setenv(cpu_linear.PACKED_LINEAR_ENV, "0")
     try:
-        assert not llama._packed_linear_works()
+        assert not cpu_linear.packed_linear_works()
     finally:
-        llama._packed_linear_works.cache_clear()
+        cpu_linear.packed_linear_works.cache_clear()
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2-tied", "mistral-window"])

@@ -13,11 +13,8 @@ modeling_llama / modeling_qwen2 / modeling_mistral so the logits match on the sa
 
 from __future__ import annotations
 
-import functools
-import logging
 import math
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain
@@ -25,12 +22,11 @@ from itertools import accumulate, chain
 import torch
 import torch.nn.functional as F
 
+from duospec.engine.cpu_linear import CpuLinear, packed_linear_works
 from duospec.engine.errors import CheckpointError
 from duospec.engine.runner import ModelRunner, SlotChunk
 
 __all__ = ["LEAN_MODEL_TYPES", "LeanLlamaRunner", "lean_unsupported_reason"]
-
-log = logging.getLogger(__name__)
 
 LEAN_MODEL_TYPES = ("llama", "qwen2", "mistral")
 # Rope variants whose frequencies are fixed at load time; "dynamic"/"longrope" depend on the
@@ -99,109 +95,14 @@ def _layer_windows(config) -> list[int | None]:
     return [window] * n
 
 
-# Set DUOSPEC_PACKED_LINEAR=0 to run every CPU projection through plain F.linear.
-PACKED_LINEAR_ENV = "DUOSPEC_PACKED_LINEAR"
-# oneDNN's fixed cost per call is ~10 µs: weights below _PACK_MIN_ELEMENTS stay plain F.linear.
-_PACK_MIN_ELEMENTS = 1 << 17
-# Which kernel is faster for how many rows differs by machine (below): measured once per weight shape
-# at load, for weights up to _CALIBRATE_MAX_ELEMENTS; bigger ones (seconds per product on a CPU) run
-# oneDNN for every row count, as the fixed rule did for weights that size.
-_CALIBRATE_MAX_ELEMENTS = 1 << 23
-_CALIBRATE_ROWS = (1, 2, 4, 8, 16)
-# Weights too big for the cache: oneDNN's kernel for 1-2 rows is slower than for 3-5 (measured: a
-# 2304x768 weight takes 525/602 µs for 1/2 rows, 388 µs for 4), so products of 1-3 rows with such
-# weights run padded to 4 rows.
-_PAD_MIN_ELEMENTS = 1_500_000
-_PAD_ROWS = 4
-
-
-@functools.cache
-def _packed_linear_works() -> bool:
-    """Whether oneDNN's prepacked float32 linear runs here and agrees with F.linear."""
-    if os.environ.get(PACKED_LINEAR_ENV, "1") == "0" or not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        gen = torch.Generator().manual_seed(0)
-        w, b, x = (torch.randn(shape, generator=gen) for shape in ((64, 32), (64,), (5, 32)))
-        got = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, 8), b, "none", [], "")
-        return bool(torch.allclose(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4))
-    except Exception as exc:  # an op missing from this torch build
-        log.info("oneDNN packed linear unavailable (%s); using F.linear", exc)
-        return False
-
-
-def _faster_first(a, b, repeats: int = 15) -> bool:
-    """Whether `a()` takes no longer than `b()` (medians of interleaved calls, so drift hits both)."""
-    a(), b()
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(repeats):
-        for fn, out in ((a, times[0]), (b, times[1])):
-            start = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - start)
-    return sorted(times[0])[repeats // 2] <= sorted(times[1])[repeats // 2]
-
-
-@functools.cache
-def _plain_rows_limit(out_features: int, in_features: int) -> int:
-    """Up to how many rows plain F.linear (MKL) beats the prepacked oneDNN kernel for this weight
-    shape on this machine (0: never), measured on random data. On an AMD EPYC VM oneDNN won from 2
-    rows for every weight over _PACK_MIN_ELEMENTS; on an Intel Xeon VM MKL won up to 8 rows for a
-    768x256 weight, and oneDNN from 4 rows for a 4096x256 one (the LM head)."""
-    if out_features * in_features > _CALIBRATE_MAX_ELEMENTS:
-        return 0
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(out_features, in_features, generator=gen)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
-    limit = 0
-    for rows in _CALIBRATE_ROWS:
-        x = torch.randn(rows, in_features, generator=gen)
-        if not _faster_first(lambda: F.linear(x, weight),
-                             lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")):
-            break
-        limit = rows
-    log.debug("linear %dx%d: plain F.linear up to %d rows, oneDNN beyond", out_features, in_features, limit)
-    return limit
-
-
-class _Linear:
-    """``x @ weight.T + bias`` for 2-D ``x``.
-
-    On the CPU in float32 a weight may also be prepacked once for oneDNN, whose GEMM costs about the
-    same for 2-8 rows as for one — and a verify forward is exactly 1 + k rows per sequence. Which of
-    the two kernels runs for how many rows is measured per weight shape at load (`_plain_rows_limit`);
-    small weights stay plain (oneDNN's fixed cost per call dominates there).
-    """
-
-    __slots__ = ("weight", "bias", "packed", "pad", "plain_rows")
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, pack: bool) -> None:
-        self.bias = bias
-        pack = pack and weight.numel() >= _PACK_MIN_ELEMENTS
-        self.plain_rows = _plain_rows_limit(*weight.shape) if pack else 1 << 62
-        pack = pack and self.plain_rows < _CALIBRATE_ROWS[-1]  # oneDNN wins somewhere below 16 rows
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 8) if pack else None
-        self.weight = weight if not pack or self.plain_rows > 0 else None
-        self.pad = pack and weight.numel() >= _PAD_MIN_ELEMENTS
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if self.packed is None or rows <= self.plain_rows:
-            return F.linear(x, self.weight, self.bias)
-        if self.pad and rows < _PAD_ROWS:
-            padded = F.pad(x, (0, 0, 0, _PAD_ROWS - rows))
-            return torch.ops.mkldnn._linear_pointwise(padded, self.packed, self.bias, "none", [], "")[:rows]
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
 @dataclass
 class _Layer:
     input_norm: torch.Tensor  # [hidden]
-    qkv: _Linear  # [(n_heads + 2 * n_kv_heads) * head_dim, hidden]
-    o: _Linear  # [hidden, n_heads * head_dim]
+    qkv: CpuLinear  # [(n_heads + 2 * n_kv_heads) * head_dim, hidden]
+    o: CpuLinear  # [hidden, n_heads * head_dim]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: _Linear  # [2 * intermediate, hidden]
-    down: _Linear  # [hidden, intermediate]
+    gate_up: CpuLinear  # [2 * intermediate, hidden]
+    down: CpuLinear  # [hidden, intermediate]
     window: int | None
     k_cache: torch.Tensor  # [max_slots, n_kv_heads, max_context, head_dim]
     v_cache: torch.Tensor
@@ -259,10 +160,11 @@ class LeanLlamaRunner(ModelRunner):
         def maybe(name: str) -> torch.Tensor | None:
             return take(name) if name in sd else None
 
-        pack = self.device.type == "cpu" and self.dtype == torch.float32 and _packed_linear_works()
+        measure = self.device.type == "cpu" and self.dtype == torch.float32 and packed_linear_works()
+        weight_bytes = sum(t.numel() for t in sd.values()) * 4
 
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> _Linear:
-            return _Linear(weight, bias, pack=pack)
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> CpuLinear:
+            return CpuLinear(weight, bias, measure=measure, model_weight_bytes=weight_bytes)
 
         self.embed = take("model.embed_tokens.weight")
         tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in sd

@@ -1,0 +1,182 @@
+"""``x @ weight.T + bias`` on the CPU in float32, through whichever GEMM kernel is fastest here.
+
+Three kernels compute the same product (to float32 rounding): MKL on the weight as stored
+(``F.linear``), MKL on a transposed copy (``x @ weight.T`` with the transpose made contiguous once),
+and oneDNN on a prepacked copy. Which is fastest for how many rows depends on the machine and the
+weight's shape, and not in a way a fixed rule gets right: on an Intel Xeon VM MKL won up to 8 rows for
+a 768x256 weight and oneDNN from 4 rows for the 4096x256 LM head; on an AMD EPYC VM the transposed
+MKL product was the fastest single row for every weight of the bundled target (~30 % under
+``F.linear``) and oneDNN the fastest from 2 rows, where its cost hardly grows up to 8 rows — and a
+verify forward is exactly 1 + k rows per sequence.
+
+So the choice is measured once per weight shape at load (`kernel_choices`), on as many copies of the
+weight as the model has weight bytes: a forward reads each weight once, after every other weight,
+so a product finds its weight where the rest of the model left the caches, not hot from the call
+before (measured hot, the choice flipped between loads on the AMD VM, and picked MKL where a whole
+forward ran 15-25 % slower with it than with oneDNN).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import os
+import time
+from bisect import bisect_right
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["Kernel", "PACKED_LINEAR_ENV", "CpuLinear", "kernel_choices", "packed_linear_works"]
+
+log = logging.getLogger(__name__)
+
+# Set DUOSPEC_PACKED_LINEAR=0 to run every CPU projection through plain F.linear.
+PACKED_LINEAR_ENV = "DUOSPEC_PACKED_LINEAR"
+# Weights below MEASURE_MIN_ELEMENTS stay plain F.linear: a product that small is mostly the call's
+# fixed cost, whichever kernel runs it.
+MEASURE_MIN_ELEMENTS = 1 << 14
+# Weights up to CALIBRATE_MAX_ELEMENTS are measured; bigger ones (seconds per product on a CPU) run
+# oneDNN for every row count.
+CALIBRATE_MAX_ELEMENTS = 1 << 23
+# The row counts measured; a product of r rows runs the kernel measured fastest at the largest of
+# these <= r.
+CALIBRATE_ROWS = (1, 2, 4, 8, 16)
+# Copies of a weight the measurement cycles through: at most this many bytes in all.
+_POOL_MAX_BYTES = 256 << 20
+# Weights too big for the cache: oneDNN's kernel for 1-2 rows is slower than for 3-5 (measured: a
+# 2304x768 weight takes 525/602 µs for 1/2 rows, 388 µs for 4), so its products of 1-3 rows with such
+# weights run padded to 4 rows.
+PAD_MIN_ELEMENTS = 1_500_000
+PAD_ROWS = 4
+
+
+class Kernel(enum.Enum):
+    PLAIN = "F.linear"
+    TRANSPOSED = "x @ weight.T (contiguous)"
+    ONEDNN = "oneDNN prepacked"
+
+
+@functools.cache
+def packed_linear_works() -> bool:
+    """Whether oneDNN's prepacked float32 linear runs here and agrees with F.linear."""
+    if os.environ.get(PACKED_LINEAR_ENV, "1") == "0" or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        w, b, x = (torch.randn(shape, generator=gen) for shape in ((64, 32), (64,), (5, 32)))
+        got = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, 8), b, "none", [], "")
+        return bool(torch.allclose(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4))
+    except Exception as exc:  # an op missing from this torch build
+        log.info("oneDNN packed linear unavailable (%s); using F.linear", exc)
+        return False
+
+
+def _formats(weight: torch.Tensor, kernels) -> dict[Kernel, torch.Tensor]:
+    """The weight in the layout each of `kernels` reads."""
+    out = {}
+    for kernel in set(kernels):
+        if kernel is Kernel.PLAIN:
+            out[kernel] = weight
+        elif kernel is Kernel.TRANSPOSED:
+            out[kernel] = weight.t().contiguous()
+        else:
+            out[kernel] = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
+    return out
+
+
+def _product(kernel: Kernel, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             pad: bool) -> torch.Tensor:
+    """`x @ W.T + bias` with `weight` in `kernel`'s layout (`_formats`)."""
+    if kernel is Kernel.PLAIN:
+        return F.linear(x, weight, bias)
+    if kernel is Kernel.TRANSPOSED:
+        return x @ weight if bias is None else torch.addmm(bias, x, weight)
+    rows = x.shape[0]
+    if pad and rows < PAD_ROWS:
+        padded = F.pad(x, (0, 0, 0, PAD_ROWS - rows))
+        return torch.ops.mkldnn._linear_pointwise(padded, weight, bias, "none", [], "")[:rows]
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _median_s(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[repeats // 2]
+
+
+@functools.cache
+def kernel_choices(out_features: int, in_features: int, copies: int = 1, repeats: int = 5) -> tuple[Kernel, ...]:
+    """The fastest kernel for each row count of CALIBRATE_ROWS, for this weight shape on this machine,
+    measured on random data cycling through `copies` copies of the weight (each call reads a copy
+    the previous calls did not touch). The kernels' calls are interleaved, so drift hits all three."""
+    if out_features * in_features > CALIBRATE_MAX_ELEMENTS:
+        return (Kernel.ONEDNN,) * len(CALIBRATE_ROWS)
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(out_features, in_features, generator=gen) for _ in range(copies)]
+    pools = {k: [_formats(w, [k])[k] for w in weights] for k in Kernel}
+    del weights
+    pad = out_features * in_features >= PAD_MIN_ELEMENTS
+    choices = []
+    for rows in CALIBRATE_ROWS:
+        x = torch.randn(rows, in_features, generator=gen)
+        cursor = {k: iter(()) for k in Kernel}
+
+        def call(kernel: Kernel) -> None:
+            try:
+                w = next(cursor[kernel])
+            except StopIteration:
+                cursor[kernel] = iter(pools[kernel])
+                w = next(cursor[kernel])
+            _product(kernel, x, w, None, pad)
+
+        for kernel in Kernel:  # warm-up: the first call of a kernel pays its own set-up
+            call(kernel)
+        times: dict[Kernel, list[float]] = {k: [] for k in Kernel}
+        for _ in range(repeats):
+            for kernel in Kernel:
+                times[kernel].append(_median_s(lambda: call(kernel), 3))
+        choices.append(min(Kernel, key=lambda k: sorted(times[k])[repeats // 2]))
+    log.debug("linear %dx%d (%d copies): %s", out_features, in_features, copies,
+              ", ".join(f"{r} rows {k.name}" for r, k in zip(CALIBRATE_ROWS, choices)))
+    return tuple(choices)
+
+
+def copies_for(weight_bytes: int, model_weight_bytes: int) -> int:
+    """How many copies of a weight make the measurement's working set the model's (capped)."""
+    budget = min(max(model_weight_bytes, weight_bytes), _POOL_MAX_BYTES)
+    return max(1, budget // max(weight_bytes, 1))
+
+
+class CpuLinear:
+    """``x @ weight.T + bias`` for 2-D ``x``, through the kernel measured fastest for its row count.
+
+    With `measure` off (not float32 on the CPU, or oneDNN missing) or a weight too small for oneDNN's
+    fixed cost, it is plain F.linear. `model_weight_bytes` sizes the measurement's working set
+    (module docstring)."""
+
+    __slots__ = ("shape", "bias", "choices", "weights", "pad")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, measure: bool,
+                 model_weight_bytes: int = 0) -> None:
+        self.shape = tuple(weight.shape)  # [out_features, in_features]
+        self.bias = bias
+        if measure and weight.numel() >= MEASURE_MIN_ELEMENTS:
+            # Round the copies down to a power of two: loads of similar models share measurements.
+            copies = 1 << (copies_for(weight.numel() * 4, model_weight_bytes).bit_length() - 1)
+            self.choices = kernel_choices(*weight.shape, copies)
+        else:
+            self.choices = (Kernel.PLAIN,) * len(CALIBRATE_ROWS)
+        self.weights = _formats(weight, self.choices)
+        self.pad = weight.numel() >= PAD_MIN_ELEMENTS
+
+    def kernel(self, rows: int) -> Kernel:
+        return self.choices[max(0, bisect_right(CALIBRATE_ROWS, rows) - 1)]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = self.kernel(x.shape[0])
+        return _product(kernel, x, self.weights[kernel], self.bias, self.pad)
