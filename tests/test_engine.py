@@ -7,11 +7,16 @@ within 1e-4 (DESIGN.md §5).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 from duospec.engine import SlotChunk, SlotsExhausted, load_checkpoint, load_model
 from tiny_models import make_tiny_checkpoint, tiny_tokenizer
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
 
 TOL = 1e-4
 SEQ_LEN = 48
@@ -259,11 +264,13 @@ def test_measured_cpu_linear_matches_f_linear(shape, rows):
         assert set(linear.choices) == {Kernel.PLAIN}
 
 
+@pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("kernels", [("PLAIN",) * 5, ("TRANSPOSED",) * 5, ("ONEDNN",) * 5,
                                      ("TRANSPOSED", "ONEDNN", "ONEDNN", "PLAIN", "ONEDNN")])
-def test_each_kernel_choice_computes_f_linear(monkeypatch, kernels):
+def test_each_kernel_choice_computes_f_linear(monkeypatch, kernels, with_bias):
     """Whatever the load-time measurement picks for each row count, every row count gives F.linear's
-    result, runs the kernel chosen for it, and only the layouts those kernels read are kept."""
+    result (with and without a bias), runs the kernel chosen for it, and only the layouts those
+    kernels read are kept; the plain layout is the weight itself (a tied LM head is no copy)."""
     from duospec.engine import cpu_linear
     from duospec.engine.cpu_linear import Kernel
 
@@ -273,9 +280,12 @@ def test_each_kernel_choice_computes_f_linear(monkeypatch, kernels):
     monkeypatch.setattr(cpu_linear, "kernel_choices", lambda *shape: choices)
     gen = torch.Generator().manual_seed(len(set(kernels)))
     for out_features in (1024, 2048):  # 2048x1024 is big enough to pad oneDNN's 1-3 rows
-        weight, bias = torch.randn(out_features, 1024, generator=gen), torch.randn(out_features, generator=gen)
+        weight = torch.randn(out_features, 1024, generator=gen)
+        bias = torch.randn(out_features, generator=gen) if with_bias else None
         linear = cpu_linear.CpuLinear(weight, bias, measure=True)
         assert set(linear.weights) == set(choices)
+        if Kernel.PLAIN in choices:
+            assert linear.weights[Kernel.PLAIN] is weight
         for rows, want_kernel in ((1, 0), (2, 1), (3, 1), (4, 2), (5, 2), (9, 3), (16, 4), (40, 4)):
             assert linear.kernel(rows) is choices[want_kernel]
             x = torch.randn(rows, 1024, generator=gen)
@@ -284,16 +294,34 @@ def test_each_kernel_choice_computes_f_linear(monkeypatch, kernels):
 
 def test_the_measured_choice_is_a_kernel_per_row_count():
     from duospec.engine import cpu_linear
+    from duospec.engine.cpu_linear import CALIBRATE_ROWS, Kernel
 
-    if not cpu_linear.packed_linear_works():
-        pytest.skip("no oneDNN packed linear in this torch build")
     choices = cpu_linear.kernel_choices(768, 256, 4)
-    assert len(choices) == len(cpu_linear.CALIBRATE_ROWS) and all(isinstance(k, cpu_linear.Kernel) for k in choices)
-    # too big to measure: oneDNN for every row count
-    assert cpu_linear.kernel_choices(1 << 12, 1 << 12) == (cpu_linear.Kernel.ONEDNN,) * len(cpu_linear.CALIBRATE_ROWS)
-    # a working set the model's size: as many copies as fit, capped
-    assert cpu_linear.copies_for(1 << 20, 23 << 20) == 23 and cpu_linear.copies_for(1 << 20, 0) == 1
-    assert cpu_linear.copies_for(1 << 20, 1 << 40) == 256
+    assert len(choices) == len(CALIBRATE_ROWS) and set(choices) <= set(cpu_linear.available_kernels())
+    assert len(set(choices)) <= 2  # never a third layout of the weight
+    # Without oneDNN (a build lacking it, or DUOSPEC_PACKED_LINEAR=0) both MKL products still compete.
+    assert set(cpu_linear.kernel_choices(768, 256, 2, (Kernel.PLAIN, Kernel.TRANSPOSED))) <= {
+        Kernel.PLAIN, Kernel.TRANSPOSED}
+    # too big to measure: oneDNN for every row count (plain F.linear without it)
+    assert cpu_linear.kernel_choices(1 << 12, 1 << 12, 1, (Kernel.PLAIN, Kernel.ONEDNN)) == (Kernel.ONEDNN,) * 5
+    assert cpu_linear.kernel_choices(1 << 12, 1 << 12, 1, (Kernel.PLAIN,)) == (Kernel.PLAIN,) * 5
+    # the kernels' copies together make the model's working set, at least one each, capped
+    assert cpu_linear.copies_for(1 << 20, 24 << 20, 3) == 8 and cpu_linear.copies_for(1 << 20, 0) == 1
+    assert cpu_linear.copies_for(1 << 20, 1 << 40, 2) == 32
+
+
+def test_the_working_set_counts_what_a_forward_multiplies_by(monkeypatch):
+    # The bundled target's layers and its tied LM head, each once; not the embedding a second time.
+    from duospec.engine import cpu_linear, load_model
+
+    seen = []
+    monkeypatch.setattr(cpu_linear, "copies_for", lambda w, model, n=3: seen.append(model) or 1)
+    load_model(MODELS / "target", max_slots=1, max_context=64, backend="lean", dtype="float32")
+    config = json.loads((MODELS / "target" / "config.json").read_text())
+    h, layers, inter, vocab = (config[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size",
+                                                   "vocab_size"))
+    per_layer = 4 * h * h + 3 * h * inter  # q, k, v, o (4 heads x 64 = hidden) + gate, up, down
+    assert set(seen) == {4 * (layers * per_layer + vocab * h)}
 
 
 def test_packed_linear_can_be_switched_off(monkeypatch):

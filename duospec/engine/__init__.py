@@ -6,7 +6,9 @@
     ckpt.runner.truncate(slot, n_accepted)                               # rollback
 
 Files: runner.py (interface + slot bookkeeping), llama.py (lean Llama/Qwen2/Mistral forward),
-hf_runner.py (transformers fallback), loader.py (paths, options, backend choice), errors.py.
+cpu_linear.py (its float32 CPU projections, through the GEMM kernel measured fastest here), heads.py
+(EAGLE/Medusa heads), replay.py (bench --simulate), hf_runner.py (transformers fallback), loader.py
+(paths, options, backend choice), errors.py.
 """
 
 from duospec.engine.errors import CheckpointError, SlotsExhausted

@@ -10,7 +10,7 @@ MKL product was the fastest single row for every weight of the bundled target (~
 verify forward is exactly 1 + k rows per sequence.
 
 So the choice is measured once per weight shape at load (`kernel_choices`), on as many copies of the
-weight as the model has weight bytes: a forward reads each weight once, after every other weight,
+weight as make the model's weight bytes: a forward reads each weight once, after every other weight,
 so a product finds its weight where the rest of the model left the caches, not hot from the call
 before (measured hot, the choice flipped between loads on the AMD VM, and picked MKL where a whole
 forward ran 15-25 % slower with it than with oneDNN).
@@ -28,11 +28,12 @@ from bisect import bisect_right
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Kernel", "PACKED_LINEAR_ENV", "CpuLinear", "kernel_choices", "packed_linear_works"]
+__all__ = ["CALIBRATE_ROWS", "Kernel", "PACKED_LINEAR_ENV", "CpuLinear", "available_kernels", "copies_for",
+           "kernel_choices", "packed_linear_works"]
 
 log = logging.getLogger(__name__)
 
-# Set DUOSPEC_PACKED_LINEAR=0 to run every CPU projection through plain F.linear.
+# Set DUOSPEC_PACKED_LINEAR=0 to leave oneDNN out (the two MKL products are still measured).
 PACKED_LINEAR_ENV = "DUOSPEC_PACKED_LINEAR"
 # Weights below MEASURE_MIN_ELEMENTS stay plain F.linear: a product that small is mostly the call's
 # fixed cost, whichever kernel runs it.
@@ -43,8 +44,9 @@ CALIBRATE_MAX_ELEMENTS = 1 << 23
 # The row counts measured; a product of r rows runs the kernel measured fastest at the largest of
 # these <= r.
 CALIBRATE_ROWS = (1, 2, 4, 8, 16)
-# Copies of a weight the measurement cycles through: at most this many bytes in all.
-_POOL_MAX_BYTES = 256 << 20
+# The copies of a weight the measurement cycles through, over all kernels: at most this many bytes
+# (colder than any last-level cache, so more would only cost load time).
+_POOL_MAX_BYTES = 64 << 20
 # Weights too big for the cache: oneDNN's kernel for 1-2 rows is slower than for 3-5 (measured: a
 # 2304x768 weight takes 525/602 µs for 1/2 rows, 388 µs for 4), so its products of 1-3 rows with such
 # weights run padded to 4 rows.
@@ -109,22 +111,32 @@ def _median_s(fn, repeats: int) -> float:
     return sorted(times)[repeats // 2]
 
 
+def available_kernels() -> tuple[Kernel, ...]:
+    """The kernels this torch build runs: both MKL products always, oneDNN where it works."""
+    return (Kernel.PLAIN, Kernel.TRANSPOSED) + ((Kernel.ONEDNN,) if packed_linear_works() else ())
+
+
 @functools.cache
-def kernel_choices(out_features: int, in_features: int, copies: int = 1, repeats: int = 5) -> tuple[Kernel, ...]:
-    """The fastest kernel for each row count of CALIBRATE_ROWS, for this weight shape on this machine,
-    measured on random data cycling through `copies` copies of the weight (each call reads a copy
-    the previous calls did not touch). The kernels' calls are interleaved, so drift hits all three."""
+def kernel_choices(out_features: int, in_features: int, copies: int = 1, kernels: tuple[Kernel, ...] | None = None,
+                   repeats: int = 5) -> tuple[Kernel, ...]:
+    """The fastest of `kernels` (default: `available_kernels()`) for each row count of CALIBRATE_ROWS,
+    for this weight shape on this machine, measured on random data. Each kernel cycles through its
+    own `copies` copies of the weight, and the kernels' calls are interleaved, so drift hits all of
+    them and between two reads of one copy the caches see every other copy of every kernel. Never
+    more than two layouts: a third would cost a third copy of the weight for the rest of the process,
+    so the kernel that wins fewest row counts gives them to the faster of the other two."""
+    kernels = available_kernels() if kernels is None else kernels
     if out_features * in_features > CALIBRATE_MAX_ELEMENTS:
-        return (Kernel.ONEDNN,) * len(CALIBRATE_ROWS)
+        return ((Kernel.ONEDNN if Kernel.ONEDNN in kernels else Kernel.PLAIN),) * len(CALIBRATE_ROWS)
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(out_features, in_features, generator=gen) for _ in range(copies)]
-    pools = {k: [_formats(w, [k])[k] for w in weights] for k in Kernel}
+    pools = {k: [_formats(w, [k])[k] for w in weights] for k in kernels}
     del weights
     pad = out_features * in_features >= PAD_MIN_ELEMENTS
-    choices = []
+    medians: list[dict[Kernel, float]] = []
     for rows in CALIBRATE_ROWS:
         x = torch.randn(rows, in_features, generator=gen)
-        cursor = {k: iter(()) for k in Kernel}
+        cursor = {k: iter(()) for k in kernels}
 
         def call(kernel: Kernel) -> None:
             try:
@@ -134,30 +146,36 @@ def kernel_choices(out_features: int, in_features: int, copies: int = 1, repeats
                 w = next(cursor[kernel])
             _product(kernel, x, w, None, pad)
 
-        for kernel in Kernel:  # warm-up: the first call of a kernel pays its own set-up
+        for kernel in kernels:  # warm-up: the first call of a kernel pays its own set-up
             call(kernel)
-        times: dict[Kernel, list[float]] = {k: [] for k in Kernel}
+        times: dict[Kernel, list[float]] = {k: [] for k in kernels}
         for _ in range(repeats):
-            for kernel in Kernel:
+            for kernel in kernels:
                 times[kernel].append(_median_s(lambda: call(kernel), 3))
-        choices.append(min(Kernel, key=lambda k: sorted(times[k])[repeats // 2]))
+        medians.append({k: sorted(t)[repeats // 2] for k, t in times.items()})
+    choices = [min(m, key=m.get) for m in medians]
+    if len(set(choices)) > 2:
+        dropped = min(set(choices), key=choices.count)
+        choices = [k if k is not dropped else min((j for j in m if j is not dropped), key=m.get)
+                   for k, m in zip(choices, medians)]
     log.debug("linear %dx%d (%d copies): %s", out_features, in_features, copies,
               ", ".join(f"{r} rows {k.name}" for r, k in zip(CALIBRATE_ROWS, choices)))
     return tuple(choices)
 
 
-def copies_for(weight_bytes: int, model_weight_bytes: int) -> int:
-    """How many copies of a weight make the measurement's working set the model's (capped)."""
-    budget = min(max(model_weight_bytes, weight_bytes), _POOL_MAX_BYTES)
-    return max(1, budget // max(weight_bytes, 1))
+def copies_for(weight_bytes: int, model_weight_bytes: int, n_kernels: int = 3) -> int:
+    """How many copies of a weight each of `n_kernels` kernels cycles through so that all of them
+    together make the model's working set (at least one copy each; at most _POOL_MAX_BYTES in all)."""
+    budget = min(model_weight_bytes, _POOL_MAX_BYTES)
+    return max(1, budget // max(n_kernels * weight_bytes, 1))
 
 
 class CpuLinear:
     """``x @ weight.T + bias`` for 2-D ``x``, through the kernel measured fastest for its row count.
 
-    With `measure` off (not float32 on the CPU, or oneDNN missing) or a weight too small for oneDNN's
-    fixed cost, it is plain F.linear. `model_weight_bytes` sizes the measurement's working set
-    (module docstring)."""
+    With `measure` off (not float32 on the CPU) or a weight too small for the kernel to matter, it is
+    plain F.linear. `model_weight_bytes` (float32 bytes of every weight a forward multiplies by)
+    sizes the measurement's working set (module docstring)."""
 
     __slots__ = ("shape", "bias", "choices", "weights", "pad")
 
@@ -166,9 +184,9 @@ class CpuLinear:
         self.shape = tuple(weight.shape)  # [out_features, in_features]
         self.bias = bias
         if measure and weight.numel() >= MEASURE_MIN_ELEMENTS:
-            # Round the copies down to a power of two: loads of similar models share measurements.
-            copies = 1 << (copies_for(weight.numel() * 4, model_weight_bytes).bit_length() - 1)
-            self.choices = kernel_choices(*weight.shape, copies)
+            kernels = available_kernels()
+            copies = copies_for(weight.numel() * 4, model_weight_bytes, len(kernels))
+            self.choices = kernel_choices(*weight.shape, copies, kernels)
         else:
             self.choices = (Kernel.PLAIN,) * len(CALIBRATE_ROWS)
         self.weights = _formats(weight, self.choices)

@@ -22,7 +22,7 @@ from itertools import accumulate, chain
 import torch
 import torch.nn.functional as F
 
-from duospec.engine.cpu_linear import CpuLinear, packed_linear_works
+from duospec.engine.cpu_linear import CpuLinear
 from duospec.engine.errors import CheckpointError
 from duospec.engine.runner import ModelRunner, SlotChunk
 
@@ -160,15 +160,19 @@ class LeanLlamaRunner(ModelRunner):
         def maybe(name: str) -> torch.Tensor | None:
             return take(name) if name in sd else None
 
-        measure = self.device.type == "cpu" and self.dtype == torch.float32 and packed_linear_works()
-        weight_bytes = sum(t.numel() for t in sd.values()) * 4
+        self.embed = take("model.embed_tokens.weight")
+        tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in sd
+        head = self.embed if tied else take("lm_head.weight")
+        measure = self.device.type == "cpu" and self.dtype == torch.float32
+        # What one forward multiplies by (float32 bytes): the layers' weights and the LM head, not the
+        # embedding (a forward gathers a few of its rows) unless it is the head.
+        weight_bytes = 4 * (head.numel() + sum(t.numel() for name, t in sd.items()
+                                               if t.dim() == 2 and name.startswith("model.layers.")))
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> CpuLinear:
             return CpuLinear(weight, bias, measure=measure, model_weight_bytes=weight_bytes)
 
-        self.embed = take("model.embed_tokens.weight")
-        tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in sd
-        self.lm_head = linear(self.embed if tied else take("lm_head.weight"))
+        self.lm_head = linear(head)
         self.final_norm = take("model.norm.weight")
         cache_shape = (self.max_slots, self.n_kv_heads, self.max_context, self.head_dim)
         check_kv_fits(2 * config.num_hidden_layers * math.prod(cache_shape) * self.embed.element_size(), self.device,
