@@ -5,15 +5,16 @@ Three kernels compute the same product (to float32 rounding): MKL on the weight 
 and oneDNN on a prepacked copy. Which is fastest for how many rows depends on the machine and the
 weight's shape, and not in a way a fixed rule gets right: on an Intel Xeon VM MKL won up to 8 rows for
 a 768x256 weight and oneDNN from 4 rows for the 4096x256 LM head; on an AMD EPYC VM the transposed
-MKL product was the fastest single row for every weight of the bundled target (~30 % under
-``F.linear``) and oneDNN the fastest from 2 rows, where its cost hardly grows up to 8 rows — and a
-verify forward is exactly 1 + k rows per sequence.
+MKL product was the fastest single row for every weight of the bundled target (25-30 % under
+``F.linear`` inside a forward) and oneDNN's cost hardly grew from 1 to 8 rows — and a verify forward
+is exactly 1 + k rows per sequence.
 
 So the choice is measured once per weight shape at load (`kernel_choices`), on as many copies of the
 weight as make the model's weight bytes: a forward reads each weight once, after every other weight,
 so a product finds its weight where the rest of the model left the caches, not hot from the call
-before (measured hot, the choice flipped between loads on the AMD VM, and picked MKL where a whole
-forward ran 15-25 % slower with it than with oneDNN).
+before. Measured hot (the seventh session's way), the choice flipped between loads on the AMD VM and
+mostly kept ``F.linear``, with which the bundled target's 1- and 2-row forwards ran 20-30 % slower
+than with the choice measured this way (benchmarks/cpu_kernels.py).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ PACKED_LINEAR_ENV = "DUOSPEC_PACKED_LINEAR"
 # Weights below MEASURE_MIN_ELEMENTS stay plain F.linear: a product that small is mostly the call's
 # fixed cost, whichever kernel runs it.
 MEASURE_MIN_ELEMENTS = 1 << 14
-# Weights up to CALIBRATE_MAX_ELEMENTS are measured; bigger ones (seconds per product on a CPU) run
-# oneDNN for every row count.
+# Weights up to CALIBRATE_MAX_ELEMENTS are measured; bigger ones (milliseconds per product, seconds
+# per shape to measure) run oneDNN for every row count, as the old fixed rule did.
 CALIBRATE_MAX_ELEMENTS = 1 << 23
 # The row counts measured; a product of r rows runs the kernel measured fastest at the largest of
 # these <= r.
