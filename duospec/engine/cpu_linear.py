@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import itertools
 import logging
 import os
 import time
@@ -76,22 +77,18 @@ def packed_linear_works() -> bool:
         return False
 
 
-def _formats(weight: torch.Tensor, kernels) -> dict[Kernel, torch.Tensor]:
-    """The weight in the layout each of `kernels` reads."""
-    out = {}
-    for kernel in set(kernels):
-        if kernel is Kernel.PLAIN:
-            out[kernel] = weight
-        elif kernel is Kernel.TRANSPOSED:
-            out[kernel] = weight.t().contiguous()
-        else:
-            out[kernel] = torch.ops.mkldnn._reorder_linear_weight(weight, 8)
-    return out
+def _layout(weight: torch.Tensor, kernel: Kernel) -> torch.Tensor:
+    """The weight as `kernel` reads it."""
+    if kernel is Kernel.PLAIN:
+        return weight
+    if kernel is Kernel.TRANSPOSED:
+        return weight.t().contiguous()
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 8)
 
 
 def _product(kernel: Kernel, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
              pad: bool) -> torch.Tensor:
-    """`x @ W.T + bias` with `weight` in `kernel`'s layout (`_formats`)."""
+    """`x @ W.T + bias` with `weight` in `kernel`'s layout (`_layout`)."""
     if kernel is Kernel.PLAIN:
         return F.linear(x, weight, bias)
     if kernel is Kernel.TRANSPOSED:
@@ -131,21 +128,16 @@ def kernel_choices(out_features: int, in_features: int, copies: int = 1, kernels
         return ((Kernel.ONEDNN if Kernel.ONEDNN in kernels else Kernel.PLAIN),) * len(CALIBRATE_ROWS)
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(out_features, in_features, generator=gen) for _ in range(copies)]
-    pools = {k: [_formats(w, [k])[k] for w in weights] for k in kernels}
+    pools = {k: [_layout(w, k) for w in weights] for k in kernels}
     del weights
     pad = out_features * in_features >= PAD_MIN_ELEMENTS
     medians: list[dict[Kernel, float]] = []
     for rows in CALIBRATE_ROWS:
         x = torch.randn(rows, in_features, generator=gen)
-        cursor = {k: iter(()) for k in kernels}
+        cursor = {k: itertools.cycle(pools[k]) for k in kernels}
 
         def call(kernel: Kernel) -> None:
-            try:
-                w = next(cursor[kernel])
-            except StopIteration:
-                cursor[kernel] = iter(pools[kernel])
-                w = next(cursor[kernel])
-            _product(kernel, x, w, None, pad)
+            _product(kernel, x, next(cursor[kernel]), None, pad)
 
         for kernel in kernels:  # warm-up: the first call of a kernel pays its own set-up
             call(kernel)
@@ -190,7 +182,7 @@ class CpuLinear:
             self.choices = kernel_choices(*weight.shape, copies, kernels)
         else:
             self.choices = (Kernel.PLAIN,) * len(CALIBRATE_ROWS)
-        self.weights = _formats(weight, self.choices)
+        self.weights = {kernel: _layout(weight, kernel) for kernel in set(self.choices)}
         self.pad = weight.numel() >= PAD_MIN_ELEMENTS
 
     def kernel(self, rows: int) -> Kernel:
