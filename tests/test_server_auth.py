@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 import pytest
@@ -119,8 +120,10 @@ def test_non_loopback_without_tenants_refuses_to_start(tiny_pair):  # noqa: F811
         DuospecServer(object(), settings, tokenizers={})
 
 
-async def _share_of_tokens(h, streams: dict[str, int], warmup_s: float, window_s: float):
-    """Each tenant keeps `streams[name]` streams busy; returns (committed tokens in the window, refusals)."""
+async def _share_of_tokens(h, streams: dict[str, int], warmup_s: float, window_s: float, min_tokens: int = 0):
+    """Each tenant keeps `streams[name]` streams busy; returns (committed tokens in the window, refusals).
+    The window lasts `window_s`, and longer (up to 4×) until `min_tokens` were committed in it: a share
+    measured over a few hundred tokens (a slow machine's 5 s) is mostly the noise of whole requests."""
     committed = dict.fromkeys(streams, 0)
     refused = dict.fromkeys(streams, 0)
     window_open = asyncio.Event()
@@ -144,6 +147,9 @@ async def _share_of_tokens(h, streams: dict[str, int], warmup_s: float, window_s
     await asyncio.sleep(warmup_s)  # let the queue fill before measuring
     window_open.set()
     await asyncio.sleep(window_s)
+    deadline = time.monotonic() + 3 * window_s
+    while sum(committed.values()) < min_tokens and time.monotonic() < deadline:
+        await asyncio.sleep(0.25)
     window_open.clear()
     for t in tasks:
         t.cancel()
@@ -157,7 +163,7 @@ async def test_fair_share_follows_weights(tiny_pair):  # noqa: F811
     settings = ServerSettings(host="127.0.0.1", port=0, metrics_port=0, http_port=0, max_concurrent_requests=4,
                               max_queued_requests=64)
     async with running_server(server_coordinator(tiny_pair, step_delay_s=0.005), settings, tenants=tenants) as h:
-        committed, _ = await _share_of_tokens(h, {"heavy": 6, "light": 6}, 1.0, 4.0)
+        committed, _ = await _share_of_tokens(h, {"heavy": 6, "light": 6}, 1.0, 4.0, min_tokens=1500)
     ratio = committed["heavy"] / max(1, committed["light"])
     assert committed["light"] > 0
     assert 3.0 * 0.85 <= ratio <= 3.0 * 1.15, committed
@@ -174,7 +180,8 @@ async def test_fair_share_at_the_default_config_and_a_flood_starves_no_one(tiny_
     assert (settings.max_concurrent_requests, settings.max_queued_requests) == (64, 256)
     async with running_server(server_coordinator(tiny_pair), settings, tenants=tenants) as h:
         assert h.server.admission.model_slots == {MODEL: 16}
-        committed, refused = await _share_of_tokens(h, {"heavy": 32, "light": 32, "flood": 150}, 1.5, 5.0)
+        committed, refused = await _share_of_tokens(h, {"heavy": 32, "light": 32, "flood": 150}, 1.5, 5.0,
+                                                   min_tokens=1500)
     ratio = committed["heavy"] / max(1, committed["light"])
     assert refused["heavy"] == refused["light"] == 0, refused
     assert refused["flood"] > 0 and committed["flood"] > 0, (refused, committed)
