@@ -132,20 +132,81 @@ class Ewma:
 
 
 def drafts_worth_waiting_for(alpha: float, n_ready: int, max_k: int, cost: VerifyCostModel, draft_step_s: float,
-                             round_overhead_s: float = 0.0, context_tokens: int = 1) -> int:
-    """How many drafts (>= n_ready, <= max_k) to verify for the most committed tokens per second when
-    the target is free now and n_ready drafts are there: rate(k) = E(k) / (round(k) + (k − n)·step),
-    round(k) = t(context + k) + overhead. Returns n_ready when sending now is best (or unmeasured)."""
-    if n_ready >= max_k or draft_step_s <= 0 or not cost.ready:
+                             round_overhead_s: float = 0.0, context_tokens: int = 1,
+                             first_draft_s: float | None = None) -> int:
+    """How many drafts (n_ready..max_k) to verify for the most committed tokens per second when the
+    target is free now and n_ready drafts are there (0 right after a rejection). Returns n_ready when
+    going now is best, or when the costs are unmeasured (then at least 1: without `first_draft_s`,
+    how long a restarted drafter takes to deliver its first draft, an empty round is never chosen).
+
+    The drafter keeps drafting while the target verifies, so a round is valued by what it leaves the
+    next one too, as a step of a two-state average-reward process (PipelineRounds): waiting for k
+    drafts scores E(k) − g·T(k) + α^(k+1)·h_F, where T(k) is the wait plus the round, g the best
+    long-run rate, and h_F what a round starting with a full chunk is worth over one starting after
+    a rejection. A one-round rate E(k)/T(k) undervalues going now: it counts the drafts made during
+    the round as lost, though a round accepted whole (and its bonus guessed) finds them ready."""
+    if n_ready >= max_k:
         return n_ready
-
-    def rate(k: int) -> float:
-        seconds = cost.cost(context_tokens + k) + round_overhead_s + (k - n_ready) * draft_step_s
-        return expected_tokens(alpha, k) / seconds if seconds > 0 else float("inf")
-
-    best_k, best_rate = n_ready, rate(n_ready)
+    if draft_step_s <= 0 or not cost.ready or (n_ready == 0 and first_draft_s is None):
+        return max(n_ready, 1)
+    rounds = PipelineRounds(alpha, max_k, cost, draft_step_s, round_overhead_s, context_tokens,
+                            first_draft_s if first_draft_s is not None else draft_step_s)
+    best_k, best = n_ready, rounds.score(n_ready, n_ready)
+    margin = 0.02 * expected_tokens(alpha, n_ready)  # a wait must pay clearly: it is a bet on α and the step time
     for k in range(n_ready + 1, max_k + 1):
-        r = rate(k)
-        if r > best_rate * 1.02:  # a wait must pay clearly: it is a bet on α and the step time
-            best_k, best_rate = k, r
+        score = rounds.score(k, n_ready)
+        if score > best + margin:
+            best_k, best = k, score
     return best_k
+
+
+@dataclass
+class PipelineRounds:
+    """Pearl's verify rounds as a two-state average-reward process (drafts_worth_waiting_for).
+
+    State F: the round starts with a full chunk (`full` drafts) ready. State M: it starts right after
+    a rejection, with no draft; the drafter's first comes `first_draft_s` later, then one every
+    `draft_step_s`. A round that verifies k drafts commits E(k) tokens in T(k) = wait + t(context + k)
+    + overhead; it is accepted whole and its bonus is what the drafter drafted next with probability
+    α^(k+1), and then the next round starts in F, else in M. In M the process takes the k0 that
+    maximises its long-run rate g; `score` is a round's value relative to that process."""
+
+    alpha: float
+    full: int
+    cost: VerifyCostModel
+    draft_step_s: float
+    round_overhead_s: float
+    context_tokens: int
+    first_draft_s: float
+
+    def __post_init__(self) -> None:
+        self.alpha = min(max(self.alpha, 0.0), 0.999)
+        e_f, t_f, p_f = self._round(self.full, self.full)
+        self.rate = max(self._rate(k0, e_f, t_f, p_f) for k0 in range(self.full + 1))  # g
+        self.value_full = (e_f - self.rate * t_f) / (1.0 - p_f)  # h_F (h_M = 0)
+
+    def _round(self, k: int, ready: int) -> tuple[float, float, float]:
+        """(tokens committed, seconds, probability the next round starts in F) of a round that waits
+        for k drafts with `ready` there."""
+        if k <= ready:
+            wait = 0.0
+        elif ready == 0:
+            wait = self.first_draft_s + (k - 1) * self.draft_step_s
+        else:
+            wait = (k - ready) * self.draft_step_s
+        seconds = wait + self.cost.cost(self.context_tokens + k) + self.round_overhead_s
+        return expected_tokens(self.alpha, k), seconds, self.alpha ** (k + 1)
+
+    def _rate(self, k0: int, e_f: float, t_f: float, p_f: float) -> float:
+        """Long-run committed tokens per second when M takes k0 and F a full chunk: per visit to M,
+        p_M / (1 − p_F) visits to F."""
+        e_m, t_m, p_m = self._round(k0, 0)
+        f_per_m = p_m / (1.0 - p_f)
+        seconds = t_m + f_per_m * t_f
+        return (e_m + f_per_m * e_f) / seconds if seconds > 0 else float("inf")
+
+    def score(self, k: int, ready: int) -> float:
+        """A round waiting for k drafts with `ready` there: its tokens, less what its time would earn
+        at the long-run rate, plus the worth of starting the next round with a full chunk."""
+        tokens, seconds, p_full = self._round(k, ready)
+        return tokens - self.rate * seconds + p_full * self.value_full

@@ -1,10 +1,12 @@
 """Pearl patience: hold the free target briefly when a fuller draft chunk commits more per second.
 
 Right after a rejection the drafter restarts from the corrected token, so when the target frees up
-only one draft (or a few) exists. Pre-verifying it at once is PEARL's rule and is right when a draft
-step costs about as much as a verify; when a verify costs many draft steps, waiting a few steps for
-a longer chunk commits more tokens per second (coordinator/adaptive.py: drafts_worth_waiting_for).
-The wait is bounded by a timer: a drafter that stalls or dies costs at most that long.
+no draft, or only one or a few, exists. Pre-verifying what is there at once is PEARL's rule; with no
+draft at all, a greedy sequence can even go with none (the target's bonus is its next token, and
+what the drafter drafts meanwhile continues it when it guessed that token). Waiting a few steps for
+a longer chunk can commit more tokens per second instead; coordinator/adaptive.py weighs the two
+(drafts_worth_waiting_for, with the drafter's step time, its restart time and the round overhead
+measured here). The wait is bounded by a timer: a drafter that stalls or dies costs at most that long.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ class Patience:
         self._wake = wake  # called when a hold times out (the scheduler's dispatch)
         self.draft_step_s = Ewma()  # seconds per drafter step, from its busy time per message
         self.round_overhead_s = Ewma()  # verify round trip minus the target's own time
+        # from a rejection's RESET (nothing cached) to the restarted drafter's first draft
+        self.first_draft_s = Ewma()
         self._until: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         # Set by the timer itself: a loop may run a timer a little before `_until` by its own clock,

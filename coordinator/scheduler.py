@@ -289,6 +289,9 @@ class Scheduler(WorkerRecovery, VerifyItems):
                             seq.next_draft_pos)
                 seq.stats.wasted_draft_tokens += len(chunk.tokens) + len(seq.drafts)
                 self._abort(seq)
+            elif chunk.tokens and seq.restarted_at is not None:
+                self.patience.first_draft_s.observe(self._draft_heard_t - seq.restarted_at)
+                seq.restarted_at = None
 
     # -- verify out ----------------------------------------------------------------------------
     def _draft_command(self, command: pb.DraftCommand) -> None:
@@ -358,7 +361,22 @@ class Scheduler(WorkerRecovery, VerifyItems):
             return True  # backed off to target-only under load, or the drafter has nothing more for now
         if seq.needs_features and seq.prefill_pending and not seq.drafts:
             return True  # a head drafts from the prompt's hidden states: the target reads it first
+        if self._may_verify_without_drafts(seq):
+            return True  # patience decides whether the target waits for the first draft
         return seq.policy.ready(len(seq.drafts), seq.remaining, seq.uses_draft, seq.prefill_pending)
+
+    def _may_verify_without_drafts(self, seq: Sequence) -> bool:
+        """Whether a sequence with no draft (right after a rejection) may go to a free target, whose
+        bonus token is then its next token, instead of the target idling until the restarted drafter
+        delivers a first draft. Nothing the drafter does meanwhile is lost: the chunk it sends
+        during the round continues the sequence when its first token is the bonus (Sequence.
+        apply_verdict). Greedy adaptive pearl only: a sampled pearl request declines the bonus (its
+        positions must be decided by one rule whatever the timing), vanilla is the fixed baseline, and
+        a head drafter needs the verdict's hidden states before it can draft. Patience weighs the wait
+        (drafts_worth_waiting_for) once the restart time has been measured."""
+        return (not seq.drafts and seq.uses_draft and seq.greedy and seq.policy.adaptive
+                and seq.policy.mode is SpeculationMode.PEARL and not seq.needs_features and not seq.prefill_pending
+                and self.patience.first_draft_s.value is not None)
 
     def _drafts_to_wait_for(self, seq: Sequence) -> int:
         """Pearl patience (coordinator/patience.py): more drafts worth waiting for before verifying."""
@@ -370,7 +388,8 @@ class Scheduler(WorkerRecovery, VerifyItems):
         reachable = min(self._draft_limit(seq), seq.remaining)
         k = drafts_worth_waiting_for(seq.acceptance.alpha, n, reachable, self.verify_cost,
                                      self.patience.draft_step_s.value or 0.0,
-                                     self.patience.round_overhead_s.value or 0.0, len(seq.committed) - seq.target_len)
+                                     self.patience.round_overhead_s.value or 0.0, len(seq.committed) - seq.target_len,
+                                     self.patience.first_draft_s.value)
         return k - n
 
     def _adapt_draft_length(self) -> None:
@@ -474,7 +493,10 @@ class Scheduler(WorkerRecovery, VerifyItems):
             if branch is not None:  # the path went into a hedge: the drafter continues on that branch
                 self._abort(seq, (branch.drafts, branch.probs), branch.key)
             else:
-                self._abort(seq, None if resuming or not self._max_hedges(seq) else seq.take_hedge())
+                cached = None if resuming or not self._max_hedges(seq) else seq.take_hedge()
+                self._abort(seq, cached)
+                if cached is None and not resuming:  # the drafter starts over: time its first draft
+                    seq.restarted_at = time.monotonic()
         elif kept:  # (nothing committed, e.g. a prefill-only round: the drafter has nothing new to hear)
             self._advance(seq)
         return len(kept)
@@ -515,6 +537,7 @@ class Scheduler(WorkerRecovery, VerifyItems):
         become this epoch's drafts at once, and the drafter adopts the branch it drafted them on."""
         key = pb.HedgeKey(pos=key[0], token=key[1]) if key else pb.HedgeKey(pos=len(seq.committed) - 1,
                                                                            token=seq.committed[-1])
+        seq.restarted_at = None
         start = seq.start_new_epoch()
         tail = seq.committed[start:]
         if hedge is not None:
@@ -579,7 +602,8 @@ class Scheduler(WorkerRecovery, VerifyItems):
             "pearl_draft_length": self.pearl_draft_length,
             "guard": self.guard.stats(),
             "patience": {"holds": self.patience.holds, "draft_step_s": self.patience.draft_step_s.value,
-                         "round_overhead_s": self.patience.round_overhead_s.value},
+                         "round_overhead_s": self.patience.round_overhead_s.value,
+                         "first_draft_s": self.patience.first_draft_s.value},
             "draft": {
                 "busy_s": self.draft_times.busy_s,
                 "idle_s": self.draft_times.idle_s,

@@ -80,6 +80,7 @@ class Sequence:
     branch_parents: list[int] = field(default_factory=list)
     branch_keys: dict[int, tuple[int, int]] = field(default_factory=dict)
     alternatives: dict[int, int] = field(default_factory=dict)  # pos -> the drafter's next-best token there
+    restarted_at: float | None = None  # when a rejection restarted the drafter (until its first draft came)
 
     # -- facts ------------------------------------------------------------------------------------
     @property

@@ -293,3 +293,82 @@ async def test_an_empty_exhausted_chunk_counts_as_fed_so_resets_stay_short():
     _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_BONUS, 50)
     reset = [c for m in draft.sent for c in m.commands if c.kind == pb.DRAFT_COMMAND_KIND_RESET][-1]
     assert (reset.start_pos, list(reset.tail)) == (38, [39, 50])
+
+
+def _adaptive_pearl(scheduler, verify_s=0.002):
+    """An adaptive pearl policy on a scheduler whose costs are measured: a verify ≈ `verify_s` whatever
+    the chunk, a draft step 0.5 ms, 0.5 ms round overhead (the adaptive length itself held at γ)."""
+    from duospec.coordinator.adaptive import VerifyCostModel
+
+    scheduler._adapt_draft_length = lambda: None
+    scheduler.verify_cost = VerifyCostModel()
+    for n in (2, 3, 5, 6) * 2:
+        scheduler.verify_cost.observe(n, verify_s + 0.00001 * n)
+    scheduler.patience.draft_step_s.observe(0.0005)
+    scheduler.patience.round_overhead_s.observe(0.0005)
+    return SpeculationPolicy(mode=SpeculationMode.PEARL, max_draft_tokens=4, max_lookahead=8, adaptive=True)
+
+
+def _commands(draft, kind):
+    return [c for m in draft.sent for c in m.commands if c.kind == kind]
+
+
+async def test_after_a_slow_restart_the_free_target_takes_the_next_token_and_the_drafts_carry_on():
+    """Right after a rejection no draft exists. Once the drafter's restart time is measured and waiting
+    for it does not pay, the free target verifies the sequence with no draft (its bonus is the next
+    token); the chunk the drafter sends meanwhile continues the sequence when it starts with that
+    token — no second RESET, the rest of it is the next round's drafts."""
+    scheduler, target, draft, _ = _scheduler()
+    policy = _adaptive_pearl(scheduler)
+    seq = scheduler._add(_request(n=40), policy)
+    seq.acceptance.accepted, seq.acceptance.rejected = 5.0, 5.0  # α = 0.5
+    _chunks(scheduler, seq, 3, [10])
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_NONE)  # the prompt's prefill
+    assert list(target.sent[-1].items[0].draft_tokens) == [10]
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_RECOVERED, 50)
+    batches = len(target.sent)
+    assert seq.drafts == [] and len(target.sent) == batches, "restart time unmeasured: wait for a draft"
+    await asyncio.sleep(0.003)
+    _chunks(scheduler, seq, 4, [20])  # the restarted drafter's first draft, 3+ ms after the RESET
+    assert scheduler.stats()["patience"]["first_draft_s"] >= 0.003
+    assert list(target.sent[-1].items[0].draft_tokens) == [20]
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_RECOVERED, 60)
+    empty = target.sent[-1].items[0]  # no draft, and none waited for: the target takes the token itself
+    assert len(target.sent) == batches + 2 and list(empty.draft_tokens) == [] and empty.bonus == pb.BONUS_POLICY_SAMPLE
+    assert list(empty.context) == [60]
+    resets = len(_commands(draft, pb.DRAFT_COMMAND_KIND_RESET))
+    _chunks(scheduler, seq, 5, [61, 62])  # drafted while the target works
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_BONUS, 61)
+    assert seq.committed == [1, 2, 3, 50, 60, 61] and _committed_events(seq) == [50, 60, 61]
+    assert len(_commands(draft, pb.DRAFT_COMMAND_KIND_RESET)) == resets  # the drafter's work stands
+    assert _commands(draft, pb.DRAFT_COMMAND_KIND_ADVANCE)[-1].committed_len == 6
+    assert list(target.sent[-1].items[0].draft_tokens) == [62] and list(target.sent[-1].items[0].context) == [61]
+    # All accepted, and the drafter has nothing past the bonus: a RESET, and again no waiting.
+    _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_BONUS, 63)
+    assert seq.committed == [1, 2, 3, 50, 60, 61, 62, 63]
+    assert len(_commands(draft, pb.DRAFT_COMMAND_KIND_RESET)) == resets + 1
+    assert list(target.sent[-1].items[0].draft_tokens) == [] and list(target.sent[-1].items[0].context) == [63]
+    await scheduler.close()
+
+
+@pytest.mark.parametrize("kind", ["sampled", "vanilla"])
+async def test_only_greedy_adaptive_pearl_verifies_without_drafts(kind):
+    """A sampled pearl request declines the bonus while drafting (its positions are decided by one rule
+    whatever the timing), and vanilla is the fixed baseline: both wait for drafts after a rejection."""
+    scheduler, target, draft, _ = _scheduler()
+    policy = _adaptive_pearl(scheduler)
+    if kind == "vanilla":
+        policy = SpeculationPolicy(mode=SpeculationMode.VANILLA, max_draft_tokens=1, max_lookahead=8, adaptive=True)
+    scheduler.patience.first_draft_s.observe(0.05)  # a restart as slow as it gets
+    sampling = SamplingParams(temperature=1.0, seed=1) if kind == "sampled" else SamplingParams()
+    seq = scheduler._add(_request(n=40, sampling=sampling), policy)
+    _chunks(scheduler, seq, 3, [10])
+    if kind == "sampled":
+        _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_NONE)  # the prompt's prefill
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_RECOVERED, 50)
+    batches = len(target.sent)
+    await asyncio.sleep(0.01)
+    assert len(target.sent) == batches and seq.drafts == []  # the target waits for the drafter
+    _chunks(scheduler, seq, 4, [20])
+    assert len(target.sent) == batches + 1 and list(target.sent[-1].items[0].draft_tokens) == [20]
+    await scheduler.close()
