@@ -141,23 +141,19 @@ def drafts_worth_waiting_for(alpha: float, n_ready: int, max_k: int, cost: Verif
 
     The drafter keeps drafting while the target verifies, so a round is valued by what it leaves the
     next one too, as a step of a two-state average-reward process (PipelineRounds): waiting for k
-    drafts scores E(k) − g·T(k) + α^(k+1)·h_F, where T(k) is the wait plus the round, g the best
-    long-run rate, and h_F what a round starting with a full chunk is worth over one starting after
-    a rejection. A one-round rate E(k)/T(k) undervalues going now: it counts the drafts made during
-    the round as lost, though a round accepted whole (and its bonus guessed) finds them ready."""
+    drafts scores E(k) − g·T(k) + P_F(k)·h_F, where T(k) is the wait plus the round, g the best
+    long-run rate, P_F(k) the chance that the next round finds a full chunk ready and h_F what that
+    is worth. A one-round rate E(k)/T(k) undervalues going now: it counts the drafts made during the
+    round as lost, though a round accepted whole (and its bonus guessed) finds them ready."""
     if n_ready >= max_k:
         return n_ready
     if draft_step_s <= 0 or not cost.ready or (n_ready == 0 and first_draft_s is None):
         return max(n_ready, 1)
-    rounds = PipelineRounds(alpha, max_k, cost, draft_step_s, round_overhead_s, context_tokens,
-                            first_draft_s if first_draft_s is not None else draft_step_s)
-    best_k, best = n_ready, rounds.score(n_ready, n_ready)
-    margin = 0.02 * expected_tokens(alpha, n_ready)  # a wait must pay clearly: it is a bet on α and the step time
-    for k in range(n_ready + 1, max_k + 1):
-        score = rounds.score(k, n_ready)
-        if score > best + margin:
-            best_k, best = k, score
-    return best_k
+    rounds = PipelineRounds(alpha, max_k, cost, draft_step_s, round_overhead_s, context_tokens, first_draft_s)
+    scores = {k: rounds.score(k, n_ready) for k in range(n_ready, max_k + 1)}
+    best_k = max(scores, key=scores.get)
+    # A wait must pay clearly (2 % of a round's tokens): it is a bet on α and the step times.
+    return best_k if scores[best_k] > scores[n_ready] + 0.02 * expected_tokens(alpha, n_ready) else n_ready
 
 
 @dataclass
@@ -165,11 +161,14 @@ class PipelineRounds:
     """Pearl's verify rounds as a two-state average-reward process (drafts_worth_waiting_for).
 
     State F: the round starts with a full chunk (`full` drafts) ready. State M: it starts right after
-    a rejection, with no draft; the drafter's first comes `first_draft_s` later, then one every
-    `draft_step_s`. A round that verifies k drafts commits E(k) tokens in T(k) = wait + t(context + k)
-    + overhead; it is accepted whole and its bonus is what the drafter drafted next with probability
-    α^(k+1), and then the next round starts in F, else in M. In M the process takes the k0 that
-    maximises its long-run rate g; `score` is a round's value relative to that process."""
+    a rejection, with no draft; the restarted drafter's first comes `first_draft_s` later, then one
+    every `draft_step_s`. A round that verifies k drafts commits E(k) tokens in T(k) = wait +
+    t(context + k) + overhead. The next round starts in F when this one is accepted whole, its bonus
+    is what the drafter drafted next (together α^(k+1), i.i.d. acceptance) and the drafter has
+    drafted a full chunk past the bonus by the round's end; else in M (drafts that come later are
+    valued as lost, which errs towards waiting). In M the process takes the k0 that maximises its
+    long-run rate g — k0 = 0, an empty round, only when `first_draft_s` is known (the scheduler runs
+    none before); `score` is a round's value relative to that process (h_M = 0)."""
 
     alpha: float
     full: int
@@ -177,25 +176,31 @@ class PipelineRounds:
     draft_step_s: float
     round_overhead_s: float
     context_tokens: int
-    first_draft_s: float
+    first_draft_s: float | None
 
     def __post_init__(self) -> None:
         self.alpha = min(max(self.alpha, 0.0), 0.999)
         e_f, t_f, p_f = self._round(self.full, self.full)
-        self.rate = max(self._rate(k0, e_f, t_f, p_f) for k0 in range(self.full + 1))  # g
-        self.value_full = (e_f - self.rate * t_f) / (1.0 - p_f)  # h_F (h_M = 0)
+        first_k0 = 0 if self.first_draft_s is not None else 1
+        self.rate = max(self._rate(k0, e_f, t_f, p_f) for k0 in range(first_k0, self.full + 1))  # g
+        self.value_full = (e_f - self.rate * t_f) / (1.0 - p_f)  # h_F
 
     def _round(self, k: int, ready: int) -> tuple[float, float, float]:
         """(tokens committed, seconds, probability the next round starts in F) of a round that waits
-        for k drafts with `ready` there."""
+        for k drafts with `ready` there (ready = 0: right after the drafter's restart)."""
+        first = self.first_draft_s if self.first_draft_s is not None else self.draft_step_s
         if k <= ready:
             wait = 0.0
         elif ready == 0:
-            wait = self.first_draft_s + (k - 1) * self.draft_step_s
+            wait = first + (k - 1) * self.draft_step_s
         else:
             wait = (k - ready) * self.draft_step_s
         seconds = wait + self.cost.cost(self.context_tokens + k) + self.round_overhead_s
-        return expected_tokens(self.alpha, k), seconds, self.alpha ** (k + 1)
+        # Drafts made by the round's end, counted from the restart (ready = 0) or from now.
+        elapsed = wait + seconds - (first if ready == 0 else 0.0)
+        made = ready + max(0.0, elapsed / self.draft_step_s + (1 if ready == 0 else 0))
+        p_full = self.alpha ** (k + 1) if made >= k + 1 + self.full else 0.0
+        return expected_tokens(self.alpha, k), seconds, p_full
 
     def _rate(self, k0: int, e_f: float, t_f: float, p_f: float) -> float:
         """Long-run committed tokens per second when M takes k0 and F a full chunk: per visit to M,

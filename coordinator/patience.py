@@ -6,7 +6,8 @@ draft at all, a greedy sequence can even go with none (the target's bonus is its
 what the drafter drafts meanwhile continues it when it guessed that token). Waiting a few steps for
 a longer chunk can commit more tokens per second instead; coordinator/adaptive.py weighs the two
 (drafts_worth_waiting_for, with the drafter's step time, its restart time and the round overhead
-measured here). The wait is bounded by a timer: a drafter that stalls or dies costs at most that long.
+measured here). Each wait is bounded by a timer: a drafter that stalls or dies costs at most that
+long per round, until the stall watchdog (coordinator/recovery.py) takes it out.
 """
 
 from __future__ import annotations
@@ -37,21 +38,27 @@ class Patience:
         self._expired = False
         self.holds = 0  # how many times the target was held (stats)
 
-    def hold(self, more_drafts: Iterable[int]) -> bool:
+    @property
+    def expired(self) -> bool:
+        """The current hold has run out: what is ready goes, whatever it would rather wait for."""
+        return self._expired or (self._until is not None and time.monotonic() >= self._until)
+
+    def hold(self, waits_s: Iterable[float]) -> bool:
         """Whether to keep the target waiting: every ready sequence wants more drafts (each value of
-        `more_drafts` > 0; consumed lazily, up to the first 0) and the current hold has not timed out."""
-        now = time.monotonic()
-        if self._expired or (self._until is not None and now >= self._until):
+        `waits_s`, the expected seconds until they are there, > 0; consumed lazily, up to the first 0)
+        and the current hold has not timed out."""
+        if self.expired:
             return False
         wanted = []
-        for more in more_drafts:
-            if more <= 0:
+        for wait in waits_s:
+            if wait <= 0:
                 return False
-            wanted.append(more)
+            wanted.append(wait)
         if not wanted:
             return False
         if self._until is None:
-            limit = HOLD_FACTOR * max(wanted) * (self.draft_step_s.value or 0.0) + HOLD_MARGIN_S
+            now = time.monotonic()
+            limit = HOLD_FACTOR * max(wanted) + HOLD_MARGIN_S
             self._until = now + limit
             self._timer = asyncio.get_running_loop().call_later(limit, self._expire)
             self.holds += 1

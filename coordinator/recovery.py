@@ -84,7 +84,9 @@ class WorkerRecovery:
         waiting_since = None
         while not self.closed:
             await asyncio.sleep(WATCH_INTERVAL_S)
-            busy = set(self.inflight.seq_ids) if self.inflight is not None else set()
+            # in the batch the target works on, with drafts: an empty round's sequence still waits for them
+            busy = {i for i in self.inflight.seq_ids if (s := self.sequences.get(i)) is not None and s.verify_tokens} \
+                if self.inflight is not None else set()
             waiting = self._draft_up and self._target_up and any(
                 seq.finish_reason is None and seq.draft_alive and not seq.draft_paused and not seq.draft_exhausted
                 and not seq.drafts and seq.seq_id not in busy

@@ -280,18 +280,29 @@ class Scheduler(WorkerRecovery, VerifyItems):
                 if chunk.epoch == seq.epoch and not seq.draft_paused:
                     seq.add_hedge(chunk.hedge.pos, chunk.hedge.token, chunk.start_pos, chunk.tokens, chunk.draft_probs)
                 continue
+            if chunk.tokens and seq.restarted is not None and chunk.epoch == seq.restarted[0]:
+                # timed even when the epoch has moved on since: a slow restart must not go unmeasured
+                self.patience.first_draft_s.observe(self._draft_heard_t - seq.restarted[1])
+                seq.restarted = None
             if chunk.epoch != seq.epoch or seq.draft_paused:  # an aborted branch, or drafted before a pause
                 seq.stats.wasted_draft_tokens += len(chunk.tokens)
                 continue
+            decided = seq.decided_prefix(chunk.start_pos, chunk.tokens)
+            if decided is None:  # it guessed a token an empty round decided otherwise: start it over
+                seq.stats.wasted_draft_tokens += len(chunk.tokens)
+                self._abort(seq)
+                continue
+            start = chunk.start_pos + decided
+            if start < len(seq.committed):  # all of it decided already, and as drafted: wait for the rest
+                seq.draft_fed_len = max(seq.draft_fed_len, start - 1)
+                continue
             exhausted = chunk.outlook == pb.DRAFT_OUTLOOK_EXHAUSTED
-            if not seq.add_drafts(chunk.start_pos, chunk.tokens, chunk.draft_probs, exhausted, chunk.alternatives):
+            if not seq.add_drafts(start, chunk.tokens[decided:], chunk.draft_probs[decided:], exhausted,
+                                  chunk.alternatives[decided:]):
                 log.warning("seq %d: draft chunk at %d, expected %d; resyncing", seq.seq_id, chunk.start_pos,
                             seq.next_draft_pos)
                 seq.stats.wasted_draft_tokens += len(chunk.tokens) + len(seq.drafts)
                 self._abort(seq)
-            elif chunk.tokens and seq.restarted_at is not None:
-                self.patience.first_draft_s.observe(self._draft_heard_t - seq.restarted_at)
-                seq.restarted_at = None
 
     # -- verify out ----------------------------------------------------------------------------
     def _draft_command(self, command: pb.DraftCommand) -> None:
@@ -314,8 +325,11 @@ class Scheduler(WorkerRecovery, VerifyItems):
         if not ready and not self._target_releases:
             self.patience.end()  # nothing is waiting for the target (e.g. the held sequence was aborted)
             return
-        if not self._target_releases and self.patience.hold(self._drafts_to_wait_for(s) for s in ready):
+        if not self._target_releases and self.patience.hold(self._wait_for_drafts_s(s) for s in ready):
             return
+        if not self.patience.expired:  # not held because another sequence goes now: an empty one that
+            # would rather wait for its drafts still does, unless the hold ran out
+            ready = [s for s in ready if not self._may_verify_without_drafts(s) or self._wait_for_drafts_s(s) == 0]
         self.patience.end()
         chosen = fair_share(ready, self._vtime, self.config.max_batch_size)
         items = self._verify_items(chosen)  # (drops sequences whose prefill waits for the next round)
@@ -368,29 +382,33 @@ class Scheduler(WorkerRecovery, VerifyItems):
     def _may_verify_without_drafts(self, seq: Sequence) -> bool:
         """Whether a sequence with no draft (right after a rejection) may go to a free target, whose
         bonus token is then its next token, instead of the target idling until the restarted drafter
-        delivers a first draft. Nothing the drafter does meanwhile is lost: the chunk it sends
-        during the round continues the sequence when its first token is the bonus (Sequence.
-        apply_verdict). Greedy adaptive pearl only: a sampled pearl request declines the bonus (its
-        positions must be decided by one rule whatever the timing), vanilla is the fixed baseline, and
-        a head drafter needs the verdict's hidden states before it can draft. Patience weighs the wait
-        (drafts_worth_waiting_for) once the restart time has been measured."""
-        return (not seq.drafts and seq.uses_draft and seq.greedy and seq.policy.adaptive
-                and seq.policy.mode is SpeculationMode.PEARL and not seq.needs_features and not seq.prefill_pending
+        delivers a first draft. What the drafter drafts meanwhile is not lost: its chunk continues the
+        sequence when its first tokens are the ones the target decided (Sequence.apply_verdict keeps
+        the epoch, Sequence.decided_prefix checks the chunk, during the round or after it). Greedy
+        adaptive pearl only: a sampled pearl request declines the bonus (its positions must be decided
+        by one rule whatever the timing), vanilla is the fixed baseline, and a head drafter needs the
+        verdict's hidden states before it can draft. Patience weighs the wait (drafts_worth_waiting_for)
+        once the restart time has been measured; in a batch that goes anyway, such a sequence rides
+        along empty only if that is its own best choice (_dispatch)."""
+        return (not seq.drafts and seq.uses_draft and self._guarded(seq) and not seq.needs_features
                 and self.patience.first_draft_s.value is not None)
 
-    def _drafts_to_wait_for(self, seq: Sequence) -> int:
-        """Pearl patience (coordinator/patience.py): more drafts worth waiting for before verifying."""
+    def _wait_for_drafts_s(self, seq: Sequence) -> float:
+        """Pearl patience (coordinator/patience.py): the expected seconds until the drafts worth waiting
+        for before verifying are there (0: go now)."""
         if not (seq.uses_draft and seq.policy.adaptive and seq.policy.mode is SpeculationMode.PEARL) or (
                 seq.draft_paused or seq.draft_exhausted or seq.prefill_pending):
-            return 0
+            return 0.0
         n = len(seq.drafts)
         # (The drafter's lookahead always reaches past the draft limit: policies.lookahead > γ.)
         reachable = min(self._draft_limit(seq), seq.remaining)
-        k = drafts_worth_waiting_for(seq.acceptance.alpha, n, reachable, self.verify_cost,
-                                     self.patience.draft_step_s.value or 0.0,
+        step, first = self.patience.draft_step_s.value or 0.0, self.patience.first_draft_s.value
+        k = drafts_worth_waiting_for(seq.acceptance.alpha, n, reachable, self.verify_cost, step,
                                      self.patience.round_overhead_s.value or 0.0, len(seq.committed) - seq.target_len,
-                                     self.patience.first_draft_s.value)
-        return k - n
+                                     first)
+        if k <= n:
+            return 0.0
+        return (first if n == 0 and first is not None else step) + (k - n - 1) * step
 
     def _adapt_draft_length(self) -> None:
         pearl = [
@@ -496,7 +514,7 @@ class Scheduler(WorkerRecovery, VerifyItems):
                 cached = None if resuming or not self._max_hedges(seq) else seq.take_hedge()
                 self._abort(seq, cached)
                 if cached is None and not resuming:  # the drafter starts over: time its first draft
-                    seq.restarted_at = time.monotonic()
+                    seq.restarted = (seq.epoch, time.monotonic())
         elif kept:  # (nothing committed, e.g. a prefill-only round: the drafter has nothing new to hear)
             self._advance(seq)
         return len(kept)
@@ -537,7 +555,6 @@ class Scheduler(WorkerRecovery, VerifyItems):
         become this epoch's drafts at once, and the drafter adopts the branch it drafted them on."""
         key = pb.HedgeKey(pos=key[0], token=key[1]) if key else pb.HedgeKey(pos=len(seq.committed) - 1,
                                                                            token=seq.committed[-1])
-        seq.restarted_at = None
         start = seq.start_new_epoch()
         tail = seq.committed[start:]
         if hedge is not None:

@@ -80,7 +80,9 @@ class Sequence:
     branch_parents: list[int] = field(default_factory=list)
     branch_keys: dict[int, tuple[int, int]] = field(default_factory=dict)
     alternatives: dict[int, int] = field(default_factory=dict)  # pos -> the drafter's next-best token there
-    restarted_at: float | None = None  # when a rejection restarted the drafter (until its first draft came)
+    # (epoch, when) a rejection restarted the drafter with nothing cached, until that epoch's first draft
+    # arrives: the restart time patience weighs (Patience.first_draft_s)
+    restarted: tuple[int, float] | None = None
 
     # -- facts ------------------------------------------------------------------------------------
     @property
@@ -145,6 +147,17 @@ class Sequence:
         self.draft_fed_len = max(self.draft_fed_len, start_pos + len(tokens) - 1)
         self.draft_exhausted = exhausted
         return True
+
+    def decided_prefix(self, start_pos: int, tokens) -> int | None:
+        """How many leading tokens of a current-epoch draft chunk starting at `start_pos` sit at
+        positions the target decided on its own while the chunk was on its way (empty rounds after a
+        restart, nothing else in flight): 0 for a chunk that continues the drafts, None when one of
+        them is not the committed token (the drafter guessed wrong and must start over)."""
+        decided = len(self.committed) - start_pos
+        if decided <= 0 or self.verify_tokens or self.drafts:
+            return 0
+        n = min(decided, len(tokens))
+        return n if list(tokens[:n]) == self.committed[start_pos:start_pos + n] else None
 
     def add_hedge(self, pos: int, token: int, start_pos: int, tokens, probs) -> bool:
         """Appends a hedge chunk of the current epoch; False if its key is decided or it does not
@@ -287,6 +300,11 @@ class Sequence:
         if next_token is not None:  # bonus: keep the speculation past it only if the drafter guessed it
             if self.drafts and self.drafts[0] == next_token:
                 self.drafts, self.draft_probs = self.drafts[1:], self.draft_probs[1:]
+                self._decided()
+                return kept, DraftAction.ADVANCE, None
+            if not k and not self.drafts and not self.draft_paused and not self.draft_exhausted:
+                # An empty round beat the restarted drafter's first chunk: keep the epoch, and check
+                # the chunk against the token when it comes (decided_prefix).
                 self._decided()
                 return kept, DraftAction.ADVANCE, None
             self.stats.wasted_draft_tokens += len(self.drafts)

@@ -295,9 +295,10 @@ async def test_an_empty_exhausted_chunk_counts_as_fed_so_resets_stay_short():
     assert (reset.start_pos, list(reset.tail)) == (38, [39, 50])
 
 
-def _adaptive_pearl(scheduler, verify_s=0.002):
+def _adaptive_pearl(scheduler, verify_s=0.02):
     """An adaptive pearl policy on a scheduler whose costs are measured: a verify ≈ `verify_s` whatever
-    the chunk, a draft step 0.5 ms, 0.5 ms round overhead (the adaptive length itself held at γ)."""
+    the chunk (a slow target: waiting a few 0.5 ms draft steps for a fuller chunk pays), 0.5 ms round
+    overhead, the adaptive length itself held at γ."""
     from duospec.coordinator.adaptive import VerifyCostModel
 
     scheduler._adapt_draft_length = lambda: None
@@ -313,41 +314,80 @@ def _commands(draft, kind):
     return [c for m in draft.sent for c in m.commands if c.kind == kind]
 
 
-async def test_after_a_slow_restart_the_free_target_takes_the_next_token_and_the_drafts_carry_on():
+async def _sent_after_any_hold(scheduler, target, batches: int):
+    """The verify item that goes out once a patience hold (bounded by its timer) is over."""
+    for _ in range(200):
+        if len(target.sent) > batches:
+            return target.sent[-1].items[0]
+        await asyncio.sleep(0.005)
+    raise AssertionError("no verify batch went out")
+
+
+async def _restart_measured(scheduler, target, seq, slow_s=0.01):
+    """Prefill, one rejected draft, then the restarted drafter's first draft `slow_s` after the RESET:
+    the restart time is measured. Leaves the sequence's second draft under verification."""
+    _chunks(scheduler, seq, 3, [10])
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_NONE)  # the prompt's prefill
+    assert list((await _sent_after_any_hold(scheduler, target, 1)).draft_tokens) == [10]
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_RECOVERED, 50)
+    batches = len(target.sent)
+    assert seq.drafts == [] and len(target.sent) == batches, "restart time unmeasured: wait for a draft"
+    await asyncio.sleep(slow_s)
+    _chunks(scheduler, seq, 4, [20])  # the restarted drafter's first draft
+    assert scheduler.stats()["patience"]["first_draft_s"] >= slow_s
+    assert list((await _sent_after_any_hold(scheduler, target, batches)).draft_tokens) == [20]
+
+
+async def test_after_a_restart_the_free_target_takes_the_next_token_and_the_drafts_carry_on():
     """Right after a rejection no draft exists. Once the drafter's restart time is measured and waiting
     for it does not pay, the free target verifies the sequence with no draft (its bonus is the next
-    token); the chunk the drafter sends meanwhile continues the sequence when it starts with that
-    token — no second RESET, the rest of it is the next round's drafts."""
+    token); the chunk the drafter sends continues the sequence when it starts with the token the
+    target decided — during the round, or after it (then the epoch is kept and the chunk checked)."""
     scheduler, target, draft, _ = _scheduler()
     policy = _adaptive_pearl(scheduler)
     seq = scheduler._add(_request(n=40), policy)
     seq.acceptance.accepted, seq.acceptance.rejected = 5.0, 5.0  # α = 0.5
-    _chunks(scheduler, seq, 3, [10])
-    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_NONE)  # the prompt's prefill
-    assert list(target.sent[-1].items[0].draft_tokens) == [10]
-    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_RECOVERED, 50)
+    await _restart_measured(scheduler, target, seq)
     batches = len(target.sent)
-    assert seq.drafts == [] and len(target.sent) == batches, "restart time unmeasured: wait for a draft"
-    await asyncio.sleep(0.003)
-    _chunks(scheduler, seq, 4, [20])  # the restarted drafter's first draft, 3+ ms after the RESET
-    assert scheduler.stats()["patience"]["first_draft_s"] >= 0.003
-    assert list(target.sent[-1].items[0].draft_tokens) == [20]
     _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_RECOVERED, 60)
     empty = target.sent[-1].items[0]  # no draft, and none waited for: the target takes the token itself
-    assert len(target.sent) == batches + 2 and list(empty.draft_tokens) == [] and empty.bonus == pb.BONUS_POLICY_SAMPLE
-    assert list(empty.context) == [60]
+    assert len(target.sent) == batches + 1 and list(empty.draft_tokens) == [] and list(empty.context) == [60]
+    assert empty.bonus == pb.BONUS_POLICY_SAMPLE
     resets = len(_commands(draft, pb.DRAFT_COMMAND_KIND_RESET))
     _chunks(scheduler, seq, 5, [61, 62])  # drafted while the target works
     _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_BONUS, 61)
     assert seq.committed == [1, 2, 3, 50, 60, 61] and _committed_events(seq) == [50, 60, 61]
     assert len(_commands(draft, pb.DRAFT_COMMAND_KIND_RESET)) == resets  # the drafter's work stands
     assert _commands(draft, pb.DRAFT_COMMAND_KIND_ADVANCE)[-1].committed_len == 6
-    assert list(target.sent[-1].items[0].draft_tokens) == [62] and list(target.sent[-1].items[0].context) == [61]
-    # All accepted, and the drafter has nothing past the bonus: a RESET, and again no waiting.
+    item = await _sent_after_any_hold(scheduler, target, batches + 1)
+    assert list(item.context) == [61] and list(item.draft_tokens) == [62]
+    # Accepted whole, with nothing drafted past it yet: the drafter restarts, as it always did after an
+    # unguessed bonus, and the free target goes on empty.
+    epoch = seq.epoch
     _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_BONUS, 63)
-    assert seq.committed == [1, 2, 3, 50, 60, 61, 62, 63]
-    assert len(_commands(draft, pb.DRAFT_COMMAND_KIND_RESET)) == resets + 1
-    assert list(target.sent[-1].items[0].draft_tokens) == [] and list(target.sent[-1].items[0].context) == [63]
+    assert seq.committed[3:] == [50, 60, 61, 62, 63] and seq.epoch == epoch + 1
+    assert len(target.sent) == batches + 3 and list(target.sent[-1].items[0].draft_tokens) == []
+    # The empty round's verdict comes before the drafter's chunk: the epoch stays, and the chunk is
+    # checked against the decided token when it comes.
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_BONUS, 64)
+    assert seq.committed[-1] == 64 and seq.epoch == epoch + 1
+    _chunks(scheduler, seq, 8, [64, 65, 66])  # 64 was decided, as drafted; 65, 66 ride on
+    assert seq.epoch == epoch + 1 and seq.drafts == [65, 66]
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_BONUS, 65)  # the next empty round: guessed
+    assert seq.drafts == [66] and seq.epoch == epoch + 1
+    assert list((await _sent_after_any_hold(scheduler, target, batches + 4)).draft_tokens) == [66]
+    # A late chunk that guessed a decided token wrong starts the drafter over.
+    seq.acceptance.accepted, seq.acceptance.rejected = 3.0, 7.0  # α about 0.4 again, as at the restarts before
+    _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_BONUS, 67)  # restart; an empty round
+    assert list(target.sent[-1].items[0].draft_tokens) == [] and list(target.sent[-1].items[0].context) == [67]
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_BONUS, 68)
+    assert seq.epoch == epoch + 2
+    _chunks(scheduler, seq, 12, [99, 100])
+    assert seq.epoch == epoch + 3 and seq.drafts == []
+    reset = _commands(draft, pb.DRAFT_COMMAND_KIND_RESET)[-1]
+    assert reset.epoch == epoch + 3 and list(reset.tail)[-1] == 68
+    assert seq.committed[3:] == [50, 60, 61, 62, 63, 64, 65, 66, 67, 68]
+    assert _committed_events(seq) == [62, 63, 64, 65, 66, 67, 68]
     await scheduler.close()
 
 
@@ -365,10 +405,36 @@ async def test_only_greedy_adaptive_pearl_verifies_without_drafts(kind):
     _chunks(scheduler, seq, 3, [10])
     if kind == "sampled":
         _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_NONE)  # the prompt's prefill
+        await _sent_after_any_hold(scheduler, target, 1)
+    assert list(target.sent[-1].items[0].draft_tokens) == [10]
     _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_RECOVERED, 50)
     batches = len(target.sent)
     await asyncio.sleep(0.01)
     assert len(target.sent) == batches and seq.drafts == []  # the target waits for the drafter
     _chunks(scheduler, seq, 4, [20])
-    assert len(target.sent) == batches + 1 and list(target.sent[-1].items[0].draft_tokens) == [20]
+    assert list((await _sent_after_any_hold(scheduler, target, batches)).draft_tokens) == [20]
+    await scheduler.close()
+
+
+async def test_in_a_batch_that_goes_an_empty_sequence_that_would_wait_stays_out():
+    """Another sequence's full chunk sends the target off; a sequence with no draft yet whose patience
+    says wait (a quick restart, a slow target, good drafts) does not ride along empty."""
+    from duospec.coordinator.scheduler import InFlightVerify
+
+    scheduler, target, draft, _ = _scheduler()
+    policy = _adaptive_pearl(scheduler)
+    scheduler.inflight = InFlightVerify(0, [], 0.0, 0)  # the target is busy while the scene is set
+    a = scheduler._add(_request(n=40, tenant="a"), policy)
+    b = scheduler._add(_request(n=40, tenant="b"), policy)
+    for seq in (a, b):
+        seq.target_len = len(seq.committed) - 1  # prompts read
+        seq.acceptance.accepted, seq.acceptance.rejected = 9.0, 1.0  # α = 0.9: drafts are worth it
+    a.add_drafts(3, [10, 11, 12], [])
+    scheduler.patience.first_draft_s.observe(0.0005)  # b's first draft is a step away
+    scheduler.inflight = None
+    scheduler._dispatch()
+    assert not target.sent and scheduler.patience.holds == 1  # a wants a fourth draft, b its first
+    _chunks(scheduler, a, 6, [13])  # a's chunk is full: the target goes, without an empty b
+    assert len(target.sent) == 1 and not scheduler.patience.expired
+    assert [(i.seq_id, list(i.draft_tokens)) for i in target.sent[-1].items] == [(a.seq_id, [10, 11, 12, 13])]
     await scheduler.close()
