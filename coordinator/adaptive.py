@@ -163,12 +163,14 @@ class PipelineRounds:
     State F: the round starts with a full chunk (`full` drafts) ready. State M: it starts right after
     a rejection, with no draft; the restarted drafter's first comes `first_draft_s` later, then one
     every `draft_step_s`. A round that verifies k drafts commits E(k) tokens in T(k) = wait +
-    t(context + k) + overhead. The next round starts in F when this one is accepted whole, its bonus
-    is what the drafter drafted next (together α^(k+1), i.i.d. acceptance) and the drafter has
-    drafted a full chunk past the bonus by the round's end; else in M (drafts that come later are
-    valued as lost, which errs towards waiting). In M the process takes the k0 that maximises its
-    long-run rate g — k0 = 0, an empty round, only when `first_draft_s` is known (the scheduler runs
-    none before); `score` is a round's value relative to that process (h_M = 0)."""
+    t(context + k) + overhead. The next round starts in F when this one is accepted whole and its
+    bonus is what the drafter drafted next (together α^(k+1), i.i.d. acceptance), else in M. F
+    assumes the drafter keeps ahead of the target (a draft step well under a verify, as a draft
+    model's is): a chunk still on its way when the round ends is not lost, only later (the scheduler
+    checks it against the tokens decided meanwhile: Sequence.decided_prefix). In M the process takes
+    the k0 that maximises its long-run rate g — k0 = 0, an empty round, only when `first_draft_s` is
+    known (the scheduler runs none before); `score` is a round's value relative to that process
+    (h_M = 0)."""
 
     alpha: float
     full: int
@@ -196,11 +198,7 @@ class PipelineRounds:
         else:
             wait = (k - ready) * self.draft_step_s
         seconds = wait + self.cost.cost(self.context_tokens + k) + self.round_overhead_s
-        # Drafts made by the round's end, counted from the restart (ready = 0) or from now.
-        elapsed = wait + seconds - (first if ready == 0 else 0.0)
-        made = ready + max(0.0, elapsed / self.draft_step_s + (1 if ready == 0 else 0))
-        p_full = self.alpha ** (k + 1) if made >= k + 1 + self.full else 0.0
-        return expected_tokens(self.alpha, k), seconds, p_full
+        return expected_tokens(self.alpha, k), seconds, self.alpha ** (k + 1)
 
     def _rate(self, k0: int, e_f: float, t_f: float, p_f: float) -> float:
         """Long-run committed tokens per second when M takes k0 and F a full chunk: per visit to M,
