@@ -8,11 +8,12 @@
 
 Everything runs on one asyncio loop, so sequence state needs no locks. The target is kept busy:
 whenever a verdict batch comes back, the next batch goes out with whatever drafts have arrived (one
-token is enough in pearl: that is pre-verify), while the drafter keeps drafting past the chunk under
-verification (post-verify). A rejection bumps the sequence's epoch; chunks and verdicts with an old
+token is enough in pearl: that is pre-verify; for a greedy request right after a rejection even none,
+an empty round), while the drafter keeps drafting past the chunk under verification (post-verify). A rejection bumps the sequence's epoch; chunks and verdicts with an old
 epoch are dropped. The mode only changes the policy object (coordinator/policies.py). How much to
 speculate: coordinator/adaptive.py (draft length), patience.py (waiting for a fuller chunk),
-guard.py (speculating at all); what happens when a worker's stream breaks: recovery.py.
+guard.py (speculating at all); what the drafter is told: draft_commands.py; what happens when a
+worker's stream breaks: recovery.py.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from duospec.coordinator.api import (
     TokensEvent,
     Unavailable,
 )
+from duospec.coordinator.draft_commands import DraftCommands
 from duospec.coordinator.guard import GoodputGuard
 from duospec.coordinator.links import verify_error
 from duospec.coordinator.patience import Patience
@@ -50,7 +52,6 @@ from duospec.coordinator.verify_items import VerifyItems
 from duospec.coordinator.policies import SpeculationPolicy, fair_share
 from duospec.coordinator.sequence import DraftAction, Sequence
 from duospec.draft_worker.proposer import DraftMethod
-from duospec.internal.sampling_wire import sampling_to_proto
 from duospec.internal.v1 import pearl_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class SchedulerConfig:
     stats_window: list = field(default_factory=list)
 
 
-class Scheduler(WorkerRecovery, VerifyItems):
+class Scheduler(WorkerRecovery, VerifyItems, DraftCommands):
     def __init__(
         self,
         info: ModelInfo,
@@ -223,33 +224,6 @@ class Scheduler(WorkerRecovery, VerifyItems):
         self._dispatch()
         return seq
 
-    def _start_draft(self, seq: Sequence) -> None:
-        seq.draft_started = True
-        seq.draft_fed_len = 0
-        self._draft_command(
-            pb.DraftCommand(
-                seq_id=seq.seq_id,
-                epoch=seq.epoch,
-                kind=pb.DRAFT_COMMAND_KIND_START,
-                start_pos=0,
-                tail=seq.committed,
-                draft_until=seq.draft_until(),
-                sampling=sampling_to_proto(seq.request.sampling),
-                pool=seq.request.tenant,
-                committed_len=len(seq.committed),
-                max_hedges=self._max_hedges(seq),
-            )
-        )
-
-    @staticmethod
-    def _max_hedges(seq: Sequence) -> int:
-        """Hedges pay only on a rejection but cost draft steps always: adaptive pearl keeps
-        2·(1 - α) of the configured number (at least one), α the sequence's acceptance."""
-        n = 0 if seq.draft_paused else seq.policy.max_hedges()
-        if n and seq.policy.adaptive:
-            n = min(n, max(1, round(2 * n * (1 - seq.acceptance.alpha))))
-        return n
-
     # -- drafts in -----------------------------------------------------------------------------
     def _on_draft_batch(self, batch: pb.DraftChunkBatch) -> None:
         self._draft_heard_t = time.monotonic()
@@ -305,15 +279,6 @@ class Scheduler(WorkerRecovery, VerifyItems):
                 self._abort(seq)
 
     # -- verify out ----------------------------------------------------------------------------
-    def _draft_command(self, command: pb.DraftCommand) -> None:
-        """Queues a command; all commands of one event go to the drafter as one message (_dispatch)."""
-        self._pending_draft_commands.append(command)
-
-    def _flush_draft_commands(self) -> None:
-        if self._pending_draft_commands and self._draft_up:
-            self.draft.send(pb.DraftControl(commands=self._pending_draft_commands))
-        self._pending_draft_commands = []
-
     def _dispatch(self) -> None:
         """Ends every event: sends the drafter its commands, then the target a batch if it is free."""
         if self._deferring:
@@ -518,63 +483,6 @@ class Scheduler(WorkerRecovery, VerifyItems):
         elif kept:  # (nothing committed, e.g. a prefill-only round: the drafter has nothing new to hear)
             self._advance(seq)
         return len(kept)
-
-    def _forward_features(self, seq: Sequence, verdict: pb.Verdict) -> None:
-        """The verdict's hidden states go to the head drafter before the command this verdict causes."""
-        if not verdict.HasField("features"):  # a target backend without hidden states: go on target-only
-            log.warning("seq %d: the target returned no hidden states for its %s drafter; it continues "
-                        "target-only (serve the target on the lean backend)", seq.seq_id, self.info.draft_method)
-            self._release_draft(seq)
-            return
-        seq.draft_exhausted = False  # the drafter may have been waiting for exactly these
-        self._draft_command(pb.DraftCommand(seq_id=seq.seq_id, epoch=seq.epoch, kind=pb.DRAFT_COMMAND_KIND_FEATURES,
-                                            features=verdict.features))
-
-    def _release_draft(self, seq: Sequence) -> None:
-        self._draft_command(pb.DraftCommand(seq_id=seq.seq_id, kind=pb.DRAFT_COMMAND_KIND_RELEASE))
-        seq.drop_drafts()
-        seq.draft_alive = False
-
-    def _advance(self, seq: Sequence) -> None:
-        seq.draft_exhausted = False  # the drafter knows more now: it may find more to propose
-        self._draft_command(
-            pb.DraftCommand(
-                seq_id=seq.seq_id,
-                epoch=seq.epoch,
-                kind=pb.DRAFT_COMMAND_KIND_ADVANCE,
-                draft_until=seq.draft_until(),
-                committed_len=len(seq.committed),
-                max_hedges=self._max_hedges(seq),
-            )
-        )
-
-    def _abort(self, seq: Sequence, hedge: tuple[list[int], list[bytes]] | None = None,
-               key: tuple[int, int] | None = None) -> None:
-        """Rejection: new epoch; the drafter rolls back to what it shares with the committed prefix.
-        With `hedge` (tokens of the hedge `key`, default the token just committed: a cache hit) they
-        become this epoch's drafts at once, and the drafter adopts the branch it drafted them on."""
-        key = pb.HedgeKey(pos=key[0], token=key[1]) if key else pb.HedgeKey(pos=len(seq.committed) - 1,
-                                                                           token=seq.committed[-1])
-        start = seq.start_new_epoch()
-        tail = seq.committed[start:]
-        if hedge is not None:
-            n = min(len(hedge[0]), seq.remaining)
-            seq.drafts, seq.draft_probs = list(hedge[0][:n]), list(hedge[1][:n])
-            seq.draft_fed_len = len(seq.committed) - 1 + n  # what the branch has fed
-            tail = tail + seq.drafts
-        self._draft_command(
-            pb.DraftCommand(
-                seq_id=seq.seq_id,
-                epoch=seq.epoch,
-                kind=pb.DRAFT_COMMAND_KIND_RESET,
-                start_pos=start,
-                tail=tail,
-                draft_until=seq.draft_until(),
-                committed_len=len(seq.committed),
-                max_hedges=self._max_hedges(seq),
-                adopt=key if hedge is not None else None,
-            )
-        )
 
     # -- endings -------------------------------------------------------------------------------
     def _release(self, seq: Sequence) -> None:
