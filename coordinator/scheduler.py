@@ -10,10 +10,11 @@ Everything runs on one asyncio loop, so sequence state needs no locks. The targe
 whenever a verdict batch comes back, the next batch goes out with whatever drafts have arrived (one
 token is enough in pearl: that is pre-verify; for a greedy request right after a rejection even none,
 an empty round), while the drafter keeps drafting past the chunk under verification (post-verify).
-A rejection bumps the sequence's epoch; chunks and verdicts with an old epoch are dropped. The mode only changes the policy object (coordinator/policies.py). How much to
-speculate: coordinator/adaptive.py (draft length), patience.py (waiting for a fuller chunk),
-guard.py (speculating at all); what the drafter is told: draft_commands.py; what happens when a
-worker's stream breaks: recovery.py.
+A rejection bumps the sequence's epoch; chunks and verdicts with an old epoch are dropped. The mode
+only changes the policy object (coordinator/policies.py). How much to speculate:
+coordinator/adaptive.py (draft length), patience.py (waiting for a fuller chunk), guard.py
+(speculating at all); what the drafter is told: draft_commands.py; what happens when a worker's
+stream breaks: recovery.py.
 """
 
 from __future__ import annotations
