@@ -268,10 +268,13 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands):
                 self._abort(seq)
                 continue
             start = chunk.start_pos + decided
-            if start < len(seq.committed):  # all of it decided already, and as drafted: wait for the rest
-                seq.draft_fed_len = max(seq.draft_fed_len, start - 1)
-                continue
             exhausted = chunk.outlook == pb.DRAFT_OUTLOOK_EXHAUSTED
+            if start < len(seq.committed):  # all of it at decided positions, and as drafted
+                if exhausted:  # the drafter waits for a command, not knowing those tokens: a RESET has them
+                    self._abort(seq)
+                else:
+                    seq.draft_fed_len = max(seq.draft_fed_len, start - 1)
+                continue
             if not seq.add_drafts(start, chunk.tokens[decided:], chunk.draft_probs[decided:], exhausted,
                                   chunk.alternatives[decided:]):
                 log.warning("seq %d: draft chunk at %d, expected %d; resyncing", seq.seq_id, chunk.start_pos,

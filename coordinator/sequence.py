@@ -83,6 +83,8 @@ class Sequence:
     # (epoch, when) a rejection restarted the drafter with nothing cached, until that epoch's first draft
     # arrives: the restart time patience weighs (Patience.first_draft_s)
     restarted: tuple[int, float] | None = None
+    # the in-flight item is an empty round: no draft, sent rather than idle for the restarted drafter
+    empty_round: bool = False
 
     # -- facts ------------------------------------------------------------------------------------
     @property
@@ -154,8 +156,10 @@ class Sequence:
         restart, nothing else in flight): 0 for a chunk that continues the drafts, None when one of
         them is not the committed token (the drafter guessed wrong and must start over)."""
         decided = len(self.committed) - start_pos
-        if decided <= 0 or self.verify_tokens or self.drafts:
+        if decided <= 0:
             return 0
+        if self.verify_tokens or self.drafts:  # not after an empty round: a stray chunk, start over
+            return None
         n = min(decided, len(tokens))
         return n if list(tokens[:n]) == self.committed[start_pos:start_pos + n] else None
 
@@ -255,6 +259,7 @@ class Sequence:
     def forget_verify(self) -> None:
         """The verdict for the in-flight chunk will not come (stale, or the target restarted)."""
         self._clear_branches()
+        self.empty_round = False
         if self.verify_tokens is not None:
             # Back in front of the later drafts; they are re-verified (or dropped by an abort).
             self.drafts = self.verify_tokens + self.drafts
@@ -276,6 +281,7 @@ class Sequence:
         else:
             accepted = None
         chunk = self.verify_tokens or []
+        empty_round, self.empty_round = self.empty_round, False
         rejected = recovered and (branch is not None or n_accepted < len(chunk))
         self.verify_tokens, self.verify_probs = None, []
         k = len(chunk)
@@ -302,7 +308,7 @@ class Sequence:
                 self.drafts, self.draft_probs = self.drafts[1:], self.draft_probs[1:]
                 self._decided()
                 return kept, DraftAction.ADVANCE, None
-            if not k and not self.drafts and not self.draft_paused and not self.draft_exhausted:
+            if empty_round and not self.drafts and not self.draft_paused:
                 # An empty round beat the restarted drafter's first chunk: keep the epoch, and check
                 # the chunk against the token when it comes (decided_prefix).
                 self._decided()

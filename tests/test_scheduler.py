@@ -438,3 +438,41 @@ async def test_in_a_batch_that_goes_an_empty_sequence_that_would_wait_stays_out(
     assert len(target.sent) == 1 and not scheduler.patience.expired
     assert [(i.seq_id, list(i.draft_tokens)) for i in target.sent[-1].items] == [(a.seq_id, [10, 11, 12, 13])]
     await scheduler.close()
+
+
+async def test_an_exhausted_drafter_is_reset_with_the_tokens_decided_without_it():
+    """An n-gram-like drafter with nothing to propose: a round it sent EXHAUSTED for is not an empty
+    round (its bonus restarts the drafter with that token, as before), and an EXHAUSTED chunk that
+    arrives after an empty round decided its position gets a RESET carrying the decided token —
+    an ADVANCE carries no tokens, and the drafter would wait for one forever."""
+    scheduler, target, draft, _ = _scheduler()
+    policy = _adaptive_pearl(scheduler)
+    seq = scheduler._add(_request(n=40), policy)
+    seq.acceptance.accepted, seq.acceptance.rejected = 3.0, 7.0
+    await _restart_measured(scheduler, target, seq)  # [20] under verification
+    _exhausted(scheduler, seq, 5)  # nothing more from the drafter past 20
+    resets = len(_commands(draft, pb.DRAFT_COMMAND_KIND_RESET))
+    _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_BONUS, 21)  # 20 accepted, bonus 21: not guessed
+    assert seq.committed[3:] == [50, 20, 21] and len(_commands(draft, pb.DRAFT_COMMAND_KIND_RESET)) == resets + 1
+    empty = target.sent[-1].items[0]  # the restarted drafter has sent nothing: an empty round
+    assert list(empty.draft_tokens) == [] and list(empty.context) == [21] and seq.empty_round
+    epoch = seq.epoch
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_BONUS, 22)
+    assert seq.epoch == epoch and seq.committed[-1] == 22  # kept: the drafter's chunk is checked later
+    _exhausted(scheduler, seq, 6)  # it has nothing for position 6, which the target decided: 22
+    reset = _commands(draft, pb.DRAFT_COMMAND_KIND_RESET)[-1]
+    assert seq.epoch == epoch + 1 and reset.epoch == epoch + 1 and list(reset.tail)[-1] == 22
+    await scheduler.close()
+
+
+async def test_a_chunk_at_decided_positions_with_drafts_in_flight_is_not_taken_on_trust():
+    scheduler, target, draft, _ = _scheduler()
+    policy = _adaptive_pearl(scheduler)
+    seq = scheduler._add(_request(n=40), policy)
+    seq.acceptance.accepted, seq.acceptance.rejected = 3.0, 7.0
+    await _restart_measured(scheduler, target, seq)  # [20] under verification at position 4
+    epoch = seq.epoch
+    assert seq.decided_prefix(3, [50]) is None  # position 3 is decided, but drafts are in flight
+    _chunks(scheduler, seq, 3, [50])  # a stray chunk: the drafter starts over, nothing is assumed
+    assert seq.epoch == epoch + 1 and seq.committed[3:] == [50]
+    await scheduler.close()
