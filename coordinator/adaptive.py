@@ -182,6 +182,7 @@ class PipelineRounds:
 
     def __post_init__(self) -> None:
         self.alpha = min(max(self.alpha, 0.0), 0.999)
+        self._line = self.cost.coefficients()  # (fixed, per_token): fitted once, not per round evaluated
         e_f, t_f, p_f = self._round(self.full, self.full)
         first_k0 = 0 if self.first_draft_s is not None else 1
         self.rate = max(self._rate(k0, e_f, t_f, p_f) for k0 in range(first_k0, self.full + 1))  # g
@@ -197,7 +198,8 @@ class PipelineRounds:
             wait = first + (k - 1) * self.draft_step_s
         else:
             wait = (k - ready) * self.draft_step_s
-        seconds = wait + self.cost.cost(self.context_tokens + k) + self.round_overhead_s
+        fixed, per_token = self._line
+        seconds = wait + fixed + per_token * (self.context_tokens + k) + self.round_overhead_s
         return expected_tokens(self.alpha, k), seconds, self.alpha ** (k + 1)
 
     def _rate(self, k0: int, e_f: float, t_f: float, p_f: float) -> float:

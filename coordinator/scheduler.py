@@ -294,11 +294,18 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands):
         if not ready and not self._target_releases:
             self.patience.end()  # nothing is waiting for the target (e.g. the held sequence was aborted)
             return
-        if not self._target_releases and self.patience.hold(self._wait_for_drafts_s(s) for s in ready):
+        waits: dict[int, float] = {}  # seq_id -> _wait_for_drafts_s, each worked out once per dispatch
+
+        def wait_s(seq: Sequence) -> float:
+            if seq.seq_id not in waits:
+                waits[seq.seq_id] = self._wait_for_drafts_s(seq)
+            return waits[seq.seq_id]
+
+        if not self._target_releases and self.patience.hold(wait_s(s) for s in ready):
             return
         if not self.patience.expired:  # not held because another sequence goes now: an empty one that
             # would rather wait for its drafts still does, unless the hold ran out
-            ready = [s for s in ready if not self._may_verify_without_drafts(s) or self._wait_for_drafts_s(s) == 0]
+            ready = [s for s in ready if not self._may_verify_without_drafts(s) or wait_s(s) == 0]
         self.patience.end()
         chosen = fair_share(ready, self._vtime, self.config.max_batch_size)
         items = self._verify_items(chosen)  # (drops sequences whose prefill waits for the next round)
