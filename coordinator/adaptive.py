@@ -156,6 +156,17 @@ def drafts_worth_waiting_for(alpha: float, n_ready: int, max_k: int, cost: Verif
     return best_k if scores[best_k] > scores[n_ready] + 0.02 * expected_tokens(alpha, n_ready) else n_ready
 
 
+def wait_for_drafts_s(k: int, ready: int, draft_step_s: float, first_draft_s: float | None) -> float:
+    """Expected seconds until k drafts are there with `ready` there now: none when k <= ready; right
+    after a restart (ready = 0) the first comes after `first_draft_s` (a step when unmeasured), then one
+    every `draft_step_s`."""
+    if k <= ready:
+        return 0.0
+    if ready == 0:
+        return (first_draft_s if first_draft_s is not None else draft_step_s) + (k - 1) * draft_step_s
+    return (k - ready) * draft_step_s
+
+
 @dataclass
 class PipelineRounds:
     """Pearl's verify rounds as a two-state average-reward process (drafts_worth_waiting_for).
@@ -191,13 +202,7 @@ class PipelineRounds:
     def _round(self, k: int, ready: int) -> tuple[float, float, float]:
         """(tokens committed, seconds, probability the next round starts in F) of a round that waits
         for k drafts with `ready` there (ready = 0: right after the drafter's restart)."""
-        first = self.first_draft_s if self.first_draft_s is not None else self.draft_step_s
-        if k <= ready:
-            wait = 0.0
-        elif ready == 0:
-            wait = first + (k - 1) * self.draft_step_s
-        else:
-            wait = (k - ready) * self.draft_step_s
+        wait = wait_for_drafts_s(k, ready, self.draft_step_s, self.first_draft_s)
         fixed, per_token = self._line
         seconds = wait + fixed + per_token * (self.context_tokens + k) + self.round_overhead_s
         return expected_tokens(self.alpha, k), seconds, self.alpha ** (k + 1)

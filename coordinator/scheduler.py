@@ -32,6 +32,7 @@ from duospec.coordinator.adaptive import (
     VerifyCostModel,
     best_draft_length,
     drafts_worth_waiting_for,
+    wait_for_drafts_s,
 )
 from duospec.coordinator.api import (
     CoordinatorError,
@@ -362,12 +363,13 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands):
         sequence when its first tokens are the ones the target decided (Sequence.apply_verdict keeps
         the epoch, Sequence.decided_prefix checks the chunk, during the round or after it). Greedy
         adaptive pearl only: a sampled pearl request declines the bonus (its positions must be decided
-        by one rule whatever the timing), vanilla is the fixed baseline, and a head drafter needs the
-        verdict's hidden states before it can draft. Patience weighs the wait (drafts_worth_waiting_for)
+        by one rule whatever the timing), vanilla is the fixed baseline, a head drafter needs the
+        verdict's hidden states before it can draft, and an exhausted drafter has nothing coming (its
+        round takes the bonus and restarts it, as before). Patience weighs the wait (drafts_worth_waiting_for)
         once the restart time has been measured; in a batch that goes anyway, such a sequence rides
         along empty only if that is its own best choice (_dispatch)."""
-        return (not seq.drafts and seq.uses_draft and self._guarded(seq) and not seq.needs_features
-                and self.patience.first_draft_s.value is not None)
+        return (not seq.drafts and not seq.draft_exhausted and seq.uses_draft and self._guarded(seq)
+                and not seq.needs_features and self.patience.first_draft_s.value is not None)
 
     def _wait_for_drafts_s(self, seq: Sequence) -> float:
         """Pearl patience (coordinator/patience.py): the expected seconds until the drafts worth waiting
@@ -382,9 +384,7 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands):
         k = drafts_worth_waiting_for(seq.acceptance.alpha, n, reachable, self.verify_cost, step,
                                      self.patience.round_overhead_s.value or 0.0, len(seq.committed) - seq.target_len,
                                      first)
-        if k <= n:
-            return 0.0
-        return (first if n == 0 and first is not None else step) + (k - n - 1) * step
+        return wait_for_drafts_s(k, n, step, first)
 
     def _adapt_draft_length(self) -> None:
         pearl = [

@@ -46,7 +46,7 @@ class VerifyItems:
         bonus = pb.BONUS_POLICY_SKIP if self._prefill_only(seq, k) else seq.policy.bonus(seq.greedy, drafting)
         tokens, probs = seq.take_verify_chunk(k)
         # an empty round (Scheduler._may_verify_without_drafts): its bonus keeps the drafter's epoch
-        seq.empty_round = not tokens and not seq.draft_exhausted and self._may_verify_without_drafts(seq)
+        seq.empty_round = not tokens and self._may_verify_without_drafts(seq)
         parents: list[int] = []
         if tokens and seq.greedy and seq.policy.tree_nodes and self._max_hedges(seq):
             tokens, parents = seq.add_branches(seq.policy.tree_nodes)  # hedges ride along as a token tree
