@@ -78,7 +78,7 @@ class DraftCommands:
                 epoch=seq.epoch,
                 kind=pb.DRAFT_COMMAND_KIND_ADVANCE,
                 draft_until=seq.draft_until(),
-                committed_len=len(seq.committed),
+                committed_len=seq.drafter_verified_len(),
                 max_hedges=self._max_hedges(seq),
             )
         )

@@ -268,6 +268,7 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands):
                 seq.stats.wasted_draft_tokens += len(chunk.tokens)
                 self._abort(seq)
                 continue
+            seq.drafter_holds(chunk.start_pos, decided)
             start = chunk.start_pos + decided
             exhausted = chunk.outlook == pb.DRAFT_OUTLOOK_EXHAUSTED
             if start < len(seq.committed):  # all of it at decided positions, and as drafted

@@ -85,6 +85,10 @@ class Sequence:
     restarted: tuple[int, float] | None = None
     # the in-flight item is an empty round: no draft, sent rather than idle for the restarted drafter
     empty_round: bool = False
+    # The first committed position an empty round decided that the drafter has not yet been seen to
+    # hold (its chunk for it has not come, or came short): what it holds there is its own guess, so it
+    # is told only the positions before as verified (drafter_verified_len).
+    unconfirmed_from: int | None = None
 
     # -- facts ------------------------------------------------------------------------------------
     @property
@@ -162,6 +166,19 @@ class Sequence:
             return None
         n = min(decided, len(tokens))
         return n if list(tokens[:n]) == self.committed[start_pos:start_pos + n] else None
+
+    def drafter_holds(self, start_pos: int, n: int) -> None:
+        """A current-epoch chunk starting at `start_pos` showed that the drafter holds the committed
+        tokens at its first `n` positions (decided_prefix)."""
+        if self.unconfirmed_from is not None and start_pos <= self.unconfirmed_from < start_pos + n:
+            end = start_pos + n
+            self.unconfirmed_from = end if end < len(self.committed) else None
+
+    def drafter_verified_len(self) -> int:
+        """How much of the committed text the drafter holds as committed: all of it, except after
+        empty rounds whose tokens its chunks have not yet confirmed. (Told more, it would count its
+        own guess as verified text: an n-gram drafter would teach it to the tenant's pool.)"""
+        return len(self.committed) if self.unconfirmed_from is None else self.unconfirmed_from
 
     def add_hedge(self, pos: int, token: int, start_pos: int, tokens, probs) -> bool:
         """Appends a hedge chunk of the current epoch; False if its key is decided or it does not
@@ -311,6 +328,8 @@ class Sequence:
             if empty_round and not self.drafts and not self.draft_paused:
                 # An empty round beat the restarted drafter's first chunk: keep the epoch, and check
                 # the chunk against the token when it comes (decided_prefix).
+                if self.unconfirmed_from is None:
+                    self.unconfirmed_from = old_len
                 self._decided()
                 return kept, DraftAction.ADVANCE, None
             self.stats.wasted_draft_tokens += len(self.drafts)
@@ -329,6 +348,7 @@ class Sequence:
         dropped); returns where the drafter's cache stops matching the committed prefix."""
         self.epoch += 1
         self.draft_exhausted = False
+        self.unconfirmed_from = None  # the RESET carries the committed tokens
         self.hedges, self.alternatives = {}, {}
         self.drafts, self.draft_probs = [], []
         self.verify_tokens, self.verify_probs = None, []

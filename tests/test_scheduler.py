@@ -371,10 +371,13 @@ async def test_after_a_restart_the_free_target_takes_the_next_token_and_the_draf
     # checked against the decided token when it comes.
     _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_BONUS, 64)
     assert seq.committed[-1] == 64 and seq.epoch == epoch + 1
+    # The drafter is not told that position 8 is verified: what it holds there is its own guess.
+    assert _commands(draft, pb.DRAFT_COMMAND_KIND_ADVANCE)[-1].committed_len == 8
     _chunks(scheduler, seq, 8, [64, 65, 66])  # 64 was decided, as drafted; 65, 66 ride on
     assert seq.epoch == epoch + 1 and seq.drafts == [65, 66]
     _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_BONUS, 65)  # the next empty round: guessed
     assert seq.drafts == [66] and seq.epoch == epoch + 1
+    assert _commands(draft, pb.DRAFT_COMMAND_KIND_ADVANCE)[-1].committed_len == 10  # its chunk showed 64
     assert list((await _sent_after_any_hold(scheduler, target, batches + 4)).draft_tokens) == [66]
     # A late chunk that guessed a decided token wrong starts the drafter over.
     seq.acceptance.accepted, seq.acceptance.rejected = 3.0, 7.0  # α about 0.4 again, as at the restarts before
@@ -382,6 +385,7 @@ async def test_after_a_restart_the_free_target_takes_the_next_token_and_the_draf
     assert list(target.sent[-1].items[0].draft_tokens) == [] and list(target.sent[-1].items[0].context) == [67]
     _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_BONUS, 68)
     assert seq.epoch == epoch + 2
+    assert _commands(draft, pb.DRAFT_COMMAND_KIND_ADVANCE)[-1].committed_len == len(seq.committed) - 1
     _chunks(scheduler, seq, 12, [99, 100])
     assert seq.epoch == epoch + 3 and seq.drafts == []
     reset = _commands(draft, pb.DRAFT_COMMAND_KIND_RESET)[-1]
@@ -389,6 +393,29 @@ async def test_after_a_restart_the_free_target_takes_the_next_token_and_the_draf
     assert seq.committed[3:] == [50, 60, 61, 62, 63, 64, 65, 66, 67, 68]
     assert _committed_events(seq) == [62, 63, 64, 65, 66, 67, 68]
     await scheduler.close()
+
+
+def test_a_short_late_chunk_confirms_only_the_decided_tokens_it_holds():
+    """Two empty rounds decided positions 3 and 4 before the restarted drafter's chunk came; a chunk
+    holding position 3 alone confirms 3, and only the one that holds 4 lets the drafter count all of
+    the committed text as verified."""
+    scheduler, _, _, policy = _scheduler()
+    seq = scheduler._add(_request(n=20), policy)
+    for token in (40, 41):
+        seq.verify_tokens, seq.empty_round = [], True
+        assert seq.apply_verdict(0, token, recovered=False)[1].name == "ADVANCE"
+    assert seq.committed == [1, 2, 3, 40, 41] and seq.drafter_verified_len() == 3
+    assert seq.decided_prefix(3, [40]) == 1
+    seq.drafter_holds(3, 1)
+    assert seq.drafter_verified_len() == 4
+    assert seq.decided_prefix(4, [41, 42]) == 1
+    seq.drafter_holds(4, 1)
+    assert seq.drafter_verified_len() == 5
+    seq.verify_tokens, seq.empty_round = [], True
+    seq.apply_verdict(0, 43, recovered=False)
+    assert seq.drafter_verified_len() == 5
+    seq.start_new_epoch()  # a RESET carries every committed token
+    assert seq.drafter_verified_len() == 6
 
 
 @pytest.mark.parametrize("kind", ["sampled", "vanilla"])
