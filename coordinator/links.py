@@ -29,7 +29,11 @@ class _AsyncInbox:
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def put_threadsafe(self, message) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, message)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, message)
+        except RuntimeError:  # the loop closed before the link did: nobody is left to read it
+            if not self.loop.is_closed():
+                raise
 
     async def iterate(self):
         while True:
