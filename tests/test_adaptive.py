@@ -154,16 +154,18 @@ def test_poor_acceptance_is_not_worth_waiting_for():
 async def test_a_hold_ends_by_its_timer():
     import asyncio
 
+    # Waits of 0.5 s (a hold of 2 x 0.5 s + 1 ms): a loaded machine stalling between two statements
+    # must not end the hold before the checks that it is still on.
     woken = asyncio.Event()
     patience = Patience(wake=woken.set)
-    assert patience.hold([0.002]) and patience.hold([0.001])  # one hold, however often it is asked
-    assert not patience.hold([0.002, 0.0]), "a sequence that wants no more drafts releases the target"
+    assert patience.hold([0.5]) and patience.hold([0.25])  # one hold, however often it is asked
+    assert not patience.hold([0.5, 0.0]), "a sequence that wants no more drafts releases the target"
     assert not patience.expired
-    await asyncio.wait_for(woken.wait(), 1.0)  # 2 x the 2 ms expected + 1 ms
+    await asyncio.wait_for(woken.wait(), 30.0)  # the timer fires after ~1 s; generous for a loaded machine
     assert patience.expired
-    assert not patience.hold([0.002]), "a hold that timed out does not start again until the batch goes"
+    assert not patience.hold([0.5]), "a hold that timed out does not start again until the batch goes"
     patience.end()
-    assert not patience.expired and patience.hold([0.002]) and patience.holds == 2
+    assert not patience.expired and patience.hold([0.5]) and patience.holds == 2
     patience.end()
 
 

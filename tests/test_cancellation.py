@@ -1,4 +1,5 @@
-"""Client cancel and deadline mid-stream free the sequence's KV slots on BOTH workers within a second.
+"""Client cancel and deadline mid-stream free the sequence's KV slots on BOTH workers (promptly: a
+leaked slot is never freed, so the bound is generous for a loaded CI machine; typically it takes ms).
 
 Checked through `coordinator.worker_stats()` (what each worker itself holds), not the coordinator's
 own bookkeeping: the point is that the draft and target really dropped the sequence's slots.
@@ -17,7 +18,7 @@ from duospec.v1 import generation_pb2 as pb
 from test_server_support import MODEL, request, running_server, server_coordinator
 from test_server_support import tiny_pair  # noqa: F401  (fixture)
 
-FREE_WITHIN_S = 1.0
+FREE_WITHIN_S = 10.0  # generous: workers release asynchronously (Ray polls); a real leak never frees
 LONG = 230  # new tokens: long enough that the stream is still running when we cut it
 
 
@@ -35,7 +36,7 @@ async def worker_counts(coordinator, model: str) -> dict[str, tuple[int, int]]:
 
 async def idle_baseline(coordinator, model: str) -> dict[str, tuple[int, int]]:
     """Worker counts once no worker holds a sequence (a finished one is dropped asynchronously)."""
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + 10.0
     while True:
         counts = await worker_counts(coordinator, model)
         if all(live == 0 for live, _ in counts.values()):
@@ -58,7 +59,7 @@ async def wait_until_idle(coordinator, model: str, baseline: dict[str, tuple[int
 
 async def assert_held_by(coordinator, model: str, roles: tuple[str, ...]) -> None:
     """The in-flight sequence is live on each of `roles` (so freeing it later is a real observation)."""
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + 10.0
     while True:
         counts = await worker_counts(coordinator, model)
         if all(counts[r][0] >= 1 for r in roles):
@@ -141,9 +142,8 @@ async def test_cancel_while_queued_for_a_slot_leaks_nothing(tiny_pair):  # noqa:
             await asyncio.sleep(0.01)
         running.cancel()
         await wait_until_idle(h.coordinator, MODEL, baseline, FREE_WITHIN_S)
-        for _ in range(100):
-            if h.server.admission.running == 0:
-                break
+        deadline = time.monotonic() + 10.0
+        while h.server.admission.running and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         assert (h.server.admission.running, h.server.admission.waiting) == (0, 0)
         assert h.server.lifecycle.active_streams == 0

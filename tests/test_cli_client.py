@@ -84,7 +84,9 @@ def test_models_table_and_json(server, capsys):
 
 
 def test_unreachable_server_is_one_line_error(capsys):
-    code = run_cli(["models", "--address", "127.0.0.1:1", "--timeout", "1"])
+    # The CLI retries UNAVAILABLE (≤ 0.7 s of backoff); a deadline far past that keeps a sleep overshooting
+    # on a loaded machine from turning the last attempt into DEADLINE_EXCEEDED. Refused at once anyway.
+    code = run_cli(["models", "--address", "127.0.0.1:1", "--timeout", "30"])
     err = capsys.readouterr().err
     assert code == 1 and err.startswith("error: UNAVAILABLE: ") and err.count("\n") == 1
 

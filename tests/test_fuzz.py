@@ -12,6 +12,7 @@ import asyncio
 import collections
 import re
 import threading
+import time
 
 import grpc
 import pytest
@@ -197,11 +198,20 @@ def check_case(served, req: pb.GenerateRequest, md) -> None:
     assert status == health_pb2.HealthCheckResponse.SERVING
 
 
-def assert_nothing_leaked(box: ServerThread) -> None:
-    workers = box.call(box.coordinator.worker_stats()).get(MODEL, {})
-    assert all(w["live_sequences"] == 0 for w in workers.values()), workers
-    assert (box.server.admission.running, box.server.admission.waiting) == (0, 0)
-    assert box.server.lifecycle.active_streams == 0
+def assert_nothing_leaked(box: ServerThread, within_s: float = 10.0) -> None:
+    """Workers, admission and lifecycle let go of finished streams asynchronously: poll (a leak never
+    clears) and fail with what is still held after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while True:
+        workers = box.call(box.coordinator.worker_stats()).get(MODEL, {})
+        held = {"workers": {role: w["live_sequences"] for role, w in workers.items()},
+                "admission": (box.server.admission.running, box.server.admission.waiting),
+                "active_streams": box.server.lifecycle.active_streams}
+        if (all(n == 0 for n in held["workers"].values()) and held["admission"] == (0, 0)
+                and held["active_streams"] == 0):
+            return
+        assert time.monotonic() < deadline, f"still held {within_s:.0f} s after the last call: {held}"
+        time.sleep(0.02)
 
 
 _FUZZ = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,

@@ -83,7 +83,8 @@ async def test_health_follows_a_target_outage_longer_than_the_restart_bound(ray_
         started = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await collect(h.stub, _greedy_request([5, 6, 7], 4), timeout=20)
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - started < 2.0
+        # refused at once (typically ms; 10 s is generous for a loaded CI machine), not at the 20 s deadline
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - started < 10.0
         await asyncio.sleep(1.5)  # past the bound: the old code gave up for good here
         assert await _health(h) == NOT_SERVING
         gate.set()

@@ -76,6 +76,20 @@ async def _one_client(stub, i: int) -> tuple[str, list[pb.GenerateResponse], flo
     return "OK", messages, first_at
 
 
+async def _wait_until_released(h, coordinator, within_s: float = 10.0) -> None:
+    """Admission and the workers let go of finished streams asynchronously: poll until nothing is
+    held (a leak never clears) and fail with what still is after `within_s`."""
+    deadline = time.monotonic() + within_s
+    while True:
+        workers = (await coordinator.worker_stats())["tiny"]
+        held = {"admission": (h.server.admission.running, h.server.admission.waiting),
+                "target": workers["target"]["live_sequences"], "draft": workers["draft"]["live_sequences"]}
+        if held == {"admission": (0, 0), "target": 0, "draft": 0}:
+            return
+        assert time.monotonic() < deadline, f"still held {within_s:.0f} s after the burst: {held}"
+        await asyncio.sleep(0.02)
+
+
 def test_queue_bounds_come_from_the_serve_config():
     config = parse_serve_config({"server": {"max_concurrent_requests": 3, "max_queued_requests": 0},
                                  "models": [{"name": "m", "target": "/t"}]})
@@ -106,12 +120,11 @@ async def test_200_concurrent_clients_get_served_or_resource_exhausted(tiny_pair
                 assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
                 assert sum(len(m.token_ids) for m in messages) == NEW_TOKENS
             else:
-                assert seconds < 5.0, f"a rejection took {seconds:.1f} s: it should not wait for a slot"
+                # typically milliseconds; the bound is generous for a loaded 2-core CI machine
+                assert seconds < 15.0, f"a rejection took {seconds:.1f} s: it should not wait for a slot"
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         assert sampler.peak - rss_before < RSS_GROWTH_LIMIT_MB
-        assert h.server.admission.running == 0 and h.server.admission.waiting == 0
-        workers = (await coordinator.worker_stats())["tiny"]
-        assert workers["target"]["live_sequences"] == 0 and workers["draft"]["live_sequences"] == 0
+        await _wait_until_released(h, coordinator)
         # The server still serves normally after the burst.
         code, messages, _ = await _one_client(h.stub, CLIENTS)
         assert code == "OK" and messages[-1].finish_reason == pb.FINISH_REASON_LENGTH

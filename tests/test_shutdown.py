@@ -108,7 +108,7 @@ async def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(tiny_pair, 
         if proc.poll() is None:
             proc.kill()
     assert late_code == "UNAVAILABLE"
-    assert not_serving_s < 2.0
+    assert not_serving_s < 10.0, not_serving_s  # typically ms; generous for a loaded CI machine
     for messages in streams:  # every in-flight stream finished normally, all its tokens delivered
         assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
         assert sum(len(m.token_ids) for m in messages) == NEW_TOKENS
