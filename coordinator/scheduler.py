@@ -364,13 +364,15 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands):
         sequence when its first tokens are the ones the target decided (Sequence.apply_verdict keeps
         the epoch, Sequence.decided_prefix checks the chunk, during the round or after it). Greedy
         adaptive pearl only: a sampled pearl request declines the bonus (its positions must be decided
-        by one rule whatever the timing), vanilla is the fixed baseline, a head drafter needs the
-        verdict's hidden states before it can draft, and an exhausted drafter has nothing coming (its
-        round takes the bonus and restarts it, as before). Patience weighs the wait (drafts_worth_waiting_for)
+        by one rule whatever the timing), vanilla is the fixed baseline, and an exhausted drafter has
+        nothing coming (its round takes the bonus and restarts it, as before). A head drafter may go
+        too: the rejecting verdict's hidden states reach it with the RESET, so it drafts from them
+        while the empty round runs, and the hidden state the empty round computes replaces the head's
+        own prediction for that position when it arrives (draft_worker/eagle_proposer.py re-feeds). Patience weighs the wait (drafts_worth_waiting_for)
         once the restart time has been measured; in a batch that goes anyway, such a sequence rides
         along empty only if that is its own best choice (_dispatch)."""
         return (not seq.drafts and not seq.draft_exhausted and seq.uses_draft and self._guarded(seq)
-                and not seq.needs_features and self.patience.first_draft_s.value is not None)
+                and self.patience.first_draft_s.value is not None)
 
     def _wait_for_drafts_s(self, seq: Sequence) -> float:
         """Pearl patience (coordinator/patience.py): the expected seconds until the drafts worth waiting

@@ -207,8 +207,20 @@ async def test_a_paused_sequence_never_waits_for_drafts_that_will_not_come():
     assert len(target.sent) == sent + 1 or not seq.draft_paused
 
 
-async def test_pearl_patience_waits_for_a_fuller_chunk_then_a_stalled_drafter_is_not_waited_for():
+def _holds_end_by_their_timer_only(monkeypatch):
+    """Patience's own clock frozen: a hold of a few ms ends when its timer fires (the event loop runs),
+    never because a loaded machine stalled between two statements of a test."""
+    import types
+
+    from duospec.coordinator import patience
+
+    monkeypatch.setattr(patience, "time", types.SimpleNamespace(monotonic=lambda: 0.0))
+
+
+async def test_pearl_patience_waits_for_a_fuller_chunk_then_a_stalled_drafter_is_not_waited_for(monkeypatch):
     from duospec.coordinator.adaptive import VerifyCostModel
+
+    _holds_end_by_their_timer_only(monkeypatch)
 
     scheduler, target, draft, _ = _scheduler()
     policy = SpeculationPolicy(mode=SpeculationMode.PEARL, max_draft_tokens=4, max_lookahead=8, adaptive=True)
@@ -443,10 +455,12 @@ async def test_only_greedy_adaptive_pearl_verifies_without_drafts(kind):
     await scheduler.close()
 
 
-async def test_in_a_batch_that_goes_an_empty_sequence_that_would_wait_stays_out():
+async def test_in_a_batch_that_goes_an_empty_sequence_that_would_wait_stays_out(monkeypatch):
     """Another sequence's full chunk sends the target off; a sequence with no draft yet whose patience
     says wait (a quick restart, a slow target, good drafts) does not ride along empty."""
     from duospec.coordinator.scheduler import InFlightVerify
+
+    _holds_end_by_their_timer_only(monkeypatch)
 
     scheduler, target, draft, _ = _scheduler()
     policy = _adaptive_pearl(scheduler)
@@ -502,4 +516,57 @@ async def test_a_chunk_at_decided_positions_with_drafts_in_flight_is_not_taken_o
     assert seq.decided_prefix(3, [50]) is None  # position 3 is decided, but drafts are in flight
     _chunks(scheduler, seq, 3, [50])  # a stray chunk: the drafter starts over, nothing is assumed
     assert seq.epoch == epoch + 1 and seq.committed[3:] == [50]
+    await scheduler.close()
+
+
+def _head_verdict(scheduler, target, seq, n_accepted, kind, next_token, features_from, n_features):
+    """A verdict carrying the hidden states of the item's committed positions, as the target returns
+    them for a head drafter's sequence."""
+    features = pb.Features(start_pos=features_from, hidden_size=4, fp16=b"\x00\x3c" * (4 * n_features))
+    scheduler._on_verdict_batch(pb.VerdictBatch(batch_id=target.sent[-1].batch_id, verdicts=[pb.Verdict(
+        seq_id=seq.seq_id, epoch=seq.epoch, n_accepted=n_accepted, kind=kind, next_token=next_token,
+        features=features)]))
+
+
+async def test_a_head_drafter_goes_on_empty_rounds_and_hears_their_hidden_states():
+    """A head drafter (EAGLE) gets the rejecting verdict's hidden states with its RESET and drafts from
+    them while the free target takes the next token on an empty round; that round's hidden state
+    follows it (the head re-feeds the row it predicted), and its chunk continues the sequence when it
+    guessed the decided token."""
+    import dataclasses
+
+    scheduler, target, draft, _ = _scheduler()
+    scheduler.info = dataclasses.replace(scheduler.info, draft_method="eagle")
+    policy = _adaptive_pearl(scheduler)
+    scheduler.patience.first_draft_s.observe(0.01)  # the restart is measured: waiting for it does not pay
+    seq = scheduler._add(_request(n=40), policy)
+    seq.acceptance.accepted, seq.acceptance.rejected = 5.0, 5.0  # α = 0.5
+    assert seq.needs_features and list(target.sent[-1].items[0].context) == [1, 2, 3]  # the prompt first
+    _head_verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_BONUS, 50, 0, 3)
+    kinds = [(c.kind, c.features.start_pos) for c in _commands(draft, pb.DRAFT_COMMAND_KIND_FEATURES)]
+    assert kinds == [(pb.DRAFT_COMMAND_KIND_FEATURES, 0)]
+    empty = target.sent[-1].items[0]  # the head has the prompt's hidden states now; the target goes on
+    assert len(target.sent) == 2 and list(empty.context) == [50] and not empty.draft_tokens and empty.features
+    _chunks(scheduler, seq, 4, [51, 52])  # drafted from the prompt's features while the target works
+    epoch = seq.epoch
+    _head_verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_BONUS, 51, 3, 1)
+    assert seq.epoch == epoch and seq.drafts == [52]  # guessed: the drafter's work stands
+    assert _commands(draft, pb.DRAFT_COMMAND_KIND_FEATURES)[-1].features.start_pos == 3
+    item = await _sent_after_any_hold(scheduler, target, 2)
+    assert list(item.context) == [51] and list(item.draft_tokens) == [52]
+    # A rejection: the hidden states of what it committed go first, then the RESET; the target does
+    # not wait for the restarted head.
+    _head_verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_RECOVERED, 70, 4, 1)
+    commands = [c for m in draft.sent for c in m.commands]
+    assert [(c.kind, c.epoch) for c in commands[-2:]] == [(pb.DRAFT_COMMAND_KIND_FEATURES, epoch),
+                                                         (pb.DRAFT_COMMAND_KIND_RESET, epoch + 1)]
+    assert commands[-2].features.start_pos == 4
+    empty = target.sent[-1].items[0]
+    assert len(target.sent) == 4 and list(empty.context) == [70] and not empty.draft_tokens
+    _head_verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_BONUS, 71, 5, 1)
+    assert seq.epoch == epoch + 1  # the empty round keeps the restarted drafter's epoch
+    assert _commands(draft, pb.DRAFT_COMMAND_KIND_FEATURES)[-1].features.start_pos == 5
+    _chunks(scheduler, seq, 6, [71, 72])  # late, and it guessed the decided token: 72 rides on
+    assert seq.epoch == epoch + 1 and seq.drafts == [72]
+    assert seq.committed == [1, 2, 3, 50, 51, 70, 71] and _committed_events(seq) == [50, 51, 70, 71]
     await scheduler.close()
