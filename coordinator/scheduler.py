@@ -366,10 +366,11 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands):
         adaptive pearl only: a sampled pearl request declines the bonus (its positions must be decided
         by one rule whatever the timing), vanilla is the fixed baseline, and an exhausted drafter has
         nothing coming (its round takes the bonus and restarts it, as before). A head drafter may go
-        too: the rejecting verdict's hidden states reach it with the RESET, so it drafts from them
-        while the empty round runs, and the hidden state the empty round computes replaces the head's
-        own prediction for that position when it arrives (draft_worker/eagle_proposer.py re-feeds). Patience weighs the wait (drafts_worth_waiting_for)
-        once the restart time has been measured; in a batch that goes anyway, such a sequence rides
+        too: the rejecting verdict's hidden states reach it with the RESET, so EAGLE drafts from them
+        while the empty round runs, and the hidden state that round computes replaces the head's own
+        prediction for that position when it arrives (draft_worker/eagle_proposer.py re-feeds; Medusa
+        proposes from it). Patience weighs the wait (drafts_worth_waiting_for) once the restart time
+        has been measured; in a batch that goes anyway, such a sequence rides
         along empty only if that is its own best choice (_dispatch)."""
         return (not seq.drafts and not seq.draft_exhausted and seq.uses_draft and self._guarded(seq)
                 and self.patience.first_draft_s.value is not None)
