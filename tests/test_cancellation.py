@@ -15,7 +15,7 @@ import pytest
 
 from duospec.coordinator.config import ModelConfig, ServerSettings
 from duospec.v1 import generation_pb2 as pb
-from test_server_support import MODEL, request, running_server, server_coordinator
+from test_server_support import MODEL, request, running_server, server_coordinator, wait_until_nothing_held
 from test_server_support import tiny_pair  # noqa: F401  (fixture)
 
 FREE_WITHIN_S = 10.0  # generous: workers release asynchronously (Ray polls); a real leak never frees
@@ -142,11 +142,7 @@ async def test_cancel_while_queued_for_a_slot_leaks_nothing(tiny_pair):  # noqa:
             await asyncio.sleep(0.01)
         running.cancel()
         await wait_until_idle(h.coordinator, MODEL, baseline, FREE_WITHIN_S)
-        deadline = time.monotonic() + 10.0
-        while h.server.admission.running and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        assert (h.server.admission.running, h.server.admission.waiting) == (0, 0)
-        assert h.server.lifecycle.active_streams == 0
+        await wait_until_nothing_held(h.server, h.coordinator, MODEL)
 
 
 @pytest.mark.ray

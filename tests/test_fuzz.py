@@ -12,7 +12,6 @@ import asyncio
 import collections
 import re
 import threading
-import time
 
 import grpc
 import pytest
@@ -24,7 +23,7 @@ from duospec.coordinator.server import DuospecServer
 from duospec.coordinator.tenancy import Tenant, TenantLimits, hash_api_key, new_api_key
 from duospec.v1 import generation_pb2 as pb
 from duospec.v1 import generation_pb2_grpc as pb_grpc
-from test_server_support import MAX_CONTEXT, MODEL, server_coordinator
+from test_server_support import MAX_CONTEXT, MODEL, server_coordinator, wait_until_nothing_held
 from test_server_support import tiny_pair  # noqa: F401  (fixture)
 
 KEY = new_api_key()
@@ -198,22 +197,6 @@ def check_case(served, req: pb.GenerateRequest, md) -> None:
     assert status == health_pb2.HealthCheckResponse.SERVING
 
 
-def assert_nothing_leaked(box: ServerThread, within_s: float = 10.0) -> None:
-    """Workers, admission and lifecycle let go of finished streams asynchronously: poll (a leak never
-    clears) and fail with what is still held after `within_s`."""
-    deadline = time.monotonic() + within_s
-    while True:
-        workers = box.call(box.coordinator.worker_stats()).get(MODEL, {})
-        held = {"workers": {role: w["live_sequences"] for role, w in workers.items()},
-                "admission": (box.server.admission.running, box.server.admission.waiting),
-                "active_streams": box.server.lifecycle.active_streams}
-        if (all(n == 0 for n in held["workers"].values()) and held["admission"] == (0, 0)
-                and held["active_streams"] == 0):
-            return
-        assert time.monotonic() < deadline, f"still held {within_s:.0f} s after the last call: {held}"
-        time.sleep(0.02)
-
-
 _FUZZ = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                                    HealthCheck.data_too_large])
 
@@ -252,5 +235,6 @@ def test_over_max_tokens_per_request_is_resource_exhausted_not_unknown(served):
 
 def test_fuzzing_leaked_no_slot_or_ticket(served):
     check_case(served, pb.GenerateRequest(prompt="x"), (("authorization", f"Bearer {KEY}"),))
-    assert_nothing_leaked(served[0])
+    box = served[0]
+    box.call(wait_until_nothing_held(box.server, box.coordinator, MODEL))
     print(f"\nfuzzed calls by status: {dict(SEEN)}")

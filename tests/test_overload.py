@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from duospec.coordinator.config import ServerSettings, parse_serve_config
 from duospec.v1 import generation_pb2 as pb
-from test_server_support import request, running_server, server_coordinator
+from test_server_support import request, running_server, server_coordinator, wait_until_nothing_held
 from test_server_support import tiny_pair  # noqa: F401  (fixture)
 
 CLIENTS = 200
@@ -76,20 +76,6 @@ async def _one_client(stub, i: int) -> tuple[str, list[pb.GenerateResponse], flo
     return "OK", messages, first_at
 
 
-async def _wait_until_released(h, coordinator, within_s: float = 10.0) -> None:
-    """Admission and the workers let go of finished streams asynchronously: poll until nothing is
-    held (a leak never clears) and fail with what still is after `within_s`."""
-    deadline = time.monotonic() + within_s
-    while True:
-        workers = (await coordinator.worker_stats())["tiny"]
-        held = {"admission": (h.server.admission.running, h.server.admission.waiting),
-                "target": workers["target"]["live_sequences"], "draft": workers["draft"]["live_sequences"]}
-        if held == {"admission": (0, 0), "target": 0, "draft": 0}:
-            return
-        assert time.monotonic() < deadline, f"still held {within_s:.0f} s after the burst: {held}"
-        await asyncio.sleep(0.02)
-
-
 def test_queue_bounds_come_from_the_serve_config():
     config = parse_serve_config({"server": {"max_concurrent_requests": 3, "max_queued_requests": 0},
                                  "models": [{"name": "m", "target": "/t"}]})
@@ -124,7 +110,7 @@ async def test_200_concurrent_clients_get_served_or_resource_exhausted(tiny_pair
                 assert seconds < 15.0, f"a rejection took {seconds:.1f} s: it should not wait for a slot"
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         assert sampler.peak - rss_before < RSS_GROWTH_LIMIT_MB
-        await _wait_until_released(h, coordinator)
+        await wait_until_nothing_held(h.server, coordinator, "tiny")
         # The server still serves normally after the burst.
         code, messages, _ = await _one_client(h.stub, CLIENTS)
         assert code == "OK" and messages[-1].finish_reason == pb.FINISH_REASON_LENGTH

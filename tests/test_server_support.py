@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import pathlib
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -160,3 +161,19 @@ async def rpc_error(stub, req: pb.GenerateRequest, api_key: str | None = None) -
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await collect(stub, req, api_key)
     return info.value
+
+
+async def wait_until_nothing_held(server: DuospecServer, coordinator, model: str, within_s: float = 10.0) -> None:
+    """The workers, admission and the stream lifecycle let go of finished streams asynchronously:
+    poll until none holds anything (a leak never clears) and fail with what still is after
+    `within_s`."""
+    deadline = time.monotonic() + within_s
+    while True:
+        workers = (await coordinator.worker_stats()).get(model, {})
+        held = {"workers": {role: w["live_sequences"] for role, w in workers.items()},
+                "admission": (server.admission.running, server.admission.waiting),
+                "active_streams": server.lifecycle.active_streams}
+        if not any(held["workers"].values()) and held["admission"] == (0, 0) and not held["active_streams"]:
+            return
+        assert time.monotonic() < deadline, f"still held {within_s:.0f} s after the streams ended: {held}"
+        await asyncio.sleep(0.02)
