@@ -3,9 +3,9 @@
     .venv/bin/python benchmarks/drafter_compare.py --limit-prompts 6 --repeats 3
     .venv/bin/python benchmarks/drafter_compare.py --skip-server          # in-process only (no Ray)
 
-For each drafter a coordinator (in-process) or a Ray pipeline + gRPC server (server path) is open
-for the whole run, so every repeat runs `off`, then `vanilla` and `pearl` with each drafter, in
-turn, on the same prompts (greedy, EOS ignored): drift on a shared machine hits all of them alike.
+For each drafter a coordinator (in-process) or a model of one Ray pipeline + gRPC server (server
+path: each drafter is its own model there, with its own target actor) is open for the whole run, so
+every repeat runs `off`, then `vanilla` and `pearl` with each drafter, in turn, on the same prompts (greedy, EOS ignored): drift on a shared machine hits all of them alike.
 Prints per path and drafter the median tokens/s over repeats, × off, the mean accepted length
 (committed tokens per target forward) and whether the output equals `off`'s token for token.
 """
@@ -36,6 +36,7 @@ def _parse(argv):
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--modes", nargs="+", default=["vanilla", "pearl"], choices=["vanilla", "pearl"])
     parser.add_argument("--skip-server", action="store_true")
+    parser.add_argument("--skip-in-process", action="store_true")
     return parser.parse_args(argv)
 
 
@@ -50,7 +51,7 @@ def _summary(runs) -> tuple[float, float, list[list[int]]]:
 async def _measure(path: str, args, prompts) -> dict:
     """{(drafter, mode): [Run per repeat]}; `off` runs on each drafter's own coordinator or pipeline."""
     from duospec.bench.inprocess import BenchPair, open_local_coordinator, run_coordinator_mode
-    from duospec.bench.served import run_client_mode, served_pipeline
+    from duospec.bench.served import run_client_mode, served_pipelines
 
     def pair(name):
         return BenchPair(str(args.target), str(getattr(args, name)), "cpu", DRAFTERS[name][0])
@@ -77,10 +78,10 @@ async def _measure(path: str, args, prompts) -> dict:
                 handles[name] = open_local_coordinator(pair(name), args.gamma, 2 * args.gamma + 1)
                 stack.push_async_callback(handles[name].close)
             await repeats(handles, runs)
-    else:  # one Ray pipeline at a time (each names its actors after the one bench model)
-        for name in args.drafters:
-            async with served_pipeline(pair(name), args.gamma, 2 * args.gamma + 1, None) as served:
-                await repeats({name: served}, runs)
+    else:  # one Ray pipeline and server with a model per drafter: repeats interleave them too
+        pairs = {name: pair(name) for name in args.drafters}
+        async with served_pipelines(pairs, args.gamma, 2 * args.gamma + 1, None) as served:
+            await repeats(served, runs)
     return runs
 
 
@@ -98,7 +99,8 @@ def main(argv=None) -> int:
             return 2
     torch.set_num_threads(1)
     prompts = encode_prompts(load_tokenizer(str(args.target)), load_prompts(DEFAULT_PROMPTS, args.limit_prompts), 256)
-    for path in ("in-process",) + (() if args.skip_server else ("server",)):
+    paths = (() if args.skip_in_process else ("in-process",)) + (() if args.skip_server else ("server",))
+    for path in paths:
         runs = asyncio.run(_measure(path, args, prompts))
         print(f"\n{path}: {len(prompts)} prompts x {args.max_new_tokens} tokens, greedy, {args.repeats} repeats, "
               f"medians; x off = over `off` on the same drafter's coordinator/pipeline")

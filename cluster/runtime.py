@@ -30,16 +30,18 @@ def _check_reachable(address: str, timeout_s: float) -> None:
         ) from None
 
 
-def connect(address: str | None = None, *, namespace: str = NAMESPACE, timeout_s: float = 5.0) -> None:
+def connect(address: str | None = None, *, namespace: str = NAMESPACE, timeout_s: float = 5.0,
+            num_cpus: int | None = None) -> None:
     """Joins the cluster at `address` ("auto" = the one started on this machine with `ray start`), or
-    starts a local single-node instance when `address` is None."""
+    starts a local single-node instance when `address` is None (declaring `num_cpus` logical CPUs,
+    default: the machine's cores)."""
     import ray
 
     if ray.is_initialized():
         return
     kwargs = dict(namespace=namespace, log_to_driver=False, configure_logging=False)
     if address is None:  # a private instance, even if `ray start` runs on this machine
-        ray.init(address="local", include_dashboard=False, **kwargs)
+        ray.init(address="local", include_dashboard=False, num_cpus=num_cpus, **kwargs)
         return
     if address != "auto":
         _check_reachable(address, timeout_s)

@@ -36,11 +36,11 @@ class EncodedPrompt:
     token_ids: tuple[int, ...]
 
 
-def model_config(pair: BenchPair, gamma: int, max_lookahead: int):
+def model_config(pair: BenchPair, gamma: int, max_lookahead: int, name: str = MODEL_NAME):
     from duospec.coordinator.api import SpeculationMode
     from duospec.coordinator.config import ModelConfig, SpeculationDefaults
 
-    return ModelConfig(name=MODEL_NAME, target=pair.target, draft=pair.draft_spec(), device=pair.device,
+    return ModelConfig(name=name, target=pair.target, draft=pair.draft_spec(), device=pair.device,
                        placement=pair.placement, speculation=SpeculationDefaults(SpeculationMode.PEARL, gamma, max_lookahead))
 
 

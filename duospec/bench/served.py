@@ -24,29 +24,44 @@ SERVER_READY_TIMEOUT_S = 300.0
 class Served:
     coordinator: object  # coordinator.pipeline.PipelineCoordinator
     client: object  # duospec.sdk.aio.AsyncClient
+    model: str = MODEL_NAME  # the model name requests ask for
 
 
 @contextlib.asynccontextmanager
 async def served_pipeline(pair: BenchPair, gamma: int, max_lookahead: int, ray_address: str | None):
+    async with served_pipelines({MODEL_NAME: pair}, gamma, max_lookahead, ray_address) as served:
+        yield served[MODEL_NAME]
+
+
+@contextlib.asynccontextmanager
+async def served_pipelines(pairs: dict[str, BenchPair], gamma: int, max_lookahead: int, ray_address: str | None):
+    """One pipeline and server serving a model per pair ({model name: pair}), so a benchmark can
+    alternate between them request by request and the machine's drift hits all of them alike."""
+    from duospec.cluster.runtime import connect
     from duospec.coordinator.config import ServerSettings
     from duospec.coordinator.pipeline import start_pipeline
     from duospec.coordinator.server import DuospecServer
     from duospec.sdk.aio import AsyncClient
 
-    config = model_config(pair, gamma, max_lookahead)
-    coordinator = start_pipeline([config], ray_address=ray_address)
+    configs = [model_config(pair, gamma, max_lookahead, name) for name, pair in pairs.items()]
+    if ray_address is None and len(pairs) > 1:
+        # Each pair asks for two 1-CPU actors. A local instance declares enough logical CPUs for all of
+        # them: only one pair works at a time, the others' actors wait idle.
+        connect(None, num_cpus=2 * len(pairs))
+    coordinator = start_pipeline(configs, ray_address=ray_address)
     server = DuospecServer(coordinator, ServerSettings(host="127.0.0.1", port=0, metrics_port=0, http_port=0),
-                           default_modes={MODEL_NAME: config.speculation.mode})
+                           default_modes={c.name: c.speculation.mode for c in configs})
     try:
         port = await server.start()
         await server.wait_ready(SERVER_READY_TIMEOUT_S)
         async with AsyncClient(f"127.0.0.1:{port}", timeout=600) as client:
-            yield Served(coordinator, client)
+            yield {name: Served(coordinator, client, name) for name in pairs}
     finally:
         await server.shutdown(grace_period_s=1.0)
 
 
-async def client_request(client, prompt: EncodedPrompt, mode: str, max_new_tokens: int, gamma: int) -> RequestRecord:
+async def client_request(client, prompt: EncodedPrompt, mode: str, max_new_tokens: int, gamma: int,
+                         model: str = "") -> RequestRecord:
     """One streamed Generate call; per-token gaps are chunk gaps shared evenly by the chunk's tokens."""
     tokens: list[int] = []
     gaps: list[float] = []
@@ -54,7 +69,7 @@ async def client_request(client, prompt: EncodedPrompt, mode: str, max_new_token
     final = None
     started = last = time.perf_counter()
     mode, cache, tree = request_mode(mode)
-    stream = await client.generate(prompt_token_ids=list(prompt.token_ids), max_new_tokens=max_new_tokens, mode=mode,
+    stream = await client.generate(prompt_token_ids=list(prompt.token_ids), model=model, max_new_tokens=max_new_tokens, mode=mode,
                                    max_draft_tokens=gamma, ignore_eos=True, stream=True, speculation_cache=cache,
                                    speculation_tree=tree)
     async with stream:
@@ -86,10 +101,10 @@ async def run_client_mode(served: Served, prompts: list[EncodedPrompt], mode: st
     started = time.perf_counter()
     records = []
     for prompt in prompts:
-        records.append(await client_request(served.client, prompt, mode, max_new_tokens, gamma))
+        records.append(await client_request(served.client, prompt, mode, max_new_tokens, gamma, served.model))
         tick()
     wall = time.perf_counter() - started
-    return Run(mode, "server", wall, records, window(before, await served.coordinator.stats(), MODEL_NAME))
+    return Run(mode, "server", wall, records, window(before, await served.coordinator.stats(), served.model))
 
 
 async def sweep_point(served: Served, prompts: list[EncodedPrompt], mode: str, streams: int, requests_per_stream: int,
@@ -101,7 +116,7 @@ async def sweep_point(served: Served, prompts: list[EncodedPrompt], mode: str, s
         out = []
         for j in range(requests_per_stream):
             prompt = prompts[(index * requests_per_stream + j) % len(prompts)]
-            out.append(await client_request(served.client, prompt, mode, max_new_tokens, gamma))
+            out.append(await client_request(served.client, prompt, mode, max_new_tokens, gamma, served.model))
             tick()
         return out
 
