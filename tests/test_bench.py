@@ -89,8 +89,17 @@ def test_mode_summary_medians_and_ideal_bound():
 
 def _sweep_point(streams, mode, tokens_per_s, repeat):
     return {"mode": mode, "streams": streams, "requests": 2 * streams, "tokens": 256 * streams, "wall_s": 1.0,
-            "aggregate_tokens_per_s": tokens_per_s, "ttft_p50_s": 0.01 * repeat, "ttft_p99_s": 0.02,
+            "aggregate_tokens_per_s": tokens_per_s, "all_live_tokens_per_s": tokens_per_s * 1.1,
+            "tail_share": 0.1 if mode == "pearl" else 0.0, "ttft_p50_s": 0.01 * repeat, "ttft_p99_s": 0.02,
             "itl_p50_s": None, "itl_p99_s": None, "repeat": repeat}
+
+
+def test_all_live_rate_and_tail_share_of_a_concurrency_pass():
+    """Two streams from t=0: one ends at 2 s, the other at 4 s; tokens that came after 2 s are the tail's."""
+    arrivals = [(0.5, 10), (1.0, 10), (2.0, 20), (3.0, 30), (4.0, 5)]
+    assert ar.all_live_tokens_per_s(arrivals, 0.0, [4.0, 2.0]) == pytest.approx(40 / 2.0)
+    assert ar.tail_share(0.0, [4.0, 2.0]) == pytest.approx(0.5)
+    assert ar.tail_share(0.0, [3.0, 3.0]) == 0.0
 
 
 def test_sweep_medians_over_passes_and_the_8_stream_target_reads_them():
@@ -108,8 +117,12 @@ def test_sweep_medians_over_passes_and_the_8_stream_target_reads_them():
     from duospec.bench.report import _sweep_lines
 
     text = "\n".join(_sweep_lines(rows))
-    assert "| 8 | pearl | 800.0 | 3 |" in text
-    assert "8 streams: pearl / off 0.89 (medians; pass by pass 0.89, 1.08, 0.77)" in text
+    assert "| 8 | pearl | 800.0 | 880.0 | 10 % | 3 |" in text and "| 8 | off | 900.0 | 990.0 | 0 % | 3 |" in text
+    assert ("8 streams: pearl / off 0.89 (medians; pass by pass 0.89, 1.08, 0.77); while all streams were live "
+            "0.89 (medians; pass by pass 0.89, 1.08, 0.77)") in text
+    assert "1 stream: pearl / off 0.95 (medians; pass by pass 0.91, 0.90, 1.14)\n" in text + "\n"
+    old_report = [{k: v for k, v in row.items() if not k.startswith(("all_live", "tail"))} for row in rows]
+    assert "| 8 | pearl | 800.0 | – | – | 3 |" in "\n".join(_sweep_lines(old_report))  # written before they existed
 
 
 def test_exactness_names_the_diverging_prompt_and_position():

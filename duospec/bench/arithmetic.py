@@ -54,6 +54,20 @@ def tokens_per_second(tokens: int, seconds: float) -> float:
     return tokens / seconds
 
 
+def all_live_tokens_per_s(arrivals: Iterable[tuple[float, int]], started: float, stream_ends: list[float]) -> float:
+    """Aggregate tokens/s of a concurrency pass until its first stream finished, i.e. while every
+    stream was live. `arrivals`: (time, tokens) of each streamed chunk. Streams that advance at
+    different speeds (speculation accepts more on some prompts) leave the pass a tail with fewer live
+    streams, where batching gains less; this measure leaves that tail out."""
+    first_end = min(stream_ends)
+    return tokens_per_second(sum(n for t, n in arrivals if t <= first_end), first_end - started)
+
+
+def tail_share(started: float, stream_ends: list[float]) -> float:
+    """Share of a concurrency pass's wall time after its first stream finished."""
+    return (max(stream_ends) - min(stream_ends)) / (max(stream_ends) - started)
+
+
 def speedup(tokens_per_s: float, baseline_tokens_per_s: float) -> float:
     if baseline_tokens_per_s <= 0:
         raise ValueError(f"speedup: baseline {baseline_tokens_per_s} tokens/s must be positive")

@@ -38,6 +38,8 @@ class RequestRecord:
     cache_hits: int = 0
     tree_nodes: int = 0
     tree_hits: int = 0
+    # (time.perf_counter() when a streamed chunk came, its tokens): what the sweep's concurrency measures need
+    arrivals: list[tuple[float, int]] = field(default_factory=list)
 
 
 @dataclass

@@ -112,24 +112,31 @@ def _sweep_lines(sweep: list[dict]) -> list[str]:
     if not sweep:
         return []
     lines = ["### Concurrency sweep (through the server)", "",
-             "| streams | mode | aggregate tokens/s (median) | passes | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) "
-             "| ITL p99 (ms) |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "| streams | mode | aggregate tokens/s (median) | while all streams live | tail | passes | TTFT p50 (ms) "
+             "| TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for p in sweep:
-        lines.append(f"| {p['streams']} | {p['mode']} | {p['aggregate_tokens_per_s']:.1f} | {p['repeats']} | "
-                     f"{_num(p['ttft_p50_s'], 1, 1e3)} | {_num(p['ttft_p99_s'], 1, 1e3)} | "
+        lines.append(f"| {p['streams']} | {p['mode']} | {p['aggregate_tokens_per_s']:.1f} | "
+                     f"{_num(p.get('all_live_tokens_per_s'), 1)} | {_num(p.get('tail_share'), 0, 100, ' %')} | "
+                     f"{p['repeats']} | {_num(p['ttft_p50_s'], 1, 1e3)} | {_num(p['ttft_p99_s'], 1, 1e3)} | "
                      f"{_num(p['itl_p50_s'], 2, 1e3)} | {_num(p['itl_p99_s'], 2, 1e3)} |")
-    lines.append("")
+    lines += ["", "(*while all streams live*: aggregate tokens/s until the pass's first stream finished; *tail*: "
+              "the share of the pass's wall time after that, when fewer streams share each batch.)", ""]
     by_key = {(p["streams"], p["mode"]): p for p in sweep}
     for streams in dict.fromkeys(p["streams"] for p in sweep):
         pearl, off = by_key.get((streams, "pearl")), by_key.get((streams, "off"))
         if pearl and off:
-            passes = ", ".join(f"{a / b:.2f}" for a, b in zip(pearl["aggregate_tokens_per_s_runs"],
-                                                                off["aggregate_tokens_per_s_runs"]))
-            lines.append(f"- {streams} stream{'s' if streams > 1 else ''}: pearl / off "
-                         f"{pearl['aggregate_tokens_per_s'] / off['aggregate_tokens_per_s']:.2f} "
-                         f"(medians; pass by pass {passes})")
+            line = (f"- {streams} stream{'s' if streams > 1 else ''}: pearl / off "
+                    f"{_ratio_with_passes(pearl, off, 'aggregate_tokens_per_s')}")
+            if streams > 1 and pearl.get("all_live_tokens_per_s") and off.get("all_live_tokens_per_s"):
+                line += f"; while all streams were live {_ratio_with_passes(pearl, off, 'all_live_tokens_per_s')}"
+            lines.append(line)
     return lines + [""]
+
+
+def _ratio_with_passes(pearl: dict, off: dict, measure: str) -> str:
+    passes = ", ".join(f"{a / b:.2f}" for a, b in zip(pearl[f"{measure}_runs"], off[f"{measure}_runs"]))
+    return f"{pearl[measure] / off[measure]:.2f} (medians; pass by pass {passes})"
 
 
 def exactness_line(exactness: dict) -> str:

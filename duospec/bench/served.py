@@ -65,6 +65,7 @@ async def client_request(client, prompt: EncodedPrompt, mode: str, max_new_token
     """One streamed Generate call; per-token gaps are chunk gaps shared evenly by the chunk's tokens."""
     tokens: list[int] = []
     gaps: list[float] = []
+    arrivals: list[tuple[float, int]] = []
     first = None
     final = None
     started = last = time.perf_counter()
@@ -76,6 +77,7 @@ async def client_request(client, prompt: EncodedPrompt, mode: str, max_new_token
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.token_ids:
+                arrivals.append((now, len(chunk.token_ids)))
                 if first is None:
                     first = now - started
                 else:
@@ -84,7 +86,7 @@ async def client_request(client, prompt: EncodedPrompt, mode: str, max_new_token
                 last = now
             if chunk.stats is not None:
                 final = chunk.stats
-    record = RequestRecord(prompt.id, tokens, time.perf_counter() - started, first, gaps)
+    record = RequestRecord(prompt.id, tokens, time.perf_counter() - started, first, gaps, arrivals=arrivals)
     if final is not None:
         record.drafted, record.accepted, record.target_forwards = (final.drafted_tokens, final.accepted_tokens,
                                                                    final.target_forwards)
@@ -112,18 +114,22 @@ async def sweep_point(served: Served, prompts: list[EncodedPrompt], mode: str, s
     """`streams` client streams at once, each running `requests_per_stream` requests back to back."""
     served.coordinator.use_speculation_choices(mode)
 
+    stream_ends: list[float] = []
+
     async def stream_worker(index: int) -> list[RequestRecord]:
         out = []
         for j in range(requests_per_stream):
             prompt = prompts[(index * requests_per_stream + j) % len(prompts)]
             out.append(await client_request(served.client, prompt, mode, max_new_tokens, gamma, served.model))
             tick()
+        stream_ends.append(time.perf_counter())
         return out
 
     started = time.perf_counter()
     per_stream = await asyncio.gather(*(stream_worker(i) for i in range(streams)))
     wall = time.perf_counter() - started
     records = [r for rs in per_stream for r in rs]
+    arrivals = [a for r in records for a in r.arrivals]
     ttft = [r.first_token_s for r in records if r.first_token_s is not None]
     itl = [gap for r in records for gap in r.inter_token_s]
     return {
@@ -133,6 +139,8 @@ async def sweep_point(served: Served, prompts: list[EncodedPrompt], mode: str, s
         "tokens": sum(len(r.token_ids) for r in records),
         "wall_s": wall,
         "aggregate_tokens_per_s": ar.tokens_per_second(sum(len(r.token_ids) for r in records), wall),
+        "all_live_tokens_per_s": ar.all_live_tokens_per_s(arrivals, started, stream_ends),
+        "tail_share": ar.tail_share(started, stream_ends),
         "ttft_p50_s": ar.percentile(ttft, 50),
         "ttft_p99_s": ar.percentile(ttft, 99),
         "itl_p50_s": ar.percentile(itl, 50) if itl else None,

@@ -67,12 +67,15 @@ def add_ideal_bound(summary: dict, runs: list[Run]) -> None:
         summary["efficiency_runs"] = efficiencies
 
 
-SWEEP_MEASURES = ("aggregate_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")
+SWEEP_MEASURES = ("aggregate_tokens_per_s", "all_live_tokens_per_s", "tail_share", "ttft_p50_s", "ttft_p99_s",
+                  "itl_p50_s", "itl_p99_s")
 
 
 def sweep_medians(points: list[dict]) -> list[dict]:
     """One row per (streams, mode), in first-seen order: the median of each measure over the sweep's
-    passes, and each pass's aggregate tokens/s (`aggregate_tokens_per_s_runs`, in pass order)."""
+    passes, and each pass's aggregate tokens/s over the whole pass and while every stream was live
+    (`aggregate_tokens_per_s_runs`, `all_live_tokens_per_s_runs`, in pass order; None in reports
+    written before the second was measured)."""
     groups: dict[tuple[int, str], list[dict]] = {}
     for point in points:
         groups.setdefault((point["streams"], point["mode"]), []).append(point)
@@ -81,8 +84,9 @@ def sweep_medians(points: list[dict]) -> list[dict]:
         row = {"streams": streams, "mode": mode, "repeats": len(group),
                "requests": group[0]["requests"], "tokens": group[0]["tokens"]}
         for measure in SWEEP_MEASURES:
-            row[measure] = _median_or_none(p[measure] for p in group)
-        row["aggregate_tokens_per_s_runs"] = [p["aggregate_tokens_per_s"] for p in group]
+            row[measure] = _median_or_none(p.get(measure) for p in group)
+        for measure in ("aggregate_tokens_per_s", "all_live_tokens_per_s"):
+            row[f"{measure}_runs"] = [p.get(measure) for p in group]
         rows.append(row)
     return rows
 
