@@ -1,4 +1,9 @@
-"""A/B: prefill rounds counted net of their prompt time (new) vs not measured (old); off alongside."""
+"""A/B of a guard change against the behaviour before it, `off` alongside, alternating pass by pass.
+
+CHANGE=prefill (with guard-prefill-rounds.patch applied): prefill rounds counted net of their prompt
+time (new) vs not measured (old). CHANGE=noise (with guard-noise-margin.patch applied): the margin
+plus the windows' measured scatter (new) vs the fixed margin (old). STREAMS=8,1 REP=12.
+"""
 import asyncio, os, time, collections, statistics
 import torch
 torch.set_num_threads(1)
@@ -10,15 +15,17 @@ pair = BenchPair("models/target", "models/draft", "cpu", "model", "auto")  # run
 prompts = encode_prompts(load_tokenizer(pair.target), load_prompts(DEFAULT_PROMPTS, 6), 512)
 STREAMS = [int(x) for x in os.environ.get("STREAMS", "8").split(",")]; REQ = int(os.environ.get("REQ", 2))
 LABELS = ["new", "old", "off"]
+CHANGE = os.environ["CHANGE"]
 R = collections.defaultdict(list)
 SH = collections.defaultdict(list)
 def setup(s, label):
     s.coordinator.use_speculation_choices(label)
     for e in s.coordinator.entries.values():
         sch = e.scheduler
-        sch.__dict__.pop("_prompt_seconds", None)
-        if label == "old":
+        if label == "old" and CHANGE == "prefill":
             sch._prompt_seconds = lambda inflight, fs: 0.0 if inflight.decode_only else None
+        elif label == "old" and CHANGE == "noise":
+            sch.guard._margin = lambda bucket, g=sch.guard: g.margin
 async def sweep(s, label, streams):
     mode = "off" if label == "off" else "pearl"
     setup(s, label)
