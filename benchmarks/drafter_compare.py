@@ -2,10 +2,12 @@
 
     .venv/bin/python benchmarks/drafter_compare.py --limit-prompts 6 --repeats 3
     .venv/bin/python benchmarks/drafter_compare.py --skip-server          # in-process only (no Ray)
+    .venv/bin/python benchmarks/drafter_compare.py --drafters model eagle --skip-in-process   # server only
 
 For each drafter a coordinator (in-process) or a model of one Ray pipeline + gRPC server (server
 path: each drafter is its own model there, with its own target actor) is open for the whole run, so
-every repeat runs `off`, then `vanilla` and `pearl` with each drafter, in turn, on the same prompts (greedy, EOS ignored): drift on a shared machine hits all of them alike.
+every repeat runs `off`, then `vanilla` and `pearl` with each drafter, in turn, on the same prompts
+(greedy, EOS ignored): drift on a shared machine hits all of them alike.
 Prints per path and drafter the median tokens/s over repeats, × off, the mean accepted length
 (committed tokens per target forward) and whether the output equals `off`'s token for token.
 """

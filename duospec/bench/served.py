@@ -70,9 +70,9 @@ async def client_request(client, prompt: EncodedPrompt, mode: str, max_new_token
     final = None
     started = last = time.perf_counter()
     mode, cache, tree = request_mode(mode)
-    stream = await client.generate(prompt_token_ids=list(prompt.token_ids), model=model, max_new_tokens=max_new_tokens, mode=mode,
-                                   max_draft_tokens=gamma, ignore_eos=True, stream=True, speculation_cache=cache,
-                                   speculation_tree=tree)
+    stream = await client.generate(prompt_token_ids=list(prompt.token_ids), model=model, max_new_tokens=max_new_tokens,
+                                   mode=mode, max_draft_tokens=gamma, ignore_eos=True, stream=True,
+                                   speculation_cache=cache, speculation_tree=tree)
     async with stream:
         async for chunk in stream:
             now = time.perf_counter()
