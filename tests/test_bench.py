@@ -94,6 +94,14 @@ def _sweep_point(streams, mode, tokens_per_s, repeat):
             "itl_p50_s": None, "itl_p99_s": None, "repeat": repeat}
 
 
+def test_a_streamed_requests_timings_come_from_its_chunks_arrivals():
+    """First token at the first chunk; each later chunk's gap shared by its tokens; no chunk, no first."""
+    record = RequestRecord.streamed("p", [1, 2, 3, 4], 0.5, 3.0, [(1.0, 1), (1.5, 2), (2.5, 1)])
+    assert record.first_token_s == pytest.approx(0.5) and record.wall_s == pytest.approx(2.5)
+    assert record.inter_token_s == pytest.approx([0.25, 0.25, 1.0])
+    assert RequestRecord.streamed("q", [], 0.0, 1.0, []).first_token_s is None
+
+
 def test_all_live_rate_and_tail_share_of_a_concurrency_pass():
     """Two streams from t=0: one ends at 2 s, the other at 4 s; tokens that came after 2 s are the tail's."""
     arrivals = [(0.5, 10), (1.0, 10), (2.0, 20), (3.0, 30), (4.0, 5)]

@@ -54,26 +54,21 @@ def request_for(prompt: EncodedPrompt, mode: str, max_new_tokens: int, gamma: in
 
 
 async def timed_request(coordinator, request, prompt_id: str) -> RequestRecord:
-    """One request through `coordinator.generate`, with first-token and per-token timings."""
+    """One request through `coordinator.generate`, with first-token and per-token timings
+    (RequestRecord.streamed; every TokensEvent carries at least one token)."""
     from duospec.coordinator.api import FinishEvent
 
     tokens: list[int] = []
-    gaps: list[float] = []
-    first = None
-    started = last = time.perf_counter()
+    arrivals: list[tuple[float, int]] = []
+    started = time.perf_counter()
     final = None
     async for event in coordinator.generate(request):
-        now = time.perf_counter()
         if isinstance(event, FinishEvent):
             final = event.stats
             break
-        if first is None:
-            first = now - started
-        elif event.token_ids:
-            gaps.extend([(now - last) / len(event.token_ids)] * len(event.token_ids))
+        arrivals.append((time.perf_counter(), len(event.token_ids)))
         tokens.extend(event.token_ids)
-        last = now
-    record = RequestRecord(prompt_id, tokens, time.perf_counter() - started, first, gaps)
+    record = RequestRecord.streamed(prompt_id, tokens, started, time.perf_counter(), arrivals)
     if final is not None:
         record.drafted, record.accepted = final.drafted_tokens, final.accepted_tokens
         record.cache_lookups, record.cache_hits = final.cache_lookups, final.cache_hits

@@ -41,6 +41,17 @@ class RequestRecord:
     # (time.perf_counter() when a streamed chunk came, its tokens): what the sweep's concurrency measures need
     arrivals: list[tuple[float, int]] = field(default_factory=list)
 
+    @classmethod
+    def streamed(cls, prompt_id: str, token_ids: list[int], started: float, ended: float,
+                 arrivals: list[tuple[float, int]]) -> "RequestRecord":
+        """A request's record from when its chunks came: the first token's time from the first chunk,
+        and each later chunk's gap shared evenly by its tokens."""
+        gaps: list[float] = []
+        for (before, _), (at, n) in zip(arrivals, arrivals[1:]):
+            gaps.extend([(at - before) / n] * n)
+        first = arrivals[0][0] - started if arrivals else None
+        return cls(prompt_id, token_ids, ended - started, first, gaps, arrivals=arrivals)
+
 
 @dataclass
 class WorkerWindow:

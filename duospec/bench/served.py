@@ -62,31 +62,23 @@ async def served_pipelines(pairs: dict[str, BenchPair], gamma: int, max_lookahea
 
 async def client_request(client, prompt: EncodedPrompt, mode: str, max_new_tokens: int, gamma: int,
                          model: str = "") -> RequestRecord:
-    """One streamed Generate call; per-token gaps are chunk gaps shared evenly by the chunk's tokens."""
+    """One streamed Generate call (timings: RequestRecord.streamed)."""
     tokens: list[int] = []
-    gaps: list[float] = []
     arrivals: list[tuple[float, int]] = []
-    first = None
     final = None
-    started = last = time.perf_counter()
+    started = time.perf_counter()
     mode, cache, tree = request_mode(mode)
     stream = await client.generate(prompt_token_ids=list(prompt.token_ids), model=model, max_new_tokens=max_new_tokens,
                                    mode=mode, max_draft_tokens=gamma, ignore_eos=True, stream=True,
                                    speculation_cache=cache, speculation_tree=tree)
     async with stream:
         async for chunk in stream:
-            now = time.perf_counter()
             if chunk.token_ids:
-                arrivals.append((now, len(chunk.token_ids)))
-                if first is None:
-                    first = now - started
-                else:
-                    gaps.extend([(now - last) / len(chunk.token_ids)] * len(chunk.token_ids))
+                arrivals.append((time.perf_counter(), len(chunk.token_ids)))
                 tokens.extend(chunk.token_ids)
-                last = now
             if chunk.stats is not None:
                 final = chunk.stats
-    record = RequestRecord(prompt.id, tokens, time.perf_counter() - started, first, gaps, arrivals=arrivals)
+    record = RequestRecord.streamed(prompt.id, tokens, started, time.perf_counter(), arrivals)
     if final is not None:
         record.drafted, record.accepted, record.target_forwards = (final.drafted_tokens, final.accepted_tokens,
                                                                    final.target_forwards)
