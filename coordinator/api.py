@@ -62,6 +62,8 @@ class SpecStats:
     cache_hits: int = 0  # ... and found one: the next verify went out without waiting for the drafter
     tree_nodes: int = 0  # hedge tokens verified as token-tree branches next to the main chain
     tree_hits: int = 0  # verdicts whose accepted path went into such a branch
+    lookup_tokens: int = 0  # tokens found in the sequence's own text, verified in empty rounds
+    lookup_accepted: int = 0  # ... and kept
     # accepted_per_pos[i]: how often the draft token at offset i of a verified chunk was accepted
     accepted_per_pos: list[int] = field(default_factory=list)
 

@@ -34,7 +34,9 @@
                                              # max_position_embeddings); KV memory is sized from it
         speculation: {mode: pearl, max_draft_tokens: 4, max_lookahead: 9, adaptive: true,
                       cache: true, hedges: 4,   # cache: the speculation cache, hedges per sequence
-                      tree: true, tree_nodes: 8}  # tree: verify hedges as token-tree branches
+                      tree: true, tree_nodes: 8,  # tree: verify hedges as token-tree branches
+                      lookup: true}  # lookup: an empty round (no draft yet after a rejection)
+                                     # verifies tokens found in the sequence's own text
 
 YAML or TOML (chosen by the file suffix). Relative paths are resolved against the config file's folder.
 """
@@ -109,6 +111,9 @@ class SpeculationDefaults:
     # forward (at most tree_nodes extra tokens); needs the cache
     tree: bool = True
     tree_nodes: int = 8
+    # pearl, greedy: a round sent before the restarted drafter's first draft (an empty round) verifies
+    # what followed the sequence's last tokens where they occurred before in its text (coordinator/lookup.py)
+    lookup: bool = True
 
 
 @dataclass(frozen=True)
@@ -243,6 +248,7 @@ def _parse_model(f: "_Fields", base_dir: pathlib.Path) -> ModelConfig:
             hedges=spec_fields.int_in("hedges", 1, 16, default=spec.hedges),
             tree=spec_fields.get("tree", bool, default=spec.tree),
             tree_nodes=spec_fields.int_in("tree_nodes", 1, 64, default=spec.tree_nodes),
+            lookup=spec_fields.get("lookup", bool, default=spec.lookup),
         )
         spec_fields.reject_unknown()
     if draft is None and spec.mode is not SpeculationMode.OFF and spec_fields is not None and "mode" in spec_fields.raw:

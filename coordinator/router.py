@@ -103,6 +103,7 @@ class ModelRouter:
             adaptive=bool(getattr(spec, "adaptive", True)),
             hedges=int(getattr(spec, "hedges", 0)) if use_cache else 0,
             tree_nodes=int(getattr(spec, "tree_nodes", 0)) if use_cache and use_tree else 0,
+            lookup=bool(getattr(spec, "lookup", False)),
         )
 
     def validate(self, entry: ModelEntry, request: GenerationRequest) -> None:

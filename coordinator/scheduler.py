@@ -58,6 +58,7 @@ from duospec.internal.v1 import pearl_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+LOOKUP_PROBE_EVERY = 16  # while looked-up tokens do not pay, every 16th empty round still verifies one
 ACCEPTANCE_FLOOR = 0.5  # the lowest acceptance a new (or re-tried) sequence's estimate starts from
 
 
@@ -145,6 +146,9 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands):
         # Acceptance of this model's drafts lately: a new sequence's prior (floored, _acceptance_prior),
         # so a good drafter speculates fully from a request's first round.
         self.recent_acceptance = Ewma(decay=0.95)
+        # Per-token acceptance of the empty rounds' looked-up tokens (coordinator/lookup.py), all sequences
+        self.lookup_acceptance = AcceptanceTracker(decay=0.95)
+        self._lookup_probe = 0  # counts the empty rounds sent without a lookup (LOOKUP_PROBE_EVERY)
         self.patience = Patience(wake=self._dispatch)
         self.closed = False
         # Worker failures: a lost stream is reopened on the restarted actor through these.
@@ -348,6 +352,20 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands):
         method = self.info.draft_method
         return method is not None and DraftMethod(method).reads_features
 
+    def _lookup_length(self, seq: Sequence) -> int:
+        """Most looked-up tokens an empty round verifies: what pays by the verify cost model and the
+        lookups' measured acceptance for a batch of the live sequences (more rows in a fuller batch
+        cost more against what it commits anyway), within the request's draft cap and length limit."""
+        max_k = min(seq.policy.max_draft_tokens, seq.remaining - 1)
+        if max_k <= 0:
+            return 0
+        batch = min(len(self.sequences), self.config.max_batch_size)
+        k = best_draft_length([self.lookup_acceptance.alpha] * max(1, batch), self.verify_cost, max_k)
+        if k == 0:  # not paying lately: still try one token now and then, or a text that turns
+            self._lookup_probe = (self._lookup_probe + 1) % LOOKUP_PROBE_EVERY  # repetitive goes unseen
+            k = int(self._lookup_probe == 0)
+        return k
+
     def _ready(self, seq: Sequence) -> bool:
         if seq.uses_draft and (seq.draft_paused or seq.draft_exhausted or self._draft_limit(seq) == 0):
             return True  # backed off to target-only under load, or the drafter has nothing more for now
@@ -460,6 +478,9 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands):
     def _apply_verdict(self, seq: Sequence, verdict: pb.Verdict) -> int:
         """Commits a verdict and tells the drafter what it needs; returns the tokens committed."""
         k = len(seq.verify_tokens or ())
+        if seq.lookup_tokens:
+            looked_up = len(seq.lookup_tokens)
+            self.lookup_acceptance.observe(min(verdict.n_accepted, looked_up), int(verdict.n_accepted < looked_up))
         if seq.needs_features and seq.draft_started and seq.draft_alive:
             self._forward_features(seq, verdict)
         next_token = verdict.next_token if verdict.kind != pb.NEXT_TOKEN_KIND_NONE else None

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from duospec.coordinator.adaptive import AcceptanceTracker
 from duospec.coordinator.api import FinishReason, GenerationRequest, SpecStats, SpeculationMode
+from duospec.coordinator.lookup import TextLookup
 from duospec.coordinator.policies import SpeculationPolicy
 
 
@@ -85,6 +86,9 @@ class Sequence:
     restarted: tuple[int, float] | None = None
     # the in-flight item is an empty round: no draft, sent rather than idle for the restarted drafter
     empty_round: bool = False
+    # ... and these tokens, found in the sequence's own text, ride in it as drafts (coordinator/lookup.py)
+    lookup_tokens: list[int] = field(default_factory=list)
+    lookup: TextLookup = field(default_factory=TextLookup)
     # The first committed position an empty round decided that the drafter has not yet been seen to
     # hold (its chunk for it has not come, or came short): what it holds there is its own guess, so it
     # is told only the positions before as verified (drafter_verified_len).
@@ -276,7 +280,7 @@ class Sequence:
     def forget_verify(self) -> None:
         """The verdict for the in-flight chunk will not come (stale, or the target restarted)."""
         self._clear_branches()
-        self.empty_round = False
+        self.empty_round, self.lookup_tokens = False, []
         if self.verify_tokens is not None:
             # Back in front of the later drafts; they are re-verified (or dropped by an abort).
             self.drafts = self.verify_tokens + self.drafts
@@ -299,12 +303,13 @@ class Sequence:
             accepted = None
         chunk = self.verify_tokens or []
         empty_round, self.empty_round = self.empty_round, False
+        lookup, self.lookup_tokens = self.lookup_tokens, []  # an empty round's drafts, not the drafter's
         rejected = recovered and (branch is not None or n_accepted < len(chunk))
         self.verify_tokens, self.verify_probs = None, []
         k = len(chunk)
         self.stats.tree_nodes += len(self.branch_tokens)
         self._clear_branches()
-        new_tokens = (chunk[:n_accepted] if accepted is None else accepted) + (
+        new_tokens = ((chunk or lookup)[:n_accepted] if accepted is None else accepted) + (
             [next_token] if next_token is not None else [])
         old_len = len(self.committed)
         # The target keeps what it was fed but the last token (re-fed next round); a prefill chunk
@@ -313,6 +318,10 @@ class Sequence:
         self.target_len = chunk_end + len(new_tokens) - 1
         kept = self._commit(new_tokens)
         n_accepted -= branch_accepted  # of the main chain
+        if lookup:
+            self.stats.lookup_tokens += len(lookup)
+            self.stats.lookup_accepted += min(n_accepted, len(kept))
+            n_accepted = 0  # of the drafter's tokens
         if chunk_end == old_len:  # a prefill chunk is not a round: it commits and drafts nothing
             self._count(k, n_accepted, len(kept), rejected, first_of_round=old_len == self.round_start)
         if self.finish_reason is not None or not self.uses_draft:
@@ -321,15 +330,21 @@ class Sequence:
             self.stats.wasted_draft_tokens += (k - n_accepted) + len(self.drafts)
             return kept, DraftAction.ABORT, taken
         if next_token is not None:  # bonus: keep the speculation past it only if the drafter guessed it
-            if self.drafts and self.drafts[0] == next_token:
-                self.drafts, self.draft_probs = self.drafts[1:], self.draft_probs[1:]
+            # The tokens decided past the drafter's verified chunk: the bonus, or everything an empty
+            # round committed (its lookup tokens and its next token); the drafts that arrived meanwhile
+            # start where they do.
+            beyond = kept[k:]
+            if self.drafts[: len(beyond)] == beyond:
+                self.drafts, self.draft_probs = self.drafts[len(beyond):], self.draft_probs[len(beyond):]
                 self._decided()
                 return kept, DraftAction.ADVANCE, None
-            if empty_round and not self.drafts and not self.draft_paused:
-                # An empty round beat the restarted drafter's first chunk: keep the epoch, and check
-                # the chunk against the token when it comes (decided_prefix).
+            if empty_round and beyond[: len(self.drafts)] == self.drafts and not self.draft_paused:
+                # An empty round beat the restarted drafter's chunks: keep the epoch, and check the
+                # next chunk against the tokens decided past these drafts when it comes (decided_prefix).
+                held = old_len + len(self.drafts)
+                self.drafts, self.draft_probs = [], []
                 if self.unconfirmed_from is None:
-                    self.unconfirmed_from = old_len
+                    self.unconfirmed_from = held
                 self._decided()
                 return kept, DraftAction.ADVANCE, None
             self.stats.wasted_draft_tokens += len(self.drafts)

@@ -2,7 +2,7 @@
 policy, logprobs) and, for a long prompt, a prefill chunk within the batch's prompt budget.
 
 Mixed into `Scheduler` (coordinator/scheduler.py), whose state these methods read: `config`,
-`_draft_limit`, `_max_hedges`.
+`_draft_limit`, `_max_hedges`, `_lookup_length`.
 """
 
 from __future__ import annotations
@@ -47,8 +47,11 @@ class VerifyItems:
         tokens, probs = seq.take_verify_chunk(k)
         # an empty round (Scheduler._may_verify_without_drafts): its bonus keeps the drafter's epoch
         seq.empty_round = not tokens and self._may_verify_without_drafts(seq)
+        if seq.empty_round and seq.policy.lookup and not seq.needs_features:
+            # (a head drafter's features would then cover positions it never drafted: not for heads)
+            tokens = seq.lookup_tokens = seq.lookup.propose(seq.committed, self._lookup_length(seq))
         parents: list[int] = []
-        if tokens and seq.greedy and seq.policy.tree_nodes and self._max_hedges(seq):
+        if tokens and not seq.empty_round and seq.greedy and seq.policy.tree_nodes and self._max_hedges(seq):
             tokens, parents = seq.add_branches(seq.policy.tree_nodes)  # hedges ride along as a token tree
         return pb.VerifyItem(
             seq_id=seq.seq_id,
