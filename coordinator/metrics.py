@@ -48,6 +48,11 @@ class ServerMetrics:
             "duospec:spec_decode_tree_nodes", "Hedge tokens verified as token-tree branches", t, registry=r)
         self.tree_hits = Counter(
             "duospec:spec_decode_tree_hits", "Verify passes whose accepted path went into a branch", t, registry=r)
+        self.lookup_tokens = Counter(
+            "duospec:spec_decode_lookup_tokens", "Tokens found in a request's own text, verified without a draft",
+            t, registry=r)
+        self.lookup_accepted = Counter(
+            "duospec:spec_decode_lookup_accepted_tokens", "Looked-up tokens the target kept", t, registry=r)
         self.wasted_draft_tokens = Counter(
             "duospec:spec_decode_num_wasted_draft_tokens", "Draft tokens discarded after a rejection", t, registry=r)
         self.prompt_tokens = Counter("duospec:prompt_tokens", "Prompt tokens processed", t, registry=r)
@@ -103,6 +108,8 @@ class ServerMetrics:
         self.cache_hits.labels(tenant).inc(stats.cache_hits)
         self.tree_nodes.labels(tenant).inc(stats.tree_nodes)
         self.tree_hits.labels(tenant).inc(stats.tree_hits)
+        self.lookup_tokens.labels(tenant).inc(stats.lookup_tokens)
+        self.lookup_accepted.labels(tenant).inc(stats.lookup_accepted)
 
     def observe_failure(self, tenant: str, code: str) -> None:
         self.request_failure.labels(tenant, code).inc()

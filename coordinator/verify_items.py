@@ -47,8 +47,9 @@ class VerifyItems:
         tokens, probs = seq.take_verify_chunk(k)
         # an empty round (Scheduler._may_verify_without_drafts): its bonus keeps the drafter's epoch
         seq.empty_round = not tokens and self._may_verify_without_drafts(seq)
-        if seq.empty_round and seq.policy.lookup and not seq.needs_features:
-            # (a head drafter's features would then cover positions it never drafted: not for heads)
+        if seq.empty_round and seq.policy.lookup and not seq.needs_features and bonus != pb.BONUS_POLICY_SKIP:
+            # (not in a prompt's prefill round, which leaves the next token to the drafter's first
+            # draft; not for a head drafter, whose features would cover positions it never drafted)
             tokens = seq.lookup_tokens = seq.lookup.propose(seq.committed, self._lookup_length(seq))
         parents: list[int] = []
         if tokens and not seq.empty_round and seq.greedy and seq.policy.tree_nodes and self._max_hedges(seq):

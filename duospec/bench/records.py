@@ -38,6 +38,8 @@ class RequestRecord:
     cache_hits: int = 0
     tree_nodes: int = 0
     tree_hits: int = 0
+    lookup_tokens: int = 0
+    lookup_accepted: int = 0
     # (time.perf_counter() when a streamed chunk came, its tokens): what the sweep's concurrency measures need
     arrivals: list[tuple[float, int]] = field(default_factory=list)
 
@@ -91,9 +93,11 @@ class Run:
 
     @property
     def mean_accepted_length(self) -> float | None:
-        """Committed tokens per target forward over the run (accepted drafts + 1 per forward)."""
+        """Committed tokens per target forward over the run (accepted drafts and looked-up tokens + 1
+        per forward)."""
         forwards = self.forwards
-        return (sum(r.accepted for r in self.records) + forwards) / forwards if forwards else None
+        kept = sum(r.accepted + r.lookup_accepted for r in self.records)
+        return (kept + forwards) / forwards if forwards else None
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -117,6 +121,18 @@ class Run:
         """Target forwards whose accepted path went into a branch, per forward."""
         forwards = self.forwards
         return sum(r.tree_hits for r in self.records) / forwards if forwards else None
+
+    @property
+    def lookup_tokens_per_forward(self) -> float | None:
+        """Tokens found in the requests' own text and verified (in rounds without a draft), per forward."""
+        forwards = self.forwards
+        return sum(r.lookup_tokens for r in self.records) / forwards if forwards else None
+
+    @property
+    def lookup_acceptance(self) -> float | None:
+        """Looked-up tokens the target kept, per looked-up token verified."""
+        looked_up = sum(r.lookup_tokens for r in self.records)
+        return sum(r.lookup_accepted for r in self.records) / looked_up if looked_up else None
 
     def accepted_per_pos(self) -> list[int]:
         width = max((len(r.accepted_per_pos) for r in self.records), default=0)

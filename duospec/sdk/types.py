@@ -35,6 +35,8 @@ class SpeculationStats:
     cache_hits: int = 0  # ... and found one (the next verify did not wait for the drafter)
     tree_nodes: int = 0  # hedge tokens verified as token-tree branches
     tree_hits: int = 0  # verify passes whose accepted path went into a branch
+    lookup_tokens: int = 0  # tokens found in the request's own text, verified in rounds without a draft
+    lookup_accepted: int = 0  # ... and kept
 
     @property
     def acceptance_rate(self) -> float:
@@ -225,6 +227,8 @@ def chunk_from_proto(response: pb.GenerateResponse) -> GenerationChunk:
             cache_hits=s.cache_hits,
             tree_nodes=s.tree_nodes,
             tree_hits=s.tree_hits,
+            lookup_tokens=s.lookup_tokens,
+            lookup_accepted=s.lookup_accepted,
         )
     return GenerationChunk(
         text=response.text,
