@@ -1,4 +1,5 @@
-"""A/B: empty rounds with looked-up tokens (lookup) vs without (nolookup), off alongside, alternating.
+"""A/B: with CHANGE=branch, looked-up tokens as token-tree branches next to the drafter's chain (lookup) vs
+not (nolookup; empty rounds keep their lookups in both); otherwise lookups on vs off altogether.
 REPLAY=dir with target/ draft/ replay checkpoints (simulated) or MODELS=models (real). PATHS=inproc,server"""
 import asyncio, os, statistics, dataclasses, time, collections
 import torch
@@ -16,7 +17,14 @@ orig = ModelRouter.policy_for
 def policy_for(self, entry, request):
     p = orig(self, entry, request)
     return dataclasses.replace(p, lookup=FLAG["on"] and p.lookup)
-ModelRouter.policy_for = policy_for
+if os.environ.get("CHANGE") == "branch":
+    from duospec.coordinator.sequence import Sequence
+    orig_branches = Sequence.add_branches
+    def add_branches(self, max_nodes, looked_up=()):
+        return orig_branches(self, max_nodes, looked_up if FLAG["on"] else ())
+    Sequence.add_branches = add_branches
+else:
+    ModelRouter.policy_for = policy_for
 REP = int(os.environ.get("REP", 4))
 R = collections.defaultdict(list)
 def show(path):
