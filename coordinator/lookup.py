@@ -15,9 +15,9 @@ committed tokens are the target's argmax whatever is proposed. They are not the 
 rejected lookup token never restarts the drafter, and its chunks are checked against every token the
 round decided (Sequence.apply_verdict, Sequence.decided_prefix).
 
-Cheap: one dict entry per committed token and n-gram length (a few hundred bytes per token at most,
-unlike the n-gram drafter's trie of every context up to 8 tokens), indexed lazily when a lookup is
-made, and one dict lookup per proposal. The proposal is the text that followed the latest earlier
+Cheap: one dict entry per committed token and n-gram length (~400 bytes per token, unlike the n-gram
+drafter's trie of every context up to 8 tokens), indexed lazily when a lookup is made and over the
+last `LOOKUP_WINDOW` tokens of a long text only, and one dict lookup per proposal. The proposal is the text that followed the latest earlier
 occurrence of the longest matching suffix (`max_ngram` down to `min_ngram` tokens), copied as is.
 """
 
@@ -26,12 +26,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# Only the last this many tokens of a sequence's text are searched: a long prompt's first lookup then
+# indexes at most 8,192 positions (~20 ms of the coordinator's loop on a slow core; the whole of a
+# 128k-token prompt would take ~0.3 s and ~50 MB), and recent text is where repeats usually are.
+LOOKUP_WINDOW = 8192
+
+
 @dataclass
 class TextLookup:
     """The n-gram index of one sequence's committed tokens (which only ever grow)."""
 
     min_ngram: int = 2
     max_ngram: int = 4
+    window: int = LOOKUP_WINDOW
     # n-gram (as a tuple) -> where the token that followed its latest occurrence sits
     _after: dict[tuple[int, ...], int] = field(default_factory=dict)
     _indexed: int = 0  # every n-gram ending before this position is in _after
@@ -51,7 +58,7 @@ class TextLookup:
     def _index(self, tokens: list[int]) -> None:
         # The n-grams ending at position end - 1 are indexed once the token after them (at `end`)
         # exists: the current suffix then finds its earlier occurrences only, never itself.
-        for end in range(max(self._indexed, 1), len(tokens)):
+        for end in range(max(self._indexed, 1, len(tokens) - self.window), len(tokens)):
             for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
                 self._after[tuple(tokens[end - n : end])] = end
         self._indexed = max(self._indexed, len(tokens))

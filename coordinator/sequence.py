@@ -347,6 +347,13 @@ class Sequence:
                     self.unconfirmed_from = held
                 self._decided()
                 return kept, DraftAction.ADVANCE, None
+            # The drafter's line parts from the decided tokens where its drafts do: only what it
+            # holds before that stands, in its cache and in the hedges it drafted on that prefix
+            # (an empty round may have decided several positions the drafter guessed otherwise).
+            parted = old_len + k + next((i for i, (a, b) in enumerate(zip(self.drafts, beyond)) if a != b),
+                                        min(len(self.drafts), len(beyond)))
+            self.draft_fed_len = min(self.draft_fed_len, parted)
+            self.hedges = {key: hedge for key, hedge in self.hedges.items() if key[0] <= parted}
             self.stats.wasted_draft_tokens += len(self.drafts)
             return kept, DraftAction.ABORT, taken
         self._decided()

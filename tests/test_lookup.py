@@ -168,3 +168,22 @@ def test_the_serve_config_turns_lookup_off():
     on = parse_serve_config({"models": [model]}).models[0].speculation
     off = parse_serve_config({"models": [{**model, "speculation": {"lookup": False}}]}).models[0].speculation
     assert on.lookup is True and off.lookup is False
+
+
+def test_a_drafter_wrong_at_the_first_looked_up_position_is_reset_from_there_and_its_hedges_go():
+    """The round decided positions 8-12; the drafter's chunk had guessed 8 otherwise. Its cache stands
+    only before 8 (not up to where its chunk reached), and a hedge it drafted on its own line at the
+    verdict's last position is not taken as a cache hit."""
+    seq = _sequence_in_empty_round([8, 9, 5, 6])
+    assert seq.add_drafts(8, [4, 3, 2], [])
+    assert seq.add_hedge(12, 7, 13, [21, 22], [])  # drafted after ... 4, 3, 2, ?: not after 8, 9, 5, 6
+    _, action, _ = seq.apply_verdict(4, 7, recovered=False)
+    assert action.name == "ABORT" and seq.committed[8:] == [8, 9, 5, 6, 7]
+    assert seq.take_hedge() is None
+    assert seq.start_new_epoch() == 8  # the RESET re-feeds from position 8
+
+
+def test_the_index_covers_only_the_recent_window_of_a_long_text():
+    text = [1, 2, 3] + list(range(100, 200)) + [1, 2]
+    assert TextLookup(window=200).propose(text, 2) == [3, 100]
+    assert TextLookup(window=50).propose(text, 2) == []  # (1, 2) first came before the window
