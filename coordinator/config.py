@@ -35,8 +35,8 @@
         speculation: {mode: pearl, max_draft_tokens: 4, max_lookahead: 9, adaptive: true,
                       cache: true, hedges: 4,   # cache: the speculation cache, hedges per sequence
                       tree: true, tree_nodes: 8,  # tree: verify hedges as token-tree branches
-                      lookup: true}  # lookup: an empty round (no draft yet after a rejection)
-                                     # verifies tokens found in the sequence's own text
+                      lookup: true}  # lookup: a round without a draft (after a rejection, or the
+                                     # drafter paused) verifies tokens found in the sequence's own text
 
 YAML or TOML (chosen by the file suffix). Relative paths are resolved against the config file's folder.
 """
@@ -111,8 +111,9 @@ class SpeculationDefaults:
     # forward (at most tree_nodes extra tokens); needs the cache
     tree: bool = True
     tree_nodes: int = 8
-    # pearl, greedy: a round sent before the restarted drafter's first draft (an empty round) verifies
-    # what followed the sequence's last tokens where they occurred before in its text (coordinator/lookup.py)
+    # pearl, greedy: a round sent without a draft (before the restarted drafter's first, or while the
+    # goodput guard pauses it) verifies what followed the sequence's last tokens where they occurred
+    # before in its text (coordinator/lookup.py)
     lookup: bool = True
 
 

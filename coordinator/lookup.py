@@ -2,7 +2,8 @@
 
 Right after a rejection pearl may send a greedy sequence to a free target with no draft at all (an
 empty round, Scheduler._may_verify_without_drafts): the restarted drafter has nothing yet, and the
-target's bonus token is its next token. Such a round commits one token for a whole verify forward.
+target's bonus token is its next token; the same goes while the goodput guard keeps the drafter
+paused. Such a round commits one token for a whole verify forward.
 Before it goes, the coordinator looks for the sequence's last few tokens earlier in its own text
 (prompt + output) and, where they occurred, proposes what followed them then (prompt lookup
 decoding); the round verifies those tokens as drafts. On repetitive text — code, edits of a given
@@ -17,8 +18,9 @@ round decided (Sequence.apply_verdict, Sequence.decided_prefix).
 
 Cheap: one dict entry per committed token and n-gram length (~400 bytes per token, unlike the n-gram
 drafter's trie of every context up to 8 tokens), indexed lazily when a lookup is made and over the
-last `LOOKUP_WINDOW` tokens of a long text only, and one dict lookup per proposal. The proposal is the text that followed the latest earlier
-occurrence of the longest matching suffix (`max_ngram` down to `min_ngram` tokens), copied as is.
+last `LOOKUP_WINDOW` tokens of a long text only, and one dict lookup per proposal. The proposal is
+the text that followed the latest earlier occurrence of the longest matching suffix (`max_ngram`
+down to `min_ngram` tokens), copied as is.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ class SpeculationPolicy:
     adaptive: bool = True  # pearl: the scheduler may verify fewer drafts (coordinator/adaptive.py)
     hedges: int = 0  # pearl: the speculation cache's hedges per sequence (0 = no cache)
     tree_nodes: int = 0  # pearl, greedy: hedge tokens verified as a token tree next to the chain (0 = none)
-    lookup: bool = False  # pearl, greedy: empty rounds verify tokens found in the sequence's own text
+    lookup: bool = False  # pearl, greedy: rounds without a draft verify tokens found in the sequence's own text
 
     def max_hedges(self) -> int:
         """Hedges the drafter may hold for a sequence: pearl only (vanilla stays the textbook chain)."""

@@ -334,24 +334,24 @@ class Sequence:
             # round committed (its lookup tokens and its next token); the drafts that arrived meanwhile
             # start where they do.
             beyond = kept[k:]
-            if self.drafts[: len(beyond)] == beyond:
-                self.drafts, self.draft_probs = self.drafts[len(beyond):], self.draft_probs[len(beyond):]
+            same = next((i for i, (a, b) in enumerate(zip(self.drafts, beyond)) if a != b),
+                        min(len(self.drafts), len(beyond)))  # how many of them the drafts guessed
+            if same == len(beyond):
+                self.drafts, self.draft_probs = self.drafts[same:], self.draft_probs[same:]
                 self._decided()
                 return kept, DraftAction.ADVANCE, None
-            if empty_round and beyond[: len(self.drafts)] == self.drafts and not self.draft_paused:
+            if empty_round and same == len(self.drafts) and not self.draft_paused:
                 # An empty round beat the restarted drafter's chunks: keep the epoch, and check the
                 # next chunk against the tokens decided past these drafts when it comes (decided_prefix).
-                held = old_len + len(self.drafts)
                 self.drafts, self.draft_probs = [], []
                 if self.unconfirmed_from is None:
-                    self.unconfirmed_from = held
+                    self.unconfirmed_from = old_len + same
                 self._decided()
                 return kept, DraftAction.ADVANCE, None
             # The drafter's line parts from the decided tokens where its drafts do: only what it
             # holds before that stands, in its cache and in the hedges it drafted on that prefix
             # (an empty round may have decided several positions the drafter guessed otherwise).
-            parted = old_len + k + next((i for i, (a, b) in enumerate(zip(self.drafts, beyond)) if a != b),
-                                        min(len(self.drafts), len(beyond)))
+            parted = old_len + k + same
             self.draft_fed_len = min(self.draft_fed_len, parted)
             self.hedges = {key: hedge for key, hedge in self.hedges.items() if key[0] <= parted}
             self.stats.wasted_draft_tokens += len(self.drafts)
