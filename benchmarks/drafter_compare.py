@@ -54,14 +54,20 @@ async def _measure(path: str, args, prompts) -> dict:
     """{(drafter, mode): [Run per repeat]}; `off` runs on each drafter's own coordinator or pipeline."""
     from duospec.bench.inprocess import BenchPair, open_local_coordinator, run_coordinator_mode
     from duospec.bench.served import run_client_mode, served_pipelines
+    from duospec.coordinator.api import SpeculationMode
+    from duospec.coordinator.config import SpeculationDefaults
+
+    # one γ for every mode here: the drafters are compared, not the modes
+    speculation = SpeculationDefaults(mode=SpeculationMode.PEARL, max_draft_tokens=args.gamma, gamma=args.gamma,
+                                      max_lookahead=2 * args.gamma + 1)
 
     def pair(name):
         return BenchPair(str(args.target), str(getattr(args, name)), "cpu", DRAFTERS[name][0])
 
     async def run(handle, mode, subset, tokens):
         if path == "in-process":
-            return await run_coordinator_mode(handle, subset, mode, tokens, args.gamma, path, mode)
-        return await run_client_mode(handle, subset, mode, tokens, args.gamma, lambda: None)
+            return await run_coordinator_mode(handle, subset, mode, tokens, path, mode)
+        return await run_client_mode(handle, subset, mode, tokens, lambda: None)
 
     async def repeats(handles: dict, runs: dict) -> None:
         for handle in handles.values():  # warm-up, untimed
@@ -77,12 +83,12 @@ async def _measure(path: str, args, prompts) -> dict:
         async with contextlib.AsyncExitStack() as stack:
             handles = {}
             for name in args.drafters:
-                handles[name] = open_local_coordinator(pair(name), args.gamma, 2 * args.gamma + 1)
+                handles[name] = open_local_coordinator(pair(name), speculation)
                 stack.push_async_callback(handles[name].close)
             await repeats(handles, runs)
     else:  # one Ray pipeline and server with a model per drafter: repeats interleave them too
         pairs = {name: pair(name) for name in args.drafters}
-        async with served_pipelines(pairs, args.gamma, 2 * args.gamma + 1, None) as served:
+        async with served_pipelines(pairs, speculation, None) as served:
             await repeats(served, runs)
     return runs
 

@@ -32,7 +32,9 @@
                                              # prefilled in chunks that share rounds with others' decode
         max_model_len: 8192                  # optional; positions per sequence (default: the model's
                                              # max_position_embeddings); KV memory is sized from it
-        speculation: {mode: pearl, max_draft_tokens: 4, max_lookahead: 9, adaptive: true,
+        speculation: {mode: pearl, max_draft_tokens: 8, gamma: 4, max_lookahead: 9, adaptive: true,
+                      # max_draft_tokens: pearl's most drafts per verify (its adaptive length picks
+                      # fewer when they do not pay); gamma: vanilla's fixed drafts per verify
                       cache: true, hedges: 4,   # cache: the speculation cache, hedges per sequence
                       tree: true, tree_nodes: 8,  # tree: verify hedges as token-tree branches
                       lookup: true}  # lookup: a round without a draft (after a rejection, or the
@@ -55,6 +57,7 @@ from duospec.coordinator.api import SpeculationMode
 from duospec.draft_worker.proposer import POOL_SCOPES, DraftMethod, DraftSpec, NgramOptions
 
 DEVICES = ("auto", "cpu", "cuda")
+MAX_DRAFT_TOKENS = 64  # per verify, in any mode: the config, a request, `duospec bench`
 MAX_GRACE_PERIOD_S = 3600.0  # server.grace_period_s and `duospec serve --grace-period`
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -100,7 +103,10 @@ class ServerSettings:
 @dataclass(frozen=True)
 class SpeculationDefaults:
     mode: SpeculationMode = SpeculationMode.PEARL
-    max_draft_tokens: int = 4
+    # pearl: the most drafts one verify takes; the adaptive length (coordinator/adaptive.py) picks fewer
+    # when the verify cost and the acceptance say so. Above vanilla's γ because pearl drafts while the
+    # target verifies: a longer chunk costs it no waiting, only verify rows (on a GPU nearly free)
+    max_draft_tokens: int = 8
     max_lookahead: int = 9
     adaptive: bool = True  # pearl: adapt the draft length to acceptance and load (coordinator/adaptive.py)
     # pearl: the speculation cache (draft_worker/hedges.py): the drafter hedges the likeliest verdicts
@@ -115,6 +121,12 @@ class SpeculationDefaults:
     # goodput guard pauses it) verifies what followed the sequence's last tokens where they occurred
     # before in its text (coordinator/lookup.py)
     lookup: bool = True
+    # vanilla: the textbook baseline's fixed drafts per verify (γ drafts, then the verify, in turn)
+    gamma: int = 4
+
+    def draft_tokens(self, mode: SpeculationMode) -> int:
+        """A request's drafts per verify when it does not ask: γ in vanilla, the cap in pearl."""
+        return self.gamma if mode is SpeculationMode.VANILLA else self.max_draft_tokens
 
 
 @dataclass(frozen=True)
@@ -242,7 +254,7 @@ def _parse_model(f: "_Fields", base_dir: pathlib.Path) -> ModelConfig:
         mode_name = spec_fields.choice("mode", [m.value for m in SpeculationMode], default=spec.mode.value)
         spec = SpeculationDefaults(
             mode=SpeculationMode(mode_name),
-            max_draft_tokens=spec_fields.int_in("max_draft_tokens", 1, 64, default=spec.max_draft_tokens),
+            max_draft_tokens=spec_fields.int_in("max_draft_tokens", 1, MAX_DRAFT_TOKENS, default=spec.max_draft_tokens),
             max_lookahead=spec_fields.int_in("max_lookahead", 1, 1024, default=spec.max_lookahead),
             adaptive=spec_fields.get("adaptive", bool, default=spec.adaptive),
             cache=spec_fields.get("cache", bool, default=spec.cache),
@@ -250,6 +262,7 @@ def _parse_model(f: "_Fields", base_dir: pathlib.Path) -> ModelConfig:
             tree=spec_fields.get("tree", bool, default=spec.tree),
             tree_nodes=spec_fields.int_in("tree_nodes", 1, 64, default=spec.tree_nodes),
             lookup=spec_fields.get("lookup", bool, default=spec.lookup),
+            gamma=spec_fields.int_in("gamma", 1, MAX_DRAFT_TOKENS, default=spec.gamma),
         )
         spec_fields.reject_unknown()
     if draft is None and spec.mode is not SpeculationMode.OFF and spec_fields is not None and "mode" in spec_fields.raw:

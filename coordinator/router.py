@@ -19,6 +19,7 @@ from duospec.coordinator.api import (
     SpeculationMode,
     Unavailable,
 )
+from duospec.coordinator.config import MAX_DRAFT_TOKENS, SpeculationDefaults
 from duospec.coordinator.policies import SpeculationPolicy
 from duospec.coordinator.scheduler import Scheduler, SchedulerConfig
 
@@ -90,10 +91,10 @@ class ModelRouter:
     def policy_for(self, entry: ModelEntry, request: GenerationRequest) -> SpeculationPolicy:
         spec = getattr(entry.config, "speculation", None)
         default_mode = getattr(spec, "mode", SpeculationMode.PEARL)
-        max_draft = request.max_draft_tokens or getattr(spec, "max_draft_tokens", 4)
         mode = request.mode or default_mode
         if not entry.info.has_draft:
             mode = SpeculationMode.OFF
+        max_draft = request.max_draft_tokens or (spec or SpeculationDefaults()).draft_tokens(mode)
         use_cache = getattr(spec, "cache", False) if request.speculation_cache is None else request.speculation_cache
         use_tree = getattr(spec, "tree", False) if request.speculation_tree is None else request.speculation_tree
         return SpeculationPolicy(
@@ -121,8 +122,8 @@ class ModelRouter:
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds the model "
                 f"context of {info.max_context} tokens; shorten the prompt or lower max_new_tokens"
             )
-        if request.max_draft_tokens is not None and not 0 <= request.max_draft_tokens <= 64:
-            raise InvalidRequest(f"max_draft_tokens={request.max_draft_tokens}: must be in [0, 64]")
+        if request.max_draft_tokens is not None and not 0 <= request.max_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise InvalidRequest(f"max_draft_tokens={request.max_draft_tokens}: must be in [0, {MAX_DRAFT_TOKENS}]")
         if request.logprobs is not None and not 0 <= request.logprobs <= 20:
             raise InvalidRequest(f"logprobs={request.logprobs}: ask for 0 to 20 alternatives")
         if not (math.isfinite(request.priority_weight) and request.priority_weight > 0):

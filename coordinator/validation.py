@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from duospec.coordinator.api import GenerationRequest, ModelInfo, SpeculationMode
-from duospec.coordinator.config import ServerSettings
+from duospec.coordinator.config import MAX_DRAFT_TOKENS, ServerSettings
 from duospec.sampling import SamplingParams
 from duospec.v1 import generation_pb2 as pb
 
@@ -20,7 +20,6 @@ MAX_REQUEST_ID_CHARS = 128
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
-MAX_DRAFT_TOKENS = 64
 MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = ("system", "user", "assistant")
 

@@ -267,3 +267,16 @@ def test_the_cli_offers_every_bench_mode_and_the_ablation_maps_to_a_request():
     assert MODES == ALL_MODES
     assert request_mode("pearl-nocache") == ("pearl", False, False)
     assert request_mode("pearl-notree") == ("pearl", True, False) and request_mode("pearl") == ("pearl", None, None)
+
+
+def test_bench_draft_counts_are_checked(tmp_path):
+    """Vanilla's γ and pearl's cap are separate settings, each in [1, 64]; the served model gets both."""
+    from duospec.bench import BenchConfig
+
+    config = BenchConfig(target=str(tmp_path), draft=str(tmp_path), out=tmp_path, gamma=3, max_draft_tokens=9)
+    spec = config.speculation()
+    assert (spec.gamma, spec.max_draft_tokens, spec.max_lookahead) == (3, 9, config.max_lookahead)
+    for field, value in (("gamma", 0), ("max_draft_tokens", 65)):
+        bad = BenchConfig(target=str(tmp_path), draft=str(tmp_path), out=tmp_path, **{field: value})
+        with pytest.raises(ValueError, match=f"--{field.replace('_', '-')}={value}"):
+            bad.validate()

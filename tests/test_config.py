@@ -15,7 +15,7 @@ models:
     target: /opt/m/target
     draft: /opt/m/draft
     device: cpu
-    speculation: {mode: vanilla, max_draft_tokens: 3}
+    speculation: {mode: vanilla, gamma: 3, max_draft_tokens: 6}
   - name: target-only
     target: /opt/m/target
 """
@@ -33,7 +33,7 @@ name = "python-tiny"
 target = "/opt/m/target"
 draft = "/opt/m/draft"
 device = "cpu"
-speculation = { mode = "vanilla", max_draft_tokens = 3 }
+speculation = { mode = "vanilla", gamma = 3, max_draft_tokens = 6 }
 [[models]]
 name = "target-only"
 target = "/opt/m/target"
@@ -50,7 +50,7 @@ def test_yaml_and_toml_load_the_same_config(tmp_path):
     assert a.ledger == str(tmp_path / "usage.db")
     first, second = a.models
     assert isinstance(first, ModelConfig) and first.speculation.mode is SpeculationMode.VANILLA
-    assert first.speculation.max_draft_tokens == 3 and first.device == "cpu"
+    assert (first.speculation.gamma, first.speculation.max_draft_tokens, first.device) == (3, 6, "cpu")
     assert second.draft is None and second.speculation.mode is SpeculationMode.OFF
 
 
@@ -69,6 +69,10 @@ def test_yaml_and_toml_load_the_same_config(tmp_path):
      "models[0].speculation.hedges"),
     ({"models": [{"name": "m", "target": "t", "draft": "d", "speculation": {"cache": "yes"}}]},
      "models[0].speculation.cache"),
+    ({"models": [{"name": "m", "target": "t", "draft": "d", "speculation": {"gamma": 0}}]},
+     "models[0].speculation.gamma"),
+    ({"models": [{"name": "m", "target": "t", "draft": "d", "speculation": {"max_draft_tokens": 65}}]},
+     "models[0].speculation.max_draft_tokens"),
     ({"models": [{"name": "m", "target": "t", "tagret": "x"}]}, "models[0].tagret"),
     ({"server": {"port": "fast"}, "models": [{"name": "m", "target": "t"}]}, "server.port"),
     ({"server": {"port": 70000}, "models": [{"name": "m", "target": "t"}]}, "server.port"),
@@ -188,3 +192,24 @@ def test_the_speculation_cache_is_config_and_per_request():
 
     assert (hedges(on), hedges(off), hedges(on, cache=False), hedges(off, cache=True)) == (3, 0, 0, off.speculation.hedges)
     assert hedges(on, mode=SpeculationMode.VANILLA) == 0  # vanilla stays the textbook chain
+
+
+def test_vanilla_takes_gamma_and_pearl_its_cap_unless_the_request_asks():
+    """Two defaults: vanilla's fixed γ and pearl's larger cap (it drafts while the target verifies and
+    adapts its length, so a longer chunk costs it no waiting); a request's own count wins in both."""
+    from duospec.coordinator.api import GenerationRequest
+    from duospec.coordinator.config import SpeculationDefaults
+    from duospec.coordinator.router import ModelRouter
+
+    assert (SpeculationDefaults().gamma, SpeculationDefaults().max_draft_tokens) == (4, 8)
+    config = parse_serve_config({"models": [{"name": "m", "target": "t", "draft": "d",
+                                             "speculation": {"gamma": 3, "max_draft_tokens": 6}}]}, source="c.yaml")
+    entry = type("Entry", (), {"info": type("Info", (), {"has_draft": True})(), "config": config.models[0]})
+    router = ModelRouter()
+
+    def drafts(mode, asked=None):
+        policy = router.policy_for(entry, GenerationRequest("r", (1,), 4, mode=mode, max_draft_tokens=asked))
+        return policy.max_draft_tokens
+
+    assert (drafts(SpeculationMode.VANILLA), drafts(SpeculationMode.PEARL), drafts(None)) == (3, 6, 6)
+    assert (drafts(SpeculationMode.VANILLA, 5), drafts(SpeculationMode.PEARL, 2)) == (5, 2)

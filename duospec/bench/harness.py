@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 from duospec.bench import arithmetic as ar
 from duospec.bench.inprocess import BenchPair, HFGenerate, encode_prompts, open_local_coordinator, run_coordinator_mode
 from duospec.bench.records import ALL_MODES, HF_MODES, OUR_MODES, Run
+from duospec.coordinator.api import SpeculationMode
+from duospec.coordinator.config import MAX_DRAFT_TOKENS, SpeculationDefaults
 
 WARMUP_TOKENS = 8
 RANDOM_DRAFT = "random"  # --draft-method random
@@ -52,7 +54,8 @@ class BenchConfig:
     sweep_requests_per_stream: int = 2
     device: str = "cpu"
     placement: str = "auto"  # the server runs' draft/target placement (cluster/placement.py)
-    gamma: int = 4  # max draft tokens per verify (pearl), γ (vanilla, HF assisted)
+    gamma: int = SpeculationDefaults.gamma  # drafts per verify of vanilla and HF assisted generation (γ)
+    max_draft_tokens: int = SpeculationDefaults.max_draft_tokens  # pearl's most per verify (it adapts)
     max_lookahead: int = 9
     max_prompt_tokens: int = 256
     ray_address: str | None = None
@@ -62,13 +65,21 @@ class BenchConfig:
     acceptance: float | None = None  # with simulate: a synthetic drafter with this per-token acceptance
     draft_method: str = "model"  # model | ngram | layers:K (coordinator.config.draft_from_flag) | random
 
+    def speculation(self) -> SpeculationDefaults:
+        """The served model's defaults: the benchmark's requests leave their draft counts to them."""
+        return SpeculationDefaults(mode=SpeculationMode.PEARL, max_draft_tokens=self.max_draft_tokens,
+                                   gamma=self.gamma, max_lookahead=self.max_lookahead)
+
     def validate(self) -> None:
         unknown = [m for m in self.modes if m not in ALL_MODES]
         if unknown:
             raise ValueError(f"--modes: {', '.join(unknown)} unknown; choose from {', '.join(ALL_MODES)}")
-        for name in ("max_new_tokens", "repeats", "gamma", "sweep_requests_per_stream"):
+        for name in ("max_new_tokens", "repeats", "gamma", "max_draft_tokens", "sweep_requests_per_stream"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)}: must be >= 1")
+        for name in ("gamma", "max_draft_tokens"):
+            if getattr(self, name) > MAX_DRAFT_TOKENS:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)}: must be <= {MAX_DRAFT_TOKENS}")
         if self.simulate is not None:
             from duospec.bench.simulate import SCENARIOS
 
@@ -137,11 +148,11 @@ def _planned_requests(config: BenchConfig, n_prompts: int) -> int:
 async def _in_process(config: BenchConfig, pair: BenchPair, prompts, hf: HFGenerate | None, progress, out: Collected):
     from duospec.bench.served import round_overhead
 
-    coordinator = open_local_coordinator(pair, config.gamma, config.max_lookahead)
+    coordinator = open_local_coordinator(pair, config.speculation())
     try:
         ours = [m for m in config.modes if m in OUR_MODES]
         for mode in ours:  # warm-up: first-call allocations and caches, untimed
-            await run_coordinator_mode(coordinator, prompts[:1], mode, WARMUP_TOKENS, config.gamma, "warmup", "warmup",
+            await run_coordinator_mode(coordinator, prompts[:1], mode, WARMUP_TOKENS, "warmup", "warmup",
                                        variant=f"warmup-{mode}")
         for rep in range(config.repeats):
             for mode in config.modes:
@@ -149,7 +160,7 @@ async def _in_process(config: BenchConfig, pair: BenchPair, prompts, hf: HFGener
                     out.runs.append(hf.run(prompts, mode, config.max_new_tokens, config.gamma, progress.tick))
                 else:
                     out.runs.append(await run_coordinator_mode(coordinator, prompts, mode, config.max_new_tokens,
-                                                               config.gamma, "in-process", f"r{rep}", progress.tick))
+                                                               "in-process", f"r{rep}", progress.tick))
         out.overhead.append(await round_overhead(coordinator, prompts, config.max_new_tokens, "in-process",
                                                  progress.tick))
     finally:
@@ -160,13 +171,13 @@ async def _through_server(config: BenchConfig, pair: BenchPair, prompts, progres
     from duospec.bench.served import round_overhead, run_client_mode, served_pipeline, sweep_point
 
     ours = [m for m in config.modes if m in OUR_MODES]
-    async with served_pipeline(pair, config.gamma, config.max_lookahead, config.ray_address) as served:
+    async with served_pipeline(pair, config.speculation(), config.ray_address) as served:
         for mode in ours:
-            await run_client_mode(served, prompts[:1], mode, WARMUP_TOKENS, config.gamma, lambda: None,
+            await run_client_mode(served, prompts[:1], mode, WARMUP_TOKENS, lambda: None,
                                   variant=f"warmup-{mode}")
         for _ in range(config.repeats):
             for mode in ours:
-                out.runs.append(await run_client_mode(served, prompts, mode, config.max_new_tokens, config.gamma,
+                out.runs.append(await run_client_mode(served, prompts, mode, config.max_new_tokens,
                                                       progress.tick))
         out.overhead.append(await round_overhead(served.coordinator, prompts, config.max_new_tokens, "pipeline",
                                                  progress.tick))
@@ -176,7 +187,7 @@ async def _through_server(config: BenchConfig, pair: BenchPair, prompts, progres
             for streams in config.concurrency:
                 for mode in ("pearl", "off"):
                     point = await sweep_point(served, prompts, mode, streams, config.sweep_requests_per_stream,
-                                              config.max_new_tokens, config.gamma, progress.tick)
+                                              config.max_new_tokens, progress.tick)
                     out.sweep.append({**point, "repeat": repeat})
 
 
@@ -235,7 +246,7 @@ def _simulated_pair(config: BenchConfig, pair: BenchPair, prompts) -> tuple[Benc
 
     target, draft, simulation = build_replay_pair(
         config.out / f"replay-{config.simulate}", pair.target, pair.draft, [p.token_ids for p in prompts],
-        scenario=config.simulate, max_new_tokens=config.max_new_tokens, gamma=config.gamma,
+        scenario=config.simulate, max_new_tokens=config.max_new_tokens, max_draft_tokens=config.max_draft_tokens,
         max_lookahead=config.max_lookahead, acceptance=config.acceptance, progress=config.progress,
         draft_method=config.draft_method)
     simulation["modes_not_simulated"] = [m for m in config.modes if m in HF_MODES]

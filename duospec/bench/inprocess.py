@@ -36,20 +36,21 @@ class EncodedPrompt:
     token_ids: tuple[int, ...]
 
 
-def model_config(pair: BenchPair, gamma: int, max_lookahead: int, name: str = MODEL_NAME):
-    from duospec.coordinator.api import SpeculationMode
-    from duospec.coordinator.config import ModelConfig, SpeculationDefaults
+def model_config(pair: BenchPair, speculation, name: str = MODEL_NAME):
+    """The served model: `speculation` (coordinator.config.SpeculationDefaults) holds vanilla's γ and
+    pearl's draft cap; the benchmark's requests leave both to it, as a user's would."""
+    from duospec.coordinator.config import ModelConfig
 
     return ModelConfig(name=name, target=pair.target, draft=pair.draft_spec(), device=pair.device,
-                       placement=pair.placement, speculation=SpeculationDefaults(SpeculationMode.PEARL, gamma, max_lookahead))
+                       placement=pair.placement, speculation=speculation)
 
 
-def request_for(prompt: EncodedPrompt, mode: str, max_new_tokens: int, gamma: int, tag: str):
+def request_for(prompt: EncodedPrompt, mode: str, max_new_tokens: int, tag: str):
     from duospec.coordinator.api import GenerationRequest, SpeculationMode
 
     mode, cache, tree = request_mode(mode)
     return GenerationRequest(request_id=f"bench-{tag}-{prompt.id}", prompt_token_ids=prompt.token_ids,
-                             max_new_tokens=max_new_tokens, mode=SpeculationMode(mode), max_draft_tokens=gamma,
+                             max_new_tokens=max_new_tokens, mode=SpeculationMode(mode),
                              speculation_cache=cache, speculation_tree=tree, ignore_eos=True, model=MODEL_NAME)
 
 
@@ -83,7 +84,7 @@ def _no_tick() -> None:
 
 
 async def run_coordinator_mode(coordinator, prompts: list[EncodedPrompt], mode: str, max_new_tokens: int,
-                               gamma: int, path: str, tag: str, tick: Callable[[], None] = _no_tick,
+                               path: str, tag: str, tick: Callable[[], None] = _no_tick,
                                variant: str | None = None) -> Run:
     """Every prompt once, one request at a time, through a LocalCoordinator or PipelineCoordinator.
     `variant`: whose goodput guard runs it (default `mode`; a warm-up passes its own, so that the timed
@@ -93,16 +94,16 @@ async def run_coordinator_mode(coordinator, prompts: list[EncodedPrompt], mode: 
     started = time.perf_counter()
     records = []
     for i, p in enumerate(prompts):
-        records.append(await timed_request(coordinator, request_for(p, mode, max_new_tokens, gamma, f"{tag}-{i}"), p.id))
+        records.append(await timed_request(coordinator, request_for(p, mode, max_new_tokens, f"{tag}-{i}"), p.id))
         tick()
     wall = time.perf_counter() - started
     return Run(mode, path, wall, records, window(before, await coordinator.stats(), MODEL_NAME))
 
 
-def open_local_coordinator(pair: BenchPair, gamma: int, max_lookahead: int):
+def open_local_coordinator(pair: BenchPair, speculation):
     from duospec.coordinator.local import LocalCoordinator
 
-    return LocalCoordinator([model_config(pair, gamma, max_lookahead)])
+    return LocalCoordinator([model_config(pair, speculation)])
 
 
 class HFGenerate:

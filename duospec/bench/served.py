@@ -28,22 +28,23 @@ class Served:
 
 
 @contextlib.asynccontextmanager
-async def served_pipeline(pair: BenchPair, gamma: int, max_lookahead: int, ray_address: str | None):
-    async with served_pipelines({MODEL_NAME: pair}, gamma, max_lookahead, ray_address) as served:
+async def served_pipeline(pair: BenchPair, speculation, ray_address: str | None):
+    async with served_pipelines({MODEL_NAME: pair}, speculation, ray_address) as served:
         yield served[MODEL_NAME]
 
 
 @contextlib.asynccontextmanager
-async def served_pipelines(pairs: dict[str, BenchPair], gamma: int, max_lookahead: int, ray_address: str | None):
+async def served_pipelines(pairs: dict[str, BenchPair], speculation, ray_address: str | None):
     """One pipeline and server serving a model per pair ({model name: pair}), so a benchmark can
-    alternate between them request by request and the machine's drift hits all of them alike."""
+    alternate between them request by request and the machine's drift hits all of them alike; each
+    with the `speculation` defaults (coordinator.config.SpeculationDefaults)."""
     from duospec.cluster.runtime import connect
     from duospec.coordinator.config import ServerSettings
     from duospec.coordinator.pipeline import start_pipeline
     from duospec.coordinator.server import DuospecServer
     from duospec.sdk.aio import AsyncClient
 
-    configs = [model_config(pair, gamma, max_lookahead, name) for name, pair in pairs.items()]
+    configs = [model_config(pair, speculation, name) for name, pair in pairs.items()]
     if ray_address is None and len(pairs) > 1:
         # Each pair asks for two 1-CPU actors. A local instance declares enough logical CPUs for all of
         # them: only one pair works at a time, the others' actors wait idle.
@@ -60,8 +61,7 @@ async def served_pipelines(pairs: dict[str, BenchPair], gamma: int, max_lookahea
         await server.shutdown(grace_period_s=1.0)
 
 
-async def client_request(client, prompt: EncodedPrompt, mode: str, max_new_tokens: int, gamma: int,
-                         model: str = "") -> RequestRecord:
+async def client_request(client, prompt: EncodedPrompt, mode: str, max_new_tokens: int, model: str = "") -> RequestRecord:
     """One streamed Generate call (timings: RequestRecord.streamed)."""
     tokens: list[int] = []
     arrivals: list[tuple[float, int]] = []
@@ -69,7 +69,7 @@ async def client_request(client, prompt: EncodedPrompt, mode: str, max_new_token
     started = time.perf_counter()
     mode, cache, tree = request_mode(mode)
     stream = await client.generate(prompt_token_ids=list(prompt.token_ids), model=model, max_new_tokens=max_new_tokens,
-                                   mode=mode, max_draft_tokens=gamma, ignore_eos=True, stream=True,
+                                   mode=mode, ignore_eos=True, stream=True,
                                    speculation_cache=cache, speculation_tree=tree)
     async with stream:
         async for chunk in stream:
@@ -88,7 +88,7 @@ async def client_request(client, prompt: EncodedPrompt, mode: str, max_new_token
     return record
 
 
-async def run_client_mode(served: Served, prompts: list[EncodedPrompt], mode: str, max_new_tokens: int, gamma: int,
+async def run_client_mode(served: Served, prompts: list[EncodedPrompt], mode: str, max_new_tokens: int,
                           tick: Callable[[], None], variant: str | None = None) -> Run:
     """`variant`: as in inprocess.run_coordinator_mode."""
     served.coordinator.use_speculation_choices(variant or mode)  # each pearl variant learns on its own, once
@@ -96,14 +96,14 @@ async def run_client_mode(served: Served, prompts: list[EncodedPrompt], mode: st
     started = time.perf_counter()
     records = []
     for prompt in prompts:
-        records.append(await client_request(served.client, prompt, mode, max_new_tokens, gamma, served.model))
+        records.append(await client_request(served.client, prompt, mode, max_new_tokens, served.model))
         tick()
     wall = time.perf_counter() - started
     return Run(mode, "server", wall, records, window(before, await served.coordinator.stats(), served.model))
 
 
 async def sweep_point(served: Served, prompts: list[EncodedPrompt], mode: str, streams: int, requests_per_stream: int,
-                      max_new_tokens: int, gamma: int, tick: Callable[[], None]) -> dict:
+                      max_new_tokens: int, tick: Callable[[], None]) -> dict:
     """`streams` client streams at once, each running `requests_per_stream` requests back to back."""
     served.coordinator.use_speculation_choices(mode)
 
@@ -113,7 +113,7 @@ async def sweep_point(served: Served, prompts: list[EncodedPrompt], mode: str, s
         out = []
         for j in range(requests_per_stream):
             prompt = prompts[(index * requests_per_stream + j) % len(prompts)]
-            out.append(await client_request(served.client, prompt, mode, max_new_tokens, gamma, served.model))
+            out.append(await client_request(served.client, prompt, mode, max_new_tokens, served.model))
             tick()
         stream_ends.append(time.perf_counter())
         return out
@@ -145,7 +145,7 @@ async def round_overhead(coordinator, prompts: list[EncodedPrompt], max_new_toke
                          tick: Callable[[], None]) -> dict:
     """Target-only requests one at a time: every round's sequence is ready the moment its verdict is
     in, so wall time not spent in the target's own verify work is coordinator + link overhead."""
-    run = await run_coordinator_mode(coordinator, prompts, "off", max_new_tokens, 0, path, f"overhead-{path}", tick)
+    run = await run_coordinator_mode(coordinator, prompts, "off", max_new_tokens, path, f"overhead-{path}", tick)
     w = run.workers
     return {
         "path": path,

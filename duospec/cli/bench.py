@@ -9,6 +9,7 @@ import pathlib
 import sys
 
 from duospec.cluster.placement import PLACEMENTS
+from duospec.coordinator.config import SpeculationDefaults
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODES = ("off", "hf", "hf-assisted", "vanilla", "pearl-nocache", "pearl-notree", "pearl")  # = bench.records.ALL_MODES
@@ -45,7 +46,12 @@ def register(subparsers) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), metavar="MODE",
                    help=f"modes to run (default all: {' '.join(MODES)})")
-    p.add_argument("--gamma", type=int, default=4, help="draft tokens per verify (γ; pearl's max) (default 4)")
+    p.add_argument("--gamma", type=int, default=SpeculationDefaults.gamma,
+                   help=f"vanilla's (and HF assisted generation's) draft tokens per verify, γ "
+                        f"(default {SpeculationDefaults.gamma})")
+    p.add_argument("--max-draft-tokens", type=int, default=SpeculationDefaults.max_draft_tokens,
+                   help=f"pearl's most draft tokens per verify; its adaptive length picks fewer when they do not "
+                        f"pay (default {SpeculationDefaults.max_draft_tokens})")
     p.add_argument("--skip-server", action="store_true", help="in-process only: no Ray, no gRPC server")
     p.add_argument("--concurrency", type=_int_list, default=(1, 2, 4, 8), help="streams for the sweep (1,2,4,8)")
     p.add_argument("--sweep-requests", type=int, default=2, help="requests per stream in the sweep (default 2)")
@@ -96,7 +102,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
             target=str(target), draft=str(draft) if draft is not None else "", out=args.out, prompts=args.prompts, prompt_limit=args.limit_prompts,
             max_new_tokens=args.max_new_tokens, repeats=args.repeats, modes=tuple(args.modes),
             skip_server=args.skip_server, concurrency=args.concurrency, sweep_requests_per_stream=args.sweep_requests,
-            device=args.device, placement=args.placement, gamma=args.gamma, ray_address=args.address,
+            device=args.device, placement=args.placement, gamma=args.gamma, max_draft_tokens=args.max_draft_tokens,
+            ray_address=args.address,
             models_label=args.models_label or ("bundled pair" if args.models is None and args.target is None else ""),
             progress=not args.no_progress, simulate=args.simulate,
             acceptance=args.acceptance, draft_method=args.draft_method,
