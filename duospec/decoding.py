@@ -64,7 +64,8 @@ def _router(target, draft, *, gamma: int, max_lookahead: int, max_batch_size: in
 
     # The model's defaults otherwise (the speculation cache and token trees on), as `duospec serve` has them.
     config = types.SimpleNamespace(speculation=SpeculationDefaults(
-        mode=SpeculationMode.PEARL, max_draft_tokens=gamma, max_lookahead=max_lookahead, adaptive=adaptive))
+        mode=SpeculationMode.PEARL, max_draft_tokens=gamma, gamma=gamma, max_lookahead=max_lookahead,
+        adaptive=adaptive))
     sched_config = SchedulerConfig(max_batch_size=max_batch_size, max_num_seqs=min(runner.max_slots, 64))
 
     async def open_scheduler() -> Scheduler:

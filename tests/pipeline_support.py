@@ -46,7 +46,7 @@ def model_config(
         dtype="float32",
         max_batch_size=max_batch_size,
         speculation=SpeculationDefaults(
-            mode=SpeculationMode.PEARL, max_draft_tokens=max_draft_tokens, max_lookahead=max_lookahead,
+            mode=SpeculationMode.PEARL, max_draft_tokens=max_draft_tokens, gamma=max_draft_tokens, max_lookahead=max_lookahead,
             adaptive=adaptive,
         ),
     )

@@ -280,3 +280,24 @@ def test_bench_draft_counts_are_checked(tmp_path):
         bad = BenchConfig(target=str(tmp_path), draft=str(tmp_path), out=tmp_path, **{field: value})
         with pytest.raises(ValueError, match=f"--{field.replace('_', '-')}={value}"):
             bad.validate()
+
+
+def test_bench_flag_defaults_are_the_served_defaults():
+    """`duospec bench --gamma/--max-draft-tokens` spell out SpeculationDefaults' values (the CLI may not import
+    it: it needs torch, and a client-only install builds every subcommand's help)."""
+    import argparse
+
+    from duospec.cli import bench as bench_cli
+    from duospec.coordinator.config import SpeculationDefaults
+
+    parser = argparse.ArgumentParser()
+    bench_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["bench"])
+    assert (args.gamma, args.max_draft_tokens) == (SpeculationDefaults.gamma, SpeculationDefaults.max_draft_tokens)
+
+
+def test_replay_table_reaches_vanilla_and_pearl():
+    from duospec.bench.simulate import table_depth
+
+    assert table_depth(2, 3, gamma=16) >= 16 + 1  # vanilla's γ past a short pearl reach
+    assert table_depth(8, 9) >= 17 + 8  # pearl: its lookahead (2·8 + 1) plus a chunk in flight

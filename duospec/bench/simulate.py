@@ -49,15 +49,15 @@ _COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer
            "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 
-def table_depth(max_draft_tokens: int, max_lookahead: int) -> int:
+def table_depth(max_draft_tokens: int, max_lookahead: int, gamma: int = 0) -> int:
     """How many draft tokens past the last committed one the table records: the drafter never runs
     further ahead than pearl's lookahead (coordinator/policies.py), plus the drafts of a verify in
-    flight (pearl's cap); margin for the rest."""
+    flight (pearl's cap), nor than vanilla's γ; margin for the rest."""
     from duospec.coordinator.api import SpeculationMode
     from duospec.coordinator.policies import SpeculationPolicy
 
     lookahead = SpeculationPolicy(SpeculationMode.PEARL, max_draft_tokens, max_lookahead).lookahead()
-    return lookahead + max_draft_tokens + 4
+    return max(lookahead + max_draft_tokens, gamma) + 4
 
 
 def record_tables(target_dir: str, draft_dir: str, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -225,7 +225,7 @@ def write_replay_checkpoint(directory: pathlib.Path, source_dir: str, role: str,
 
 
 def build_replay_pair(out_dir: pathlib.Path, target_dir: str, draft_dir: str, prompts: Sequence[Sequence[int]], *,
-                      scenario: str, max_new_tokens: int, max_draft_tokens: int, max_lookahead: int,
+                      scenario: str, max_new_tokens: int, max_draft_tokens: int, gamma: int, max_lookahead: int,
                       acceptance: float | None = None, progress: bool = True,
                       draft_method: str = "model") -> tuple[pathlib.Path, pathlib.Path, dict]:
     """Writes out_dir/target and out_dir/draft (replay checkpoints); returns them and a description.
@@ -249,7 +249,7 @@ def build_replay_pair(out_dir: pathlib.Path, target_dir: str, draft_dir: str, pr
         raise ValueError(f"--simulate {scenario} with an EAGLE head: only `devices` (the real pair's costs) is simulated")
     draft_files = target_dir if head else draft_dir  # a head has the target's tokenizer and no config of its own
     synthetic_vocab = min(vocab_size, AutoConfig.from_pretrained(draft_files).vocab_size, len(load_tokenizer(target_dir)))
-    depth = table_depth(max_draft_tokens, max_lookahead)
+    depth = table_depth(max_draft_tokens, max_lookahead, gamma)
     entries = record_tables(target_dir, draft_dir, prompts, max_new_tokens, depth, progress, draft_method)
     second_hits = second_choice_hit_rate(entries)
     if acceptance is not None:
@@ -289,7 +289,7 @@ def build_replay_pair(out_dir: pathlib.Path, target_dir: str, draft_dir: str, pr
         "target_cost": target_cost.to_json(),
         "draft_cost": draft_cost.to_json(),
         "cost_ratio_1_token": round(target_cost.seconds_for(1) / draft_cost.seconds_for(1), 2),
-        "table_depth": table_depth(max_draft_tokens, max_lookahead),
+        "table_depth": depth,
         # the real draft's second choice is the target's token at this share of its first-choice misses
         # (what a hedge can hit; the synthetic drafter of --acceptance uses the same share)
         "second_choice_hit_rate": second_hits,

@@ -9,7 +9,6 @@ import pathlib
 import sys
 
 from duospec.cluster.placement import PLACEMENTS
-from duospec.coordinator.config import SpeculationDefaults
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODES = ("off", "hf", "hf-assisted", "vanilla", "pearl-nocache", "pearl-notree", "pearl")  # = bench.records.ALL_MODES
@@ -46,12 +45,13 @@ def register(subparsers) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), metavar="MODE",
                    help=f"modes to run (default all: {' '.join(MODES)})")
-    p.add_argument("--gamma", type=int, default=SpeculationDefaults.gamma,
-                   help=f"vanilla's (and HF assisted generation's) draft tokens per verify, γ "
-                        f"(default {SpeculationDefaults.gamma})")
-    p.add_argument("--max-draft-tokens", type=int, default=SpeculationDefaults.max_draft_tokens,
-                   help=f"pearl's most draft tokens per verify; its adaptive length picks fewer when they do not "
-                        f"pay (default {SpeculationDefaults.max_draft_tokens})")
+    # Defaults: coordinator.config.SpeculationDefaults, written out here because importing it needs torch,
+    # and a client-only install must still build every subcommand's help (tests/test_bench.py checks they agree).
+    p.add_argument("--gamma", type=int, default=4,
+                   help="vanilla's (and HF assisted generation's) draft tokens per verify, γ (default 4)")
+    p.add_argument("--max-draft-tokens", type=int, default=8,
+                   help="pearl's most draft tokens per verify; its adaptive length picks fewer when they do not "
+                        "pay (default 8)")
     p.add_argument("--skip-server", action="store_true", help="in-process only: no Ray, no gRPC server")
     p.add_argument("--concurrency", type=_int_list, default=(1, 2, 4, 8), help="streams for the sweep (1,2,4,8)")
     p.add_argument("--sweep-requests", type=int, default=2, help="requests per stream in the sweep (default 2)")
