@@ -246,8 +246,8 @@ def _simulated_pair(config: BenchConfig, pair: BenchPair, prompts) -> tuple[Benc
 
     target, draft, simulation = build_replay_pair(
         config.out / f"replay-{config.simulate}", pair.target, pair.draft, [p.token_ids for p in prompts],
-        scenario=config.simulate, max_new_tokens=config.max_new_tokens, max_draft_tokens=config.max_draft_tokens, gamma=config.gamma,
-        max_lookahead=config.max_lookahead, acceptance=config.acceptance, progress=config.progress,
+        scenario=config.simulate, max_new_tokens=config.max_new_tokens, max_draft_tokens=config.max_draft_tokens,
+        gamma=config.gamma, max_lookahead=config.max_lookahead, acceptance=config.acceptance, progress=config.progress,
         draft_method=config.draft_method)
     simulation["modes_not_simulated"] = [m for m in config.modes if m in HF_MODES]
     config = dataclasses.replace(config, modes=tuple(m for m in config.modes if m in OUR_MODES))

@@ -82,8 +82,9 @@ def render_markdown(report: dict) -> str:
              f"Hardware: {hw['processor']}, {hw['cpu_count']} cores, device {hw['device']}"
              f"{', ' + hw['gpu'] if hw['gpu'] else ''}, one torch thread per model.  ",
              f"Prompts: {setup['prompts']} from `{setup['prompts_file']}`; greedy, {cfg['max_new_tokens']} new "
-             f"tokens each (EOS ignored), vanilla γ = {cfg['gamma']}, pearl at most {cfg.get('max_draft_tokens', cfg['gamma'])} "
-             f"drafts per verify (adaptive), lookahead {cfg['max_lookahead']}, "
+             f"tokens each (EOS ignored), vanilla γ = {cfg['gamma']}, pearl at most "
+             f"{cfg.get('max_draft_tokens', cfg['gamma'])} drafts per verify (adaptive), lookahead {cfg['max_lookahead']} "
+             f"(pearl's at least twice its most + 1), "
              f"{cfg['repeats']} repeats, medians." + (
                  f"  \nHead drafter: the target's hidden states travel at {setup['features_bytes_per_token']} bytes "
                  "per committed token (fp16; `benchmarks/head_features.py` measures their cost per round)."
