@@ -1,0 +1,94 @@
+"""Side-by-side A/B of one scheduling choice against `off`, pass by pass on the same coordinator (in-process) and
+server, each variant with its own goodput guard. The logs in docs/bench-session15/ came from it (as per-variant
+copies of this script; their label "sized" is A, "fixed" B).
+
+    VARIANT=cap CAPS=4,8,12   pearl's most drafts per verify (the request's max_draft_tokens)
+    VARIANT=tree              A: trees sized by their rows' cost, B: the configured tree_nodes (needs
+                              tree-sizing-measured.patch applied)
+    VARIANT=lookahead         A: the drafter's lookahead follows the adaptive length, B: the cap's (needs
+                              lookahead-follows-length.patch applied)
+    VARIANT=empty             A: empty rounds after a rejection (the code as it is), B: wait for the drafter
+
+REPLAY=dir (a `duospec bench --simulate` run's replay-devices/) or MODELS=models (real). PATHS=inproc,server REP=3
+"""
+import asyncio, collections, dataclasses, os, statistics
+import torch
+torch.set_num_threads(1)
+import duospec.bench.inprocess as bench_inprocess
+from duospec.bench.inprocess import BenchPair, encode_prompts, open_local_coordinator, run_coordinator_mode
+from duospec.bench.prompts import load_prompts, DEFAULT_PROMPTS
+from duospec.bench.served import served_pipeline, run_client_mode
+from duospec.engine import load_tokenizer
+from duospec.coordinator.config import SpeculationDefaults
+
+root = os.environ.get("REPLAY") or os.environ.get("MODELS", "models")
+pair = BenchPair(f"{root}/target", f"{root}/draft", "cpu")
+prompts = encode_prompts(load_tokenizer(pair.target), load_prompts(DEFAULT_PROMPTS, 6), 512)
+VARIANT, REP = os.environ["VARIANT"], int(os.environ.get("REP", 3))
+NOW = {"label": "A", "cap": None}  # the variant running now
+
+if VARIANT == "cap":
+    LABELS = [f"cap{c}" for c in os.environ.get("CAPS", "4,8,12").split(",")]
+    request_for = bench_inprocess.request_for
+    bench_inprocess.request_for = lambda *a, **k: dataclasses.replace(request_for(*a, **k), max_draft_tokens=NOW["cap"])
+else:
+    LABELS = ["A", "B"]
+    if VARIANT == "tree":
+        from duospec.coordinator.verify_items import VerifyItems
+        sized = VerifyItems._tree_size
+        VerifyItems._tree_size = lambda self, seq, n: sized(self, seq, n) if NOW["label"] == "A" else seq.policy.tree_nodes
+    elif VARIANT == "lookahead":
+        from duospec.coordinator.sequence import Sequence
+        follow = Sequence.draft_until
+        Sequence.draft_until = lambda self, k=None: follow(self, k if NOW["label"] == "A" else None)
+    elif VARIANT == "empty":
+        from duospec.coordinator.scheduler import Scheduler
+        allowed = Scheduler._may_verify_without_drafts
+        Scheduler._may_verify_without_drafts = lambda self, seq: allowed(self, seq) if NOW["label"] == "A" else False
+    else:
+        raise SystemExit(f"VARIANT={VARIANT}: cap, tree, lookahead or empty")
+ALL = LABELS + ["off"]
+
+
+def select(label):
+    NOW["label"] = label
+    NOW["cap"] = int(label[3:]) if label.startswith("cap") else None
+    return "off" if label == "off" else "pearl"
+
+
+async def passes(path, runner):
+    R = collections.defaultdict(list)
+    for label in ALL:  # warm-up: each variant's guard learns first
+        await runner(select(label), label)
+    for rep in range(REP):
+        for label in (ALL if rep % 2 == 0 else ALL[::-1]):
+            run = await runner(select(label), label)
+            R[label].append((run.tokens_per_s, run.mean_accepted_length or 0))
+        print(path, rep, " ".join(f"{l} {R[l][-1][0]:.1f}/{R[l][-1][1]:.2f}" for l in ALL), flush=True)
+    for label in LABELS:
+        ratios = [a[0] / b[0] for a, b in zip(R[label], R["off"])]
+        print(f"{path} {label}: tok/s {statistics.median(r[0] for r in R[label]):.1f}, x off {statistics.median(ratios):.3f} "
+              f"{[round(x, 2) for x in ratios]}, MAL {statistics.median(r[1] for r in R[label]):.2f}", flush=True)
+    print(f"{path} off {statistics.median(r[0] for r in R['off']):.1f}", flush=True)
+
+
+async def main():
+    paths = os.environ.get("PATHS", "inproc,server").split(",")
+    if "inproc" in paths:
+        c = open_local_coordinator(pair, SpeculationDefaults())
+        try:
+            await passes("inproc", lambda mode, v: run_coordinator_mode(c, prompts, mode, 128, "in-process", v, variant=v))
+        finally:
+            await c.close()
+    if "server" in paths:
+        async with served_pipeline(pair, SpeculationDefaults(), None) as s:
+            generate = s.client.generate
+
+            async def with_cap(*a, **k):
+                if NOW["cap"] is not None:
+                    k["max_draft_tokens"] = NOW["cap"]
+                return await generate(*a, **k)
+            s.client.generate = with_cap
+            await passes("server", lambda mode, v: run_client_mode(s, prompts, mode, 128, lambda: None, variant=v))
+
+asyncio.run(main())
