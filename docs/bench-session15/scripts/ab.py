@@ -9,22 +9,23 @@ copies of this script; their label "sized" is A, "fixed" B).
                               lookahead-follows-length.patch applied)
     VARIANT=empty             A: empty rounds after a rejection (the code as it is), B: wait for the drafter
 
-REPLAY=dir (a `duospec bench --simulate` run's replay-devices/) or MODELS=models (real). PATHS=inproc,server REP=3
+REPLAY=dir (a `duospec bench --simulate` run's replay-devices/) or MODELS=models (real). PATHS=inproc,server REP=3;
+STREAMS=8: through the server only, 8 concurrent streams of 2 requests each per pass (aggregate tokens/s).
 """
-import asyncio, collections, dataclasses, os, statistics
+import asyncio, collections, dataclasses, os, statistics, time
 import torch
 torch.set_num_threads(1)
 import duospec.bench.inprocess as bench_inprocess
 from duospec.bench.inprocess import BenchPair, encode_prompts, open_local_coordinator, run_coordinator_mode
 from duospec.bench.prompts import load_prompts, DEFAULT_PROMPTS
-from duospec.bench.served import served_pipeline, run_client_mode
+from duospec.bench.served import client_request, served_pipeline, run_client_mode
 from duospec.engine import load_tokenizer
 from duospec.coordinator.config import SpeculationDefaults
 
 root = os.environ.get("REPLAY") or os.environ.get("MODELS", "models")
 pair = BenchPair(f"{root}/target", f"{root}/draft", "cpu")
 prompts = encode_prompts(load_tokenizer(pair.target), load_prompts(DEFAULT_PROMPTS, 6), 512)
-VARIANT, REP = os.environ["VARIANT"], int(os.environ.get("REP", 3))
+VARIANT, REP, STREAMS = os.environ["VARIANT"], int(os.environ.get("REP", 3)), int(os.environ.get("STREAMS", 1))
 NOW = {"label": "A", "cap": None}  # the variant running now
 
 if VARIANT == "cap":
@@ -62,8 +63,7 @@ async def passes(path, runner):
         await runner(select(label), label)
     for rep in range(REP):
         for label in (ALL if rep % 2 == 0 else ALL[::-1]):
-            run = await runner(select(label), label)
-            R[label].append((run.tokens_per_s, run.mean_accepted_length or 0))
+            R[label].append(await runner(select(label), label))
         print(path, rep, " ".join(f"{l} {R[l][-1][0]:.1f}/{R[l][-1][1]:.2f}" for l in ALL), flush=True)
     for label in LABELS:
         ratios = [a[0] / b[0] for a, b in zip(R[label], R["off"])]
@@ -73,11 +73,15 @@ async def passes(path, runner):
 
 
 async def main():
-    paths = os.environ.get("PATHS", "inproc,server").split(",")
+    paths = os.environ.get("PATHS", "inproc,server" if STREAMS == 1 else "server").split(",")
     if "inproc" in paths:
         c = open_local_coordinator(pair, SpeculationDefaults())
+
+        async def in_process(mode, v):
+            run = await run_coordinator_mode(c, prompts, mode, 128, "in-process", v, variant=v)
+            return run.tokens_per_s, run.mean_accepted_length or 0
         try:
-            await passes("inproc", lambda mode, v: run_coordinator_mode(c, prompts, mode, 128, "in-process", v, variant=v))
+            await passes("inproc", in_process)
         finally:
             await c.close()
     if "server" in paths:
@@ -89,6 +93,19 @@ async def main():
                     k["max_draft_tokens"] = NOW["cap"]
                 return await generate(*a, **k)
             s.client.generate = with_cap
-            await passes("server", lambda mode, v: run_client_mode(s, prompts, mode, 128, lambda: None, variant=v))
+
+            async def served(mode, v):
+                if STREAMS == 1:
+                    run = await run_client_mode(s, prompts, mode, 128, lambda: None, variant=v)
+                    return run.tokens_per_s, run.mean_accepted_length or 0
+                s.coordinator.use_speculation_choices(v)
+
+                async def stream(i):  # two requests back to back
+                    return [await client_request(s.client, prompts[(i * 2 + j) % len(prompts)], mode, 128, s.model)
+                            for j in range(2)]
+                started = time.perf_counter()
+                records = [r for rs in await asyncio.gather(*(stream(i) for i in range(STREAMS))) for r in rs]
+                return sum(len(r.token_ids) for r in records) / (time.perf_counter() - started), 0.0
+            await passes(f"server-{STREAMS}" if STREAMS > 1 else "server", served)
 
 asyncio.run(main())
