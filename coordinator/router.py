@@ -89,22 +89,20 @@ class ModelRouter:
         return entry
 
     def policy_for(self, entry: ModelEntry, request: GenerationRequest) -> SpeculationPolicy:
-        spec = getattr(entry.config, "speculation", None)
-        default_mode = getattr(spec, "mode", SpeculationMode.PEARL)
-        mode = request.mode or default_mode
-        if not entry.info.has_draft:
-            mode = SpeculationMode.OFF
-        max_draft = request.max_draft_tokens or (spec or SpeculationDefaults()).draft_tokens(mode)
-        use_cache = getattr(spec, "cache", False) if request.speculation_cache is None else request.speculation_cache
-        use_tree = getattr(spec, "tree", False) if request.speculation_tree is None else request.speculation_tree
+        """The model's speculation defaults (coordinator/config.py SpeculationDefaults, the one place they
+        are written), overridden by what the request asks for."""
+        spec: SpeculationDefaults = entry.config.speculation
+        mode = (request.mode or spec.mode) if entry.info.has_draft else SpeculationMode.OFF
+        use_cache = spec.cache if request.speculation_cache is None else request.speculation_cache
+        use_tree = spec.tree if request.speculation_tree is None else request.speculation_tree
         return SpeculationPolicy(
             mode=mode,
-            max_draft_tokens=int(max_draft),
-            max_lookahead=int(getattr(spec, "max_lookahead", 9)),
-            adaptive=bool(getattr(spec, "adaptive", True)),
-            hedges=int(getattr(spec, "hedges", 0)) if use_cache else 0,
-            tree_nodes=int(getattr(spec, "tree_nodes", 0)) if use_cache and use_tree else 0,
-            lookup=bool(getattr(spec, "lookup", False)),
+            max_draft_tokens=request.max_draft_tokens or spec.draft_tokens(mode),
+            max_lookahead=spec.max_lookahead,
+            adaptive=spec.adaptive,
+            hedges=spec.hedges if use_cache else 0,
+            tree_nodes=spec.tree_nodes if use_cache and use_tree else 0,
+            lookup=spec.lookup,
         )
 
     def validate(self, entry: ModelEntry, request: GenerationRequest) -> None:
