@@ -130,6 +130,9 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands):
         self.inflight: InFlightVerify | None = None
         self.target_times = WorkerTimes()
         self.draft_times = WorkerTimes()
+        # The coordinator's own time per verdict: applying it and sending the next batch. The rest of
+        # a round beside the target's forward is the links' (serialisation, transport, wake-ups).
+        self.verdict_handling_s = 0.0
         self._seq_ids = itertools.count(1)
         self._batch_ids = itertools.count(1)
         self._target_releases: list[int] = []
@@ -426,6 +429,13 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands):
 
     # -- verdicts in ---------------------------------------------------------------------------
     def _on_verdict_batch(self, batch: pb.VerdictBatch) -> None:
+        handling_from = time.perf_counter()
+        try:
+            self._apply_verdict_batch(batch)
+        finally:
+            self.verdict_handling_s += time.perf_counter() - handling_from
+
+    def _apply_verdict_batch(self, batch: pb.VerdictBatch) -> None:
         inflight = self.inflight
         if inflight is None or batch.batch_id != inflight.batch_id:
             log.warning("verdict batch %d was not expected; ignored", batch.batch_id)
@@ -559,6 +569,7 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands):
                 "connected": self._target_up,
                 "restarts": self.target_restarts,
                 "verify_cost_s": dict(zip(("fixed", "per_token"), self.verify_cost.coefficients())),
+                "verdict_handling_s": self.verdict_handling_s,
             },
             "pearl_draft_length": self.pearl_draft_length,
             "guard": self.guard.stats(),

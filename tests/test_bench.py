@@ -145,9 +145,10 @@ def test_exactness_names_the_diverging_prompt_and_position():
 
 def test_worker_window_treats_unopened_scheduler_as_zero():
     before = {"models": {"bench": {"live_sequences": 0}}}
-    after = {"models": {"bench": {"target": {"busy_s": 1.5, "batches": 30}, "draft": {"busy_s": 0.5}}}}
+    after = {"models": {"bench": {"target": {"busy_s": 1.5, "batches": 30, "verdict_handling_s": 0.25},
+                                  "draft": {"busy_s": 0.5}}}}
     w = window(before, after, "bench")
-    assert (w.target_busy_s, w.target_rounds, w.draft_busy_s) == (1.5, 30, 0.5)
+    assert (w.target_busy_s, w.target_rounds, w.draft_busy_s, w.verdict_handling_s) == (1.5, 30, 0.5, 0.25)
 
 
 def _bench_smoke(tmp_path, *extra: str, draft_model: bool = True):
@@ -173,11 +174,15 @@ def test_bench_command_smoke_in_process(tmp_path):
     assert set(modes) == {"off", "hf", "hf-assisted", "vanilla", "pearl-nocache", "pearl-notree", "pearl"}
     assert all(m["tokens_per_run"] == 16 and m["tokens_per_s"] > 0 for m in modes.values())
     assert modes["pearl"]["ideal_tokens_per_s"] > 0 and modes["pearl"]["target_busy_fraction"] > 0
-    assert report["overhead"][0]["path"] == "in-process" and report["overhead"][0]["rounds"] >= 16
+    overhead = report["overhead"][0]
+    assert overhead["path"] == "in-process" and overhead["rounds"] >= 16
+    # the coordinator's handling is part of each round's overhead (a round's steps run one after another)
+    assert 0 < overhead["handling_per_round_s"] <= overhead["overhead_per_round_s"]
     assert set(report["exactness"]["by_run"]) == {"in-process/hf", "in-process/hf-assisted", "in-process/vanilla",
                                                   "in-process/pearl-nocache", "in-process/pearl-notree", "in-process/pearl"}
     markdown = (out / "results.md").read_text()
     assert "tiny random-weight test models" in markdown and "| ours, pearl |" in markdown
+    assert "of it: coordinator handling (ms)" in markdown
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -88,6 +88,20 @@ async def test_accepted_drafts_survive_a_draft_failure_during_verify():
     assert seq.target_len == 4
 
 
+async def test_the_coordinator_times_its_own_handling_of_each_verdict():
+    # (the bench's overhead split: the coordinator's handling vs the links' transport and wake-ups)
+    scheduler, target, draft, policy = _scheduler()
+    seq = scheduler._add(_request(), policy)
+    _chunks(scheduler, seq, 3, [10])
+    handled = [scheduler.stats()["target"]["verdict_handling_s"]]
+    for kind, token in ((pb.NEXT_TOKEN_KIND_NONE, 0), (pb.NEXT_TOKEN_KIND_BONUS, 99)):
+        _chunks(scheduler, seq, len(seq.committed) + len(seq.drafts), [11])
+        _verdict(scheduler, target, seq, 0 if kind == pb.NEXT_TOKEN_KIND_NONE else 1, kind, token)
+        handled.append(scheduler.stats()["target"]["verdict_handling_s"])
+    assert handled[0] == 0.0 and handled[0] < handled[1] < handled[2]
+    assert scheduler.stats()["target"]["batches"] == 2
+
+
 async def test_rejection_aborts_and_rolls_the_drafter_back():
     scheduler, target, draft, policy = _scheduler()
     seq = scheduler._add(_request(), policy)

@@ -61,6 +61,7 @@ class WorkerWindow:
 
     target_busy_s: float = 0.0
     target_rounds: int = 0
+    verdict_handling_s: float = 0.0  # the coordinator's own time on the target's verdicts
     draft_busy_s: float = 0.0
     # the goodput guard's verify rounds (coordinator/guard.py), and those of them that verified drafts
     guard_rounds: int = 0
@@ -163,6 +164,7 @@ def window(before: dict, after: dict, model: str) -> WorkerWindow:
     return WorkerWindow(
         target_busy_s=delta("target", "busy_s"),
         target_rounds=int(delta("target", "batches")),
+        verdict_handling_s=delta("target", "verdict_handling_s"),
         draft_busy_s=delta("draft", "busy_s"),
         guard_rounds=int(delta("guard", "rounds")),
         guard_drafted_rounds=int(delta("guard", "drafted_rounds")),

@@ -144,7 +144,10 @@ async def sweep_point(served: Served, prompts: list[EncodedPrompt], mode: str, s
 async def round_overhead(coordinator, prompts: list[EncodedPrompt], max_new_tokens: int, path: str,
                          tick: Callable[[], None]) -> dict:
     """Target-only requests one at a time: every round's sequence is ready the moment its verdict is
-    in, so wall time not spent in the target's own verify work is coordinator + link overhead."""
+    in, so wall time not spent in the target's own verify work is overhead: the coordinator's handling
+    of each verdict (applying it, sending the next batch), and the rest — the links' serialisation,
+    transport and thread or process wake-ups, and the coordinator's other work in between (streaming
+    tokens to the clients)."""
     run = await run_coordinator_mode(coordinator, prompts, "off", max_new_tokens, path, f"overhead-{path}", tick)
     w = run.workers
     return {
@@ -155,4 +158,5 @@ async def round_overhead(coordinator, prompts: list[EncodedPrompt], max_new_toke
         "wall_per_round_s": run.wall_s / w.target_rounds,
         "target_per_round_s": w.target_busy_s / w.target_rounds,
         "overhead_per_round_s": ar.overhead_per_round_s(run.wall_s, w.target_busy_s, w.target_rounds),
+        "handling_per_round_s": w.verdict_handling_s / w.target_rounds,
     }
