@@ -60,7 +60,7 @@ class SpecStats:
     committed_tokens: int = 0  # tokens committed by verify forwards (accepted + recovered/bonus)
     cache_lookups: int = 0  # rejections that looked for a hedge in the speculation cache
     cache_hits: int = 0  # ... and found one: the next verify went out without waiting for the drafter
-    tree_nodes: int = 0  # hedge tokens verified as token-tree branches next to the main chain
+    tree_nodes: int = 0  # branch tokens verified beside the main chain (drafts' runners-up, hedges)
     tree_hits: int = 0  # verdicts whose accepted path went into such a branch
     lookup_tokens: int = 0  # tokens found in the sequence's own text, verified in empty rounds
     lookup_accepted: int = 0  # ... and kept

@@ -45,7 +45,7 @@ class ServerMetrics:
         self.cache_hits = Counter(
             "duospec:spec_decode_cache_hits", "Speculation-cache lookups that found a hedge", t, registry=r)
         self.tree_nodes = Counter(
-            "duospec:spec_decode_tree_nodes", "Hedge tokens verified as token-tree branches", t, registry=r)
+            "duospec:spec_decode_tree_nodes", "Token-tree branch tokens verified beside the main chain (drafts' runners-up and hedges)", t, registry=r)
         self.tree_hits = Counter(
             "duospec:spec_decode_tree_hits", "Verify passes whose accepted path went into a branch", t, registry=r)
         self.lookup_tokens = Counter(

@@ -203,8 +203,10 @@ async def test_greedy_through_the_server_for_each_method(target_dir, hf_target, 
 
 
 def test_the_speculation_cache_and_token_trees_keep_greedy_output_exact(target, target_dir, hf_target):
-    """The first-layer draft agrees often enough that hedges get hit through the cache and through
-    tree branches; every token still equals transformers' greedy output."""
+    """With the cache and trees on, the first-layer draft agrees often enough that verdicts take
+    branches (a tree node: a draft's runner-up or a hedge; or a cache hit); every token still equals
+    transformers' greedy output. How often a hedge's own drafted tokens get used depends on timing
+    (a handful of times in this run): test_speculation_cache.py checks that path step by step."""
     proposer = build_proposer(LAYERS, str(target_dir), device="cpu", dtype="float32", max_slots=32)
     prompts = _prompts()
     requests = [_request(p, N_NEW, "pearl", SamplingParams(), 4, True) for p in prompts]
@@ -216,4 +218,4 @@ def test_the_speculation_cache_and_token_trees_keep_greedy_output_exact(target, 
         totals.update(cache_lookups=r.stats.cache_lookups, cache_hits=r.stats.cache_hits,
                       tree_nodes=r.stats.tree_nodes, tree_hits=r.stats.tree_hits)
     assert totals["cache_lookups"] > 0 and totals["tree_nodes"] > 0, totals
-    assert totals["cache_hits"] + totals["tree_hits"] > 0, f"no hedge was ever used: {totals}"
+    assert totals["cache_hits"] + totals["tree_hits"] > 0, f"no branch was ever taken: {totals}"

@@ -35,10 +35,11 @@ def _commands(draft, kind):
     return [c for m in draft.sent for c in m.commands if c.kind == kind]
 
 
-def _prefilled(policy):
-    """A sequence with prompt [1, 2, 3] prefilled and draft [10, 11, 12] under verification."""
+def _prefilled(policy, n=20):
+    """A sequence with prompt [1, 2, 3] prefilled and draft [10, 11, 12] under verification (at most
+    `n` new tokens)."""
     scheduler, target, draft, _ = _scheduler()
-    seq = scheduler._add(_request(n=20), policy)
+    seq = scheduler._add(_request(n=n), policy)
     _chunks(scheduler, seq, 3, [10])
     _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_NONE)  # prefill-only round
     for pos, tok in ((4, 11), (5, 12)):
@@ -113,6 +114,22 @@ async def test_an_accepted_chunk_drops_only_the_hedges_it_decided():
     assert seq.stats.cache_hits == 1 and list(target.sent[-1].items[0].draft_tokens) == [70]
 
 
+async def test_a_bonus_the_main_line_did_not_guess_can_hit_the_cache():
+    scheduler, target, draft, seq = _prefilled(_cache_policy())
+    _chunks(scheduler, seq, 6, [13])
+    _chunks(scheduler, seq, 7, [14])  # drafted past the chunk [12]: the main line guessed 13 for position 6
+    _hedge(scheduler, seq, 6, 30, 7, [31, 32])  # "the target puts 30 at 6" (the bonus position)
+    _hedge(scheduler, seq, 7, 41, 8, [70])  # past the main line's parting point: drawn on a prefix that goes
+    _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_BONUS, 30)  # [12] accepted, bonus 30, not 13
+    assert seq.committed == [1, 2, 3, 10, 11, 12, 30] and seq.epoch == 1
+    assert seq.stats.cache_lookups == 1 and seq.stats.cache_hits == 1
+    item = target.sent[-1].items[0]
+    assert (list(item.context), list(item.draft_tokens)) == ([30], [31, 32])
+    reset = _commands(draft, RESET)[-1]
+    assert (reset.adopt.pos, reset.adopt.token) == (6, 30) and list(reset.tail)[-3:] == [30, 31, 32]
+    assert seq.hedges == {}  # the new epoch starts with none
+
+
 async def test_the_drafter_dying_with_hedges_cached_loses_nothing():
     scheduler, target, draft, seq = _prefilled(_cache_policy())
     _hedge(scheduler, seq, 5, 40, 6, [60, 61])
@@ -135,10 +152,10 @@ async def test_no_cache_in_vanilla_or_when_turned_off(mode, hedges):
     assert seq.policy.max_hedges() == 0
 
 
-def _tree_setup(tree_nodes=8, cont=(41, 42)):
+def _tree_setup(tree_nodes=8, cont=(41, 42), n=20):
     """In flight: [14] at position 7 (committed [1, 2, 3, 10, 11, 12, 13]), with hedges "40 at 7"
     (a sibling of 14) and "50 at 8" (the bonus position) riding along as a token tree."""
-    scheduler, target, draft, seq = _prefilled(_cache_policy(tree_nodes=tree_nodes))
+    scheduler, target, draft, seq = _prefilled(_cache_policy(tree_nodes=tree_nodes), n=n)
     _chunks(scheduler, seq, 6, [13])
     _chunks(scheduler, seq, 7, [14])
     _hedge(scheduler, seq, 7, 40, 8, list(cont))
@@ -192,6 +209,37 @@ async def test_a_tree_budget_cuts_a_hedge_and_what_follows_becomes_the_drafts():
     assert list(_commands(draft, RESET)[-1].tail)[-3:] == [41, 42, 43]
 
 
+async def test_a_path_two_nodes_into_a_hedge_continues_after_what_it_accepted():
+    scheduler, target, draft, seq = _tree_setup(tree_nodes=3, cont=(41, 42, 43))
+    item = target.sent[-1].items[0]
+    assert list(item.draft_tokens) == [14, 40, 50, 41] and list(item.draft_parents) == [-1, -1, 0, 1]
+    _tree_verdict(scheduler, target, seq, [1, 3], pb.NEXT_TOKEN_KIND_BONUS, 42)  # 40, 41 kept; bonus 42 = the hedge's
+    assert seq.committed[-3:] == [40, 41, 42]
+    next_item = target.sent[-1].items[0]
+    assert list(next_item.context) == [42] and list(next_item.draft_tokens) == [43]  # the hedge's rest past 42
+
+
+@pytest.mark.parametrize("n,tokens,parents", [
+    (6, [14, 40, 50, 41], [-1, -1, 0, 1]),  # 2 tokens left: the root at the bonus position, no continuation
+    (5, [14, 40], [-1, -1]),  # 1 left: a sibling of 14 only
+])
+async def test_a_tree_never_reaches_past_the_requests_length(n, tokens, parents):
+    scheduler, target, draft, seq = _tree_setup(n=n)
+    assert seq.remaining == n - 4
+    item = target.sent[-1].items[0]
+    assert (list(item.draft_tokens), list(item.draft_parents)) == (tokens, parents)
+
+
+async def test_a_cache_hit_near_the_requests_end_keeps_only_what_fits():
+    scheduler, target, draft, seq = _prefilled(_cache_policy(), n=4)
+    _hedge(scheduler, seq, 5, 40, 6, [60, 61, 62])
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_RECOVERED, 40)
+    assert seq.committed == [1, 2, 3, 10, 11, 40] and seq.remaining == 1 and seq.stats.cache_hits == 1
+    item = target.sent[-1].items[0]
+    assert (list(item.context), list(item.draft_tokens)) == ([40], [60])
+    assert list(_commands(draft, RESET)[-1].tail)[-2:] == [40, 60]
+
+
 async def test_every_drafts_runner_up_is_a_sibling_in_the_tree():
     scheduler, target, draft, seq = _prefilled(_cache_policy(tree_nodes=8))
     scheduler._on_draft_batch(pb.DraftChunkBatch(chunks=[pb.DraftChunk(
@@ -212,17 +260,25 @@ async def test_every_drafts_runner_up_is_a_sibling_in_the_tree():
     assert (reset.adopt.pos, reset.adopt.token) == (8, 25) and reset.start_pos <= 8  # no such hedge: a plain reset
 
 
-async def test_sampled_requests_are_verified_as_chains():
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+async def test_sampled_requests_are_verified_as_chains(sampled):
+    """The same drafts and hedge: a greedy request's verify is a tree, a sampled one's the chain alone
+    (its tree verify rule needs i.i.d. siblings; a runner-up or a hedge's key is not a draw from q)."""
     from duospec.sampling import SamplingParams
 
     scheduler, target, draft, _ = _scheduler()
-    seq = scheduler._add(_request(n=20, sampling=SamplingParams(temperature=1.0, seed=1)), _cache_policy(tree_nodes=8))
+    sampling = SamplingParams(temperature=1.0, seed=1) if sampled else SamplingParams()
+    seq = scheduler._add(_request(n=20, sampling=sampling), _cache_policy(tree_nodes=8))
     _chunks(scheduler, seq, 3, [10])
-    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_NONE)
-    _hedge(scheduler, seq, 3, 40, 4, [41])
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_NONE)  # prefill; [10] goes out next
+    _hedge(scheduler, seq, 4, 40, 5, [41])  # "the target puts 40 at 4": beside 11, still undecided
     _chunks(scheduler, seq, 4, [11])
-    _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_NONE)
-    assert list(target.sent[-1].items[0].draft_parents) == []
+    _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_NONE)  # [10] kept, no bonus: [11] goes out
+    item = target.sent[-1].items[0]
+    if sampled:
+        assert list(item.draft_tokens) == [11] and list(item.draft_parents) == []
+    else:
+        assert list(item.draft_tokens) == [11, 40, 41] and list(item.draft_parents) == [-1, -1, 1]
 
 
 # -- the drafter's hedges on a real tiny model ----------------------------------------------------------
@@ -315,15 +371,37 @@ def test_a_hedge_is_what_a_reset_would_draft_and_adoption_keeps_its_branch(draft
     assert [t for part in after for t in part] == expected
 
 
+@pytest.mark.parametrize("sampling", [SamplingParams(), SAMPLED], ids=["greedy", "sampled"])
+def test_an_adopted_branch_the_verdict_leaves_partway_drafts_after_the_verdicts_tokens(draft_dir, sampling):
+    """The target kept the hedge's key and first token, then put another token where the hedge had its
+    second: the drafter keeps the branch up to there and drafts what a fresh RESET would."""
+    drafter = _drafter(draft_dir)
+    n = len(PROMPT)
+    _start(drafter, 1, PROMPT, n, n + 6, sampling)
+    chunks = _drain(drafter)
+    main = [t for _, tokens, _ in _main_line(chunks) for t in tokens]
+    (pos, token), (tokens, _) = next((key, hedge) for key, hedge in _hedges(chunks).items() if len(hedge[0]) >= 2)
+    other = next(t for t in PROMPT if t != tokens[1])
+    committed = PROMPT + main[: pos - n] + [token, tokens[0], other]
+    drafter.apply(pb.DraftCommand(seq_id=1, epoch=1, kind=RESET, start_pos=pos, tail=[token, tokens[0], other],
+                                  draft_until=len(committed) + 3, committed_len=len(committed), max_hedges=0,
+                                  adopt=pb.HedgeKey(pos=pos, token=token)))
+    assert drafter.hedges.adopted == 1 and drafter.hedges.live() == 0
+    after = [t for _, part, _ in _main_line(_drain(drafter)) for t in part]
+    assert after == _reference(draft_dir, committed, 3, sampling)[0]
+
+
 def test_a_reset_without_a_hit_and_an_advance_drop_hedges(draft_dir):
     drafter = _drafter(draft_dir)
     n = len(PROMPT)
     _start(drafter, 1, PROMPT, n, n + 6)
     main = [t for _, tokens, _ in _main_line(_drain(drafter)) for t in tokens]
-    assert drafter.hedges.live() > 0
+    before = set(drafter.hedges._hedges.get(1, {}))
+    undecided = {key for key in before if key[0] >= n + 2}
+    assert undecided and undecided != before  # hedges on both sides of the positions the ADVANCE decides
     drafter.apply(pb.DraftCommand(seq_id=1, epoch=0, kind=pb.DRAFT_COMMAND_KIND_ADVANCE, draft_until=n + 8,
                                   committed_len=n + 2, max_hedges=4))
-    assert all(pos >= n + 2 for pos, _ in drafter.hedges._hedges.get(1, {}))  # positions n, n+1 are decided
+    assert set(drafter.hedges._hedges.get(1, {})) == undecided  # positions n, n+1 are decided: only theirs go
     drafter.apply(pb.DraftCommand(seq_id=1, epoch=1, kind=RESET, start_pos=n + 2, tail=[main[2] + 1],
                                   draft_until=n + 8, committed_len=n + 3, max_hedges=4))
     assert drafter.hedges.live() == 0

@@ -33,7 +33,7 @@ class SpeculationStats:
     wasted_draft_tokens: int  # drafted but discarded
     cache_lookups: int = 0  # rejections that looked for a hedge in the speculation cache
     cache_hits: int = 0  # ... and found one (the next verify did not wait for the drafter)
-    tree_nodes: int = 0  # hedge tokens verified as token-tree branches
+    tree_nodes: int = 0  # branch tokens verified beside the main chain (drafts' runners-up, hedges)
     tree_hits: int = 0  # verify passes whose accepted path went into a branch
     lookup_tokens: int = 0  # tokens found in the request's own text, verified in rounds without a draft
     lookup_accepted: int = 0  # ... and kept

@@ -8,6 +8,9 @@ copies of this script; their label "sized" is A, "fixed" B).
     VARIANT=lookahead         A: the drafter's lookahead follows the adaptive length, B: the cap's (needs
                               lookahead-follows-length.patch applied)
     VARIANT=empty             A: empty rounds after a rejection (the code as it is), B: wait for the drafter
+    VARIANT=hedgeless         A: the code as it is, B: no hedges drafted (the tree keeps the runner-up siblings)
+    VARIANT=wide              A: the code as it is, B: a hedge for every position's runner-up (N=8), DEPTH=2
+                              tokens deep, from the first step (drafter-side: PATHS=inproc only)
 
 REPLAY=dir (a `duospec bench --simulate` run's replay-devices/) or MODELS=models (real). PATHS=inproc,server REP=3;
 STREAMS=8: through the server only, 8 concurrent streams of 2 requests each per pass (aggregate tokens/s).
@@ -46,8 +49,32 @@ else:
         from duospec.coordinator.scheduler import Scheduler
         allowed = Scheduler._may_verify_without_drafts
         Scheduler._may_verify_without_drafts = lambda self, seq: allowed(self, seq) if NOW["label"] == "A" else False
+    elif VARIANT == "wide":  # B: hedge every position's runner-up from the first step, shallow
+        from duospec.draft_worker.drafter import Drafter
+        from duospec.coordinator.draft_commands import DraftCommands
+        DEPTH, N = int(os.environ.get("DEPTH", 2)), int(os.environ.get("N", 8))
+        mh = DraftCommands._max_hedges
+        DraftCommands._max_hedges = staticmethod(lambda seq: (N if not seq.draft_paused and seq.policy.max_hedges() else 0) if NOW["label"] == "B" else mh(seq))
+        may = Drafter._may_hedge.__func__
+        Drafter._may_hedge = classmethod(lambda cls, seq: True if NOW["label"] == "B" else may(cls, seq))
+        import duospec.draft_worker.hedges as hm2
+        create = hm2.HedgeBook._create
+        def _create(self, seq, key):
+            hm2.HEDGE_DEPTH = DEPTH if NOW["label"] == "B" else 4
+            return create(self, seq, key)
+        hm2.HedgeBook._create = _create  # (drafter-side: in-process only)
+    elif VARIANT == "hedgeless":  # B: no hedges drafted; the tree keeps the runner-up siblings
+        import sys
+        from duospec.coordinator.draft_commands import DraftCommands
+        mh = DraftCommands._max_hedges
+        def patched(seq):
+            n = mh(seq)
+            if NOW["label"] == "B" and sys._getframe(1).f_code.co_name != "_verify_item":
+                return 0
+            return n
+        DraftCommands._max_hedges = staticmethod(patched)
     else:
-        raise SystemExit(f"VARIANT={VARIANT}: cap, tree, lookahead or empty")
+        raise SystemExit(f"VARIANT={VARIANT}: cap, tree, lookahead, empty, hedgeless or wide")
 ALL = LABELS + ["off"]
 
 
