@@ -100,3 +100,37 @@ def test_the_hf_backend_refuses_trees_clearly(tmp_path):
     slot = runner.allocate_slot()
     with pytest.raises(ValueError, match="chains only"):
         runner.forward([SlotChunk(slot, 0, [5, 6], [-1, -1])])
+
+
+
+def test_a_target_without_trees_verifies_a_trees_main_chain(tmp_path):
+    """The verifier cuts a tree down to its main chain on a backend without trees (hf): the verdict is
+    the chain's, with no path, even where a branch held the target's token."""
+    from duospec.engine import load_checkpoint
+    from duospec.internal.sampling_wire import sampling_to_proto
+    from duospec.internal.v1 import pearl_pb2 as pb
+    from duospec.sampling import SamplingParams
+    from duospec.target_worker.verifier import Verifier
+
+    runner = load_checkpoint(make_tiny_checkpoint(tmp_path / "m", "llama", seed=1), backend="hf", max_slots=3).runner
+    assert not runner.supports_trees
+    verifier = Verifier(runner)
+
+    def verify(seq_id, tokens, parents=()):
+        item = pb.VerifyItem(seq_id=seq_id, start_pos=0, context=[5, 17, 42, 9], draft_tokens=tokens,
+                             draft_parents=parents, sampling=sampling_to_proto(SamplingParams()),
+                             bonus=pb.BONUS_POLICY_SAMPLE)
+        out = verifier.run(pb.VerifyBatch(batch_id=seq_id, items=[item]))
+        assert not out.errors, out.errors
+        return out.verdicts[0]
+
+    probe = verify(1, [3])
+    if probe.kind == pb.NEXT_TOKEN_KIND_RECOVERED:  # the target's token after the context, and a wrong one
+        target_token, wrong = probe.next_token, 3
+    else:
+        target_token, wrong = 3, 4
+    chain = verify(2, [wrong])
+    assert (chain.n_accepted, chain.kind, chain.next_token) == (0, pb.NEXT_TOKEN_KIND_RECOVERED, target_token)
+    tree = verify(3, [wrong, 8, target_token], [-1, 0, -1])  # the target's token as a sibling of the wrong draft
+    assert (tree.n_accepted, tree.kind, tree.next_token, list(tree.path)) == \
+        (0, pb.NEXT_TOKEN_KIND_RECOVERED, target_token, [])

@@ -130,6 +130,32 @@ async def test_a_bonus_the_main_line_did_not_guess_can_hit_the_cache():
     assert seq.hedges == {}  # the new epoch starts with none
 
 
+async def test_a_sampled_cache_hit_sends_each_hedge_token_with_its_own_q():
+    """The rejection rule needs every draft's q: a hit's drafts carry the q's the hedge chunks brought,
+    joined in order across chunks."""
+    from duospec.sampling import SamplingParams
+
+    def chunk(pos, tokens, probs, hedge=None):
+        scheduler._on_draft_batch(pb.DraftChunkBatch(chunks=[pb.DraftChunk(
+            seq_id=seq.seq_id, epoch=seq.epoch, start_pos=pos, tokens=tokens, draft_probs=probs,
+            hedge=pb.HedgeKey(pos=hedge[0], token=hedge[1]) if hedge else None)]))
+
+    scheduler, target, draft, _ = _scheduler()
+    seq = scheduler._add(_request(n=20, sampling=SamplingParams(temperature=1.0, seed=7)), _cache_policy())
+    chunk(3, [10], [b"q10"])
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_NONE)  # prefill; [10] goes out next
+    chunk(4, [11, 12], [b"q11", b"q12"])
+    _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_NONE)  # [10] kept; sampled pearl takes no bonus
+    item = target.sent[-1].items[0]
+    assert list(item.draft_tokens) == [11, 12] and list(item.draft_probs) == [b"q11", b"q12"]
+    chunk(5, [60], [b"h60"], hedge=(4, 40))  # "the target puts 40 at 4", in two chunks
+    chunk(6, [61], [b"h61"], hedge=(4, 40))
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_RECOVERED, 40)
+    assert seq.stats.cache_hits == 1
+    item = target.sent[-1].items[0]
+    assert (list(item.context), list(item.draft_tokens), list(item.draft_probs)) == ([40], [60, 61], [b"h60", b"h61"])
+
+
 async def test_the_drafter_dying_with_hedges_cached_loses_nothing():
     scheduler, target, draft, seq = _prefilled(_cache_policy())
     _hedge(scheduler, seq, 5, 40, 6, [60, 61])

@@ -1,10 +1,11 @@
 """The batched verify rule (duospec/verify_batch.py) makes the reference's decisions, item for item.
 
 Randomized batches mix greedy and sampled items, chains and trees (with siblings and deterministic
-alternatives), top-k / top-p / temperature, declined bonuses and draft ids past the target's
-vocabulary; every verdict (path, next token, kind) must equal `verify` / `verify_tree` on the
-item's own rows. The draft tokens are drawn from q or near the target's argmax, so acceptances,
-rejections at every depth, sibling recoveries and bonuses all occur (counted and required).
+alternatives, some with nodes below them), top-k / top-p / temperature, declined bonuses and draft
+ids past the target's vocabulary; every verdict (path, next token, kind) must equal `verify` /
+`verify_tree` on the item's own rows. The draft tokens are drawn from q or near the target's argmax,
+so acceptances, rejections at every depth, sibling recoveries, paths into and below a branch and
+bonuses all occur (counted and required).
 """
 
 from __future__ import annotations
@@ -32,11 +33,19 @@ def _params(rng: random.Random) -> SamplingParams:
 
 
 def _tree(rng: random.Random, k: int) -> list[int]:
-    """A main chain of k nodes plus up to 3 alternatives hanging off its first positions."""
+    """A main chain of k nodes plus up to 4 more: alternatives hanging off its first positions, some
+    with nodes below them (a hedge's continuation under its root, as Sequence.add_branches builds)."""
     parents = list(range(-1, k - 1))
-    for _ in range(rng.randrange(4)):
-        parents.append(rng.randrange(-1, min(k, 2)) if k else -1)
+    for _ in range(rng.randrange(5)):
+        if len(parents) > k and rng.random() < 0.5:
+            parents.append(rng.randrange(k, len(parents)))  # below an alternative
+        else:
+            parents.append(rng.randrange(-1, min(k, 2)) if k else -1)
     return parents
+
+
+def _main_chain(parents: list[int]) -> int:
+    return next((i for i, p in enumerate(parents) if p != i - 1), len(parents))
 
 
 def _case(rng: random.Random, gen: torch.Generator, vocab: int, first_row: int):
@@ -53,8 +62,8 @@ def _case(rng: random.Random, gen: torch.Generator, vocab: int, first_row: int):
         parent = parents[i] if parents is not None else i - 1
         row = parent + 1  # logits after the parent predict this node
         if params.greedy or (parents is not None and i >= k):
-            best = int(rows[row].argmax())
-            tokens.append(best if rng.random() < 0.6 else rng.randrange(vocab + 2))
+            best = int(rows[row].argmax())  # (a branch node more often: paths into and below branches occur)
+            tokens.append(best if rng.random() < (0.6 if i < k else 0.8) else rng.randrange(vocab + 2))
         else:
             q = DraftProbs.from_probs(probs_from_logits(draft_logits[row : row + 1], params)[0])
             probs.append(q)
@@ -83,7 +92,7 @@ def _reference(task: VerifyTask, rows: torch.Tensor) -> TreeVerdict:
 def test_batched_verdicts_equal_the_reference(vocab, test_device):
     rng, gen = random.Random(vocab), torch.Generator().manual_seed(vocab)
     seen = Counter()
-    for _trial in range(25 if vocab < 1000 else 8):
+    for _trial in range(40 if vocab < 1000 else 16):
         tasks, blocks, row = [], [], 0
         for _ in range(rng.randrange(1, 9)):
             # a context chunk's rows sit before the verify rows, as in a real forward
@@ -103,10 +112,15 @@ def test_batched_verdicts_equal_the_reference(vocab, test_device):
             seen["tree" if task.parents is not None else "chain"] += 1
             seen[want.verdict.kind.value] += 1
             seen["accepted some" if want.path else "accepted none"] += 1
-            if task.parents is not None and len(want.path) and want.path[-1] >= k:
-                seen["alternative won"] += 1
-    for what in ("greedy", "sampled", "tree", "chain", "recovered", "bonus", "none", "accepted some",
-                 "accepted none"):
+            if task.parents is not None and want.path:
+                branch_nodes = [node for node in want.path if node >= _main_chain(task.parents)]
+                seen["alternative won"] += bool(branch_nodes)
+                seen["path below an alternative"] += len(branch_nodes) >= 2
+    required = ["greedy", "sampled", "tree", "chain", "recovered", "bonus", "none", "accepted some",
+                "accepted none", "alternative won"]
+    if vocab < 1000:  # (over 3001 tokens a branch's second node is too rarely the target's for 32 trials)
+        required.append("path below an alternative")
+    for what in required:
         assert seen[what] > 0, (what, seen)
 
 
