@@ -62,6 +62,7 @@ class SpecStats:
     cache_hits: int = 0  # ... and found one: the next verify went out without waiting for the drafter
     tree_nodes: int = 0  # branch tokens verified beside the main chain (drafts' runners-up, hedges)
     tree_hits: int = 0  # verdicts whose accepted path went into such a branch
+    hedge_tokens_kept: int = 0  # tokens a hedge drafted past its key that the target kept (hit or branch)
     lookup_tokens: int = 0  # tokens found in the sequence's own text, verified in empty rounds
     lookup_accepted: int = 0  # ... and kept
     # accepted_per_pos[i]: how often the draft token at offset i of a verified chunk was accepted

@@ -95,6 +95,7 @@ class DraftCommands:
         if hedge is not None:
             n = min(len(hedge[0]), seq.remaining)
             seq.drafts, seq.draft_probs = list(hedge[0][:n]), list(hedge[1][:n])
+            seq.hedge_drafts = n
             seq.draft_fed_len = len(seq.committed) - 1 + n  # what the branch has fed
             tail = tail + seq.drafts
         self._draft_command(

@@ -48,6 +48,9 @@ class ServerMetrics:
             "duospec:spec_decode_tree_nodes", "Token-tree branch tokens verified beside the main chain (drafts' runners-up and hedges)", t, registry=r)
         self.tree_hits = Counter(
             "duospec:spec_decode_tree_hits", "Verify passes whose accepted path went into a branch", t, registry=r)
+        self.hedge_tokens_kept = Counter(
+            "duospec:spec_decode_hedge_tokens_kept",
+            "Tokens a hedge drafted past its key that the target kept (cache hit or tree branch)", t, registry=r)
         self.lookup_tokens = Counter(
             "duospec:spec_decode_lookup_tokens", "Tokens found in a request's own text, verified without a draft",
             t, registry=r)
@@ -110,6 +113,7 @@ class ServerMetrics:
         self.tree_hits.labels(tenant).inc(stats.tree_hits)
         self.lookup_tokens.labels(tenant).inc(stats.lookup_tokens)
         self.lookup_accepted.labels(tenant).inc(stats.lookup_accepted)
+        self.hedge_tokens_kept.labels(tenant).inc(stats.hedge_tokens_kept)
 
     def observe_failure(self, tenant: str, code: str) -> None:
         self.request_failure.labels(tenant, code).inc()

@@ -323,6 +323,7 @@ def usage(prompt_tokens: int, completion_tokens: int, stats: SpecStats | None) -
             "target_forwards": s.target_forwards, "mean_accepted_length": round(s.mean_accepted_length, 4),
             "cache_lookups": s.cache_lookups, "cache_hits": s.cache_hits, "tree_nodes": s.tree_nodes,
             "tree_hits": s.tree_hits, "lookup_tokens": s.lookup_tokens, "lookup_accepted": s.lookup_accepted,
+            "hedge_tokens_kept": s.hedge_tokens_kept,
         },
     }
 

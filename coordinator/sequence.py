@@ -81,6 +81,10 @@ class Sequence:
     branch_parents: list[int] = field(default_factory=list)
     branch_keys: dict[int, tuple[int, int]] = field(default_factory=dict)
     alternatives: dict[int, int] = field(default_factory=dict)  # pos -> the drafter's next-best token there
+    # How many of `drafts`, from the front, a hedge drafted (a cache hit's continuation, or what is left
+    # of a taken branch's), and how many of the in-flight chunk: for stats.hedge_tokens_kept
+    hedge_drafts: int = 0
+    verify_from_hedge: int = 0
     # (epoch, when) a rejection restarted the drafter with nothing cached, until that epoch's first draft
     # arrives: the restart time patience weighs (Patience.first_draft_s)
     restarted: tuple[int, float] | None = None
@@ -263,6 +267,7 @@ class Sequence:
         """Discards the drafts not under verification (the in-flight chunk still gets its verdict)."""
         n = len(self.drafts)
         self.drafts, self.draft_probs = [], []
+        self.hedge_drafts = 0
         self.stats.wasted_draft_tokens += n
         return n
 
@@ -271,6 +276,8 @@ class Sequence:
         tokens, probs = self.drafts[:k], self.draft_probs[:k]
         self.drafts, self.draft_probs = self.drafts[k:], self.draft_probs[k:]
         self.verify_tokens, self.verify_probs = tokens, probs
+        self.verify_from_hedge = min(len(tokens), self.hedge_drafts)
+        self.hedge_drafts -= self.verify_from_hedge
         self._clear_branches()
         return tokens, probs
 
@@ -285,7 +292,8 @@ class Sequence:
             # Back in front of the later drafts; they are re-verified (or dropped by an abort).
             self.drafts = self.verify_tokens + self.drafts
             self.draft_probs = self.verify_probs + self.draft_probs
-        self.verify_tokens, self.verify_probs = None, []
+            self.hedge_drafts += self.verify_from_hedge
+        self.verify_tokens, self.verify_probs, self.verify_from_hedge = None, [], 0
 
     def apply_verdict(self, n_accepted: int, next_token: int | None, recovered: bool,
                       path=()) -> tuple[list[int], DraftAction, BranchTaken | None]:
@@ -318,6 +326,9 @@ class Sequence:
         self.target_len = chunk_end + len(new_tokens) - 1
         kept = self._commit(new_tokens)
         n_accepted -= branch_accepted  # of the main chain
+        # a hedge's own tokens kept: below a taken branch's root (its key), or a hit's continuation here
+        from_hedge, self.verify_from_hedge = self.verify_from_hedge, 0
+        self.stats.hedge_tokens_kept += min(len(kept), max(0, branch_accepted - 1) + min(n_accepted, from_hedge))
         if lookup:
             self.stats.lookup_tokens += len(lookup)
             self.stats.lookup_accepted += min(n_accepted, len(kept))
@@ -338,12 +349,13 @@ class Sequence:
                         min(len(self.drafts), len(beyond)))  # how many of them the drafts guessed
             if same == len(beyond):
                 self.drafts, self.draft_probs = self.drafts[same:], self.draft_probs[same:]
+                self.hedge_drafts = max(0, self.hedge_drafts - same)
                 self._decided()
                 return kept, DraftAction.ADVANCE, None
             if empty_round and same == len(self.drafts) and not self.draft_paused:
                 # An empty round beat the restarted drafter's chunks: keep the epoch, and check the
                 # next chunk against the tokens decided past these drafts when it comes (decided_prefix).
-                self.drafts, self.draft_probs = [], []
+                self.drafts, self.draft_probs, self.hedge_drafts = [], [], 0
                 if self.unconfirmed_from is None:
                     self.unconfirmed_from = old_len + same
                 self._decided()
@@ -372,8 +384,8 @@ class Sequence:
         self.draft_exhausted = False
         self.unconfirmed_from = None  # the RESET carries the committed tokens
         self.hedges, self.alternatives = {}, {}
-        self.drafts, self.draft_probs = [], []
-        self.verify_tokens, self.verify_probs = None, []
+        self.drafts, self.draft_probs, self.hedge_drafts = [], [], 0
+        self.verify_tokens, self.verify_probs, self.verify_from_hedge = None, [], 0
         self._clear_branches()
         self.draft_fed_len = min(self.draft_fed_len, len(self.committed) - 1)
         self.round_start = len(self.committed)

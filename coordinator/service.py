@@ -90,6 +90,6 @@ def _response(delta: Delta) -> pb.GenerateResponse:
         target_forwards=s.target_forwards, mean_accepted_length=s.mean_accepted_length,
         pre_verify_aborts=s.pre_verify_aborts, wasted_draft_tokens=s.wasted_draft_tokens,
         cache_lookups=s.cache_lookups, cache_hits=s.cache_hits, tree_nodes=s.tree_nodes, tree_hits=s.tree_hits,
-        lookup_tokens=s.lookup_tokens, lookup_accepted=s.lookup_accepted,
+        lookup_tokens=s.lookup_tokens, lookup_accepted=s.lookup_accepted, hedge_tokens_kept=s.hedge_tokens_kept,
     ))
     return response

@@ -540,3 +540,29 @@ def test_end_to_end_greedy_matches_target_alone(served_tiny_model):
             c.generate("x", model="no-such-model")
         with pytest.raises(sdk.InvalidArgument, match="max_new_tokens"):
             c.generate("x", max_new_tokens=10**6)
+
+
+def test_every_speculation_stat_reaches_the_grpc_response_the_sdk_and_the_openai_usage():
+    """Every count the public SpeculationStats message has is filled from SpecStats and read back by the
+    SDK (distinct values, so a swapped or forgotten field shows)."""
+    from duospec.coordinator.api import FinishReason, SpecStats
+    from duospec.coordinator.gateway import Delta
+    from duospec.coordinator.openai_protocol import usage
+    from duospec.coordinator.service import _response
+    from duospec.sdk.types import chunk_from_proto
+    from duospec.v1 import generation_pb2
+
+    counts = [f.name for f in generation_pb2.SpeculationStats.DESCRIPTOR.fields if f.name != "mean_accepted_length"]
+    assert "hedge_tokens_kept" in counts and "lookup_accepted" in counts
+    stats = SpecStats(**{name: 100 + i for i, name in enumerate(counts)})
+    response = _response(Delta(request_id="r", text="", token_ids=(), finish_reason=FinishReason.LENGTH,
+                               prompt_tokens=3, completion_tokens=4, stats=stats))
+    sdk = chunk_from_proto(response).stats
+    speculation = usage(3, 4, stats)["speculation"]
+    for i, name in enumerate(counts):
+        assert getattr(response.stats, name) == 100 + i, name
+        assert getattr(sdk, name) == 100 + i, name
+    # the OpenAI usage object carries the ones a client tunes speculation by
+    for name in ("drafted_tokens", "accepted_tokens", "target_forwards", "cache_lookups", "cache_hits", "tree_nodes",
+                 "tree_hits", "lookup_tokens", "lookup_accepted", "hedge_tokens_kept"):
+        assert speculation[name] == getattr(stats, name), name

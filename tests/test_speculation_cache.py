@@ -70,9 +70,29 @@ async def test_a_hit_sends_the_cached_continuation_at_once_and_adopts_the_branch
     # The drafter continues after the hedge: its next main-line chunk starts at 9.
     _chunks(scheduler, seq, 9, [63])
     assert seq.drafts == [63]
+    assert seq.stats.hedge_tokens_kept == 0
     _verdict(scheduler, target, seq, 3, pb.NEXT_TOKEN_KIND_BONUS, 63)
     assert seq.committed == [1, 2, 3, 10, 11, 40, 60, 61, 62, 63]
     assert _committed_events(seq) == [10, 11, 40, 60, 61, 62, 63]
+    assert seq.stats.hedge_tokens_kept == 3  # the hedge's 60, 61, 62 (its key, 40, was the correction)
+
+
+async def test_a_hits_tokens_are_counted_as_the_hedges_wherever_they_are_verified():
+    scheduler, target, draft, seq = _prefilled(_cache_policy())
+    _hedge(scheduler, seq, 5, 40, 6, [60, 61, 62])
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_RECOVERED, 40)  # a hit: [60, 61, 62] goes out
+    assert (seq.verify_from_hedge, seq.hedge_drafts) == (3, 0)
+    seq.forget_verify()  # e.g. the target restarted: the chunk goes back in front of the drafts
+    assert seq.drafts == [60, 61, 62] and (seq.verify_from_hedge, seq.hedge_drafts) == (0, 3)
+    _chunks(scheduler, seq, 9, [63])  # the drafter's own next draft, after the adopted branch
+    seq.take_verify_chunk(2)
+    assert (seq.verify_from_hedge, seq.hedge_drafts) == (2, 1)
+    seq.apply_verdict(2, 62, recovered=False)  # 60, 61 accepted; the bonus 62 is the hedge's last draft
+    assert seq.stats.hedge_tokens_kept == 2 and seq.drafts == [63]
+    assert (seq.verify_from_hedge, seq.hedge_drafts) == (0, 0)  # 63 is the drafter's own
+    seq.take_verify_chunk(1)
+    seq.apply_verdict(1, 64, recovered=False)
+    assert seq.stats.hedge_tokens_kept == 2
 
 
 async def test_a_miss_takes_the_reset_path():
@@ -207,6 +227,7 @@ async def test_hedges_ride_along_as_a_tree_and_a_path_into_one_is_adopted():
     _tree_verdict(scheduler, target, seq, [1, 3], pb.NEXT_TOKEN_KIND_RECOVERED, 99)  # 40, 41 kept; 42 rejected
     assert seq.committed == [1, 2, 3, 10, 11, 12, 13, 40, 41, 99] and seq.epoch == 1
     assert seq.stats.tree_hits == 1 and seq.stats.tree_nodes == 5
+    assert seq.stats.hedge_tokens_kept == 1  # 41, below the branch's root
     reset = _commands(draft, RESET)[-1]
     assert (reset.adopt.pos, reset.adopt.token) == (7, 40)
     assert reset.start_pos <= 7 and list(reset.tail)[-3:] == [40, 41, 99]  # the main line parts at 7
@@ -243,6 +264,9 @@ async def test_a_path_two_nodes_into_a_hedge_continues_after_what_it_accepted():
     assert seq.committed[-3:] == [40, 41, 42]
     next_item = target.sent[-1].items[0]
     assert list(next_item.context) == [42] and list(next_item.draft_tokens) == [43]  # the hedge's rest past 42
+    assert seq.stats.hedge_tokens_kept == 1  # 41
+    _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_BONUS, 44)
+    assert seq.committed[-2:] == [43, 44] and seq.stats.hedge_tokens_kept == 2  # and the rest's 43
 
 
 @pytest.mark.parametrize("n,tokens,parents", [
@@ -282,6 +306,7 @@ async def test_every_drafts_runner_up_is_a_sibling_in_the_tree():
     assert list(item.draft_tokens) == [14, 15, 24, 25] and list(item.draft_parents) == [-1, 0, -1, 0]
     _tree_verdict(scheduler, target, seq, [0, 3], pb.NEXT_TOKEN_KIND_BONUS, 30)  # 14, 25, then 30
     assert seq.committed[-3:] == [14, 25, 30] and seq.stats.tree_hits == 1
+    assert seq.stats.hedge_tokens_kept == 0  # a runner-up is the draft's own logits, not a hedge
     reset = _commands(draft, RESET)[-1]
     assert (reset.adopt.pos, reset.adopt.token) == (8, 25) and reset.start_pos <= 8  # no such hedge: a plain reset
 

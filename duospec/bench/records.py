@@ -40,6 +40,7 @@ class RequestRecord:
     tree_hits: int = 0
     lookup_tokens: int = 0
     lookup_accepted: int = 0
+    hedge_tokens_kept: int = 0
     # (time.perf_counter() when a streamed chunk came, its tokens): what the sweep's concurrency measures need
     arrivals: list[tuple[float, int]] = field(default_factory=list)
 
@@ -113,9 +114,16 @@ class Run:
 
     @property
     def tree_nodes_per_forward(self) -> float | None:
-        """Hedge tokens verified as token-tree branches per target forward."""
+        """Token-tree branch tokens (drafts' runners-up, hedges) verified per target forward."""
         forwards = self.forwards
         return sum(r.tree_nodes for r in self.records) / forwards if forwards else None
+
+    @property
+    def hedge_tokens_per_forward(self) -> float | None:
+        """Tokens a hedge drafted past its key that the target kept (a cache hit's continuation, or a
+        tree path below a branch's root), per target forward."""
+        forwards = self.forwards
+        return sum(r.hedge_tokens_kept for r in self.records) / forwards if forwards else None
 
     @property
     def tree_hit_rate(self) -> float | None:

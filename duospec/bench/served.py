@@ -85,6 +85,7 @@ async def client_request(client, prompt: EncodedPrompt, mode: str, max_new_token
         record.cache_lookups, record.cache_hits = final.cache_lookups, final.cache_hits
         record.tree_nodes, record.tree_hits = final.tree_nodes, final.tree_hits
         record.lookup_tokens, record.lookup_accepted = final.lookup_tokens, final.lookup_accepted
+        record.hedge_tokens_kept = final.hedge_tokens_kept
     return record
 
 

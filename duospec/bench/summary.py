@@ -34,6 +34,7 @@ def mode_summary(runs: list[Run]) -> dict:
         "cache_hit_rate": _median_or_none(r.cache_hit_rate for r in runs),
         "tree_nodes_per_forward": _median_or_none(r.tree_nodes_per_forward for r in runs),
         "tree_hit_rate": _median_or_none(r.tree_hit_rate for r in runs),
+        "hedge_tokens_per_forward": _median_or_none(r.hedge_tokens_per_forward for r in runs),
         "lookup_tokens_per_forward": _median_or_none(r.lookup_tokens_per_forward for r in runs),
         "lookup_acceptance": _median_or_none(r.lookup_acceptance for r in runs),
         "verify_forward_s": _median_or_none(r.verify_forward_s() for r in runs),

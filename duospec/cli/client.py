@@ -78,6 +78,8 @@ def stats_line(n_tokens: int, elapsed_s: float, final) -> str:
         ]
         if stats.cache_lookups:
             parts.append(f"cache hits {stats.cache_hits}/{stats.cache_lookups}")
+        if stats.hedge_tokens_kept:
+            parts.append(f"hedge tokens kept {stats.hedge_tokens_kept}")
     if final is not None and final.finish_reason:
         parts.append(f"finish {final.finish_reason}")
     return " | ".join(parts)

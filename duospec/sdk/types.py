@@ -37,6 +37,7 @@ class SpeculationStats:
     tree_hits: int = 0  # verify passes whose accepted path went into a branch
     lookup_tokens: int = 0  # tokens found in the request's own text, verified in rounds without a draft
     lookup_accepted: int = 0  # ... and kept
+    hedge_tokens_kept: int = 0  # tokens a hedge drafted past its key that the target kept
 
     @property
     def acceptance_rate(self) -> float:
@@ -229,6 +230,7 @@ def chunk_from_proto(response: pb.GenerateResponse) -> GenerationChunk:
             tree_hits=s.tree_hits,
             lookup_tokens=s.lookup_tokens,
             lookup_accepted=s.lookup_accepted,
+            hedge_tokens_kept=s.hedge_tokens_kept,
         )
     return GenerationChunk(
         text=response.text,

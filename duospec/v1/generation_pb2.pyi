@@ -118,7 +118,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("drafted_tokens", "accepted_tokens", "target_forwards", "mean_accepted_length", "pre_verify_aborts", "wasted_draft_tokens", "cache_lookups", "cache_hits", "tree_nodes", "tree_hits", "lookup_tokens", "lookup_accepted")
+    __slots__ = ("drafted_tokens", "accepted_tokens", "target_forwards", "mean_accepted_length", "pre_verify_aborts", "wasted_draft_tokens", "cache_lookups", "cache_hits", "tree_nodes", "tree_hits", "lookup_tokens", "lookup_accepted", "hedge_tokens_kept")
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TARGET_FORWARDS_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class SpeculationStats(_message.Message):
     TREE_HITS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    HEDGE_TOKENS_KEPT_FIELD_NUMBER: _ClassVar[int]
     drafted_tokens: int
     accepted_tokens: int
     target_forwards: int
@@ -143,7 +144,8 @@ class SpeculationStats(_message.Message):
     tree_hits: int
     lookup_tokens: int
     lookup_accepted: int
-    def __init__(self, drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., target_forwards: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., pre_verify_aborts: _Optional[int] = ..., wasted_draft_tokens: _Optional[int] = ..., cache_lookups: _Optional[int] = ..., cache_hits: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., tree_hits: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., lookup_accepted: _Optional[int] = ...) -> None: ...
+    hedge_tokens_kept: int
+    def __init__(self, drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., target_forwards: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., pre_verify_aborts: _Optional[int] = ..., wasted_draft_tokens: _Optional[int] = ..., cache_lookups: _Optional[int] = ..., cache_hits: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., tree_hits: _Optional[int] = ..., lookup_tokens: _Optional[int] = ..., lookup_accepted: _Optional[int] = ..., hedge_tokens_kept: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "stats", "logprobs")
