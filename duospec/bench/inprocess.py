@@ -71,12 +71,7 @@ async def timed_request(coordinator, request, prompt_id: str) -> RequestRecord:
         tokens.extend(event.token_ids)
     record = RequestRecord.streamed(prompt_id, tokens, started, time.perf_counter(), arrivals)
     if final is not None:
-        record.drafted, record.accepted = final.drafted_tokens, final.accepted_tokens
-        record.cache_lookups, record.cache_hits = final.cache_lookups, final.cache_hits
-        record.tree_nodes, record.tree_hits = final.tree_nodes, final.tree_hits
-        record.lookup_tokens, record.lookup_accepted = final.lookup_tokens, final.lookup_accepted
-        record.hedge_tokens_kept = final.hedge_tokens_kept
-        record.target_forwards, record.accepted_per_pos = final.target_forwards, list(final.accepted_per_pos)
+        record.take_counts(final)
     return record
 
 

@@ -55,6 +55,20 @@ class RequestRecord:
         first = arrivals[0][0] - started if arrivals else None
         return cls(prompt_id, token_ids, ended - started, first, gaps, arrivals=arrivals)
 
+    def take_counts(self, stats) -> None:
+        """The request's speculation counts from its final stats: the coordinator's SpecStats (in-process)
+        or the SDK's SpeculationStats (through the server; it carries no per-position counts)."""
+        self.drafted, self.accepted, self.target_forwards = (stats.drafted_tokens, stats.accepted_tokens,
+                                                             stats.target_forwards)
+        for name in _COUNTS:
+            setattr(self, name, getattr(stats, name))
+        self.accepted_per_pos = list(getattr(stats, "accepted_per_pos", ()))
+
+
+# counts that keep their names from SpecStats / SpeculationStats to RequestRecord
+_COUNTS = ("cache_lookups", "cache_hits", "tree_nodes", "tree_hits", "lookup_tokens", "lookup_accepted",
+           "hedge_tokens_kept")
+
 
 @dataclass
 class WorkerWindow:
@@ -91,7 +105,7 @@ class Run:
 
     @property
     def forwards(self) -> int:
-        return sum(r.target_forwards for r in self.records)
+        return self._total("target_forwards")
 
     @property
     def mean_accepted_length(self) -> float | None:
@@ -101,47 +115,48 @@ class Run:
         kept = sum(r.accepted + r.lookup_accepted for r in self.records)
         return (kept + forwards) / forwards if forwards else None
 
+    def _total(self, name: str) -> int:
+        return sum(getattr(r, name) for r in self.records)
+
+    def _share(self, name: str, per: str) -> float | None:
+        """Run total of `name` per run total of `per` (None when `per` is zero)."""
+        total = self._total(per)
+        return self._total(name) / total if total else None
+
     @property
     def acceptance_rate(self) -> float | None:
-        drafted = sum(r.drafted for r in self.records)
-        return sum(r.accepted for r in self.records) / drafted if drafted else None
+        return self._share("accepted", "drafted")
 
     @property
     def cache_hit_rate(self) -> float | None:
         """Speculation-cache hits per lookup (a lookup: a rejection while the cache was on)."""
-        lookups = sum(r.cache_lookups for r in self.records)
-        return sum(r.cache_hits for r in self.records) / lookups if lookups else None
+        return self._share("cache_hits", "cache_lookups")
 
     @property
     def tree_nodes_per_forward(self) -> float | None:
         """Token-tree branch tokens (drafts' runners-up, hedges) verified per target forward."""
-        forwards = self.forwards
-        return sum(r.tree_nodes for r in self.records) / forwards if forwards else None
+        return self._share("tree_nodes", "target_forwards")
 
     @property
     def hedge_tokens_per_forward(self) -> float | None:
         """Tokens a hedge drafted past its key that the target kept (a cache hit's continuation, or a
         tree path below a branch's root), per target forward."""
-        forwards = self.forwards
-        return sum(r.hedge_tokens_kept for r in self.records) / forwards if forwards else None
+        return self._share("hedge_tokens_kept", "target_forwards")
 
     @property
     def tree_hit_rate(self) -> float | None:
         """Target forwards whose accepted path went into a branch, per forward."""
-        forwards = self.forwards
-        return sum(r.tree_hits for r in self.records) / forwards if forwards else None
+        return self._share("tree_hits", "target_forwards")
 
     @property
     def lookup_tokens_per_forward(self) -> float | None:
         """Tokens found in the requests' own text and verified (in rounds without a draft), per forward."""
-        forwards = self.forwards
-        return sum(r.lookup_tokens for r in self.records) / forwards if forwards else None
+        return self._share("lookup_tokens", "target_forwards")
 
     @property
     def lookup_acceptance(self) -> float | None:
         """Looked-up tokens the target kept, per looked-up token verified."""
-        looked_up = sum(r.lookup_tokens for r in self.records)
-        return sum(r.lookup_accepted for r in self.records) / looked_up if looked_up else None
+        return self._share("lookup_accepted", "lookup_tokens")
 
     def accepted_per_pos(self) -> list[int]:
         width = max((len(r.accepted_per_pos) for r in self.records), default=0)

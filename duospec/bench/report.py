@@ -56,7 +56,8 @@ def _mode_table(path: str, block: dict) -> list[str]:
               f"a rejection, or target-only by the goodput guard or the adaptive length); token trees: {_num(pearl.get('tree_nodes_per_forward'))} "
               f"branch tokens per verify, {_num(pearl.get('tree_hit_rate'), 0, 100, ' %')} of verifies took a "
               f"branch; hedges' own tokens kept (past their keys: a cache hit's continuation or below a branch's "
-              f"root): {_num(pearl.get('hedge_tokens_per_forward'), 3)} per verify; rounds without a draft verified {_num(pearl.get('lookup_tokens_per_forward'))} looked-up "
+              f"root): {_num(pearl.get('hedge_tokens_per_forward'), 3)} per verify; rounds without a draft verified "
+              f"{_num(pearl.get('lookup_tokens_per_forward'))} looked-up "
               f"tokens per verify, {_num(pearl.get('lookup_acceptance'), 0, 100, ' %')} of them kept; pearl run by run {_runs(pearl.get('tokens_per_s_runs'))} tokens/s, off "
               f"{_runs(block['modes'].get('off', {}).get('tokens_per_s_runs'))} (each pearl variant's goodput guard "
               "learns from scratch in its first run and keeps what it learned in the later ones).", ""]

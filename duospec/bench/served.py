@@ -80,12 +80,7 @@ async def client_request(client, prompt: EncodedPrompt, mode: str, max_new_token
                 final = chunk.stats
     record = RequestRecord.streamed(prompt.id, tokens, started, time.perf_counter(), arrivals)
     if final is not None:
-        record.drafted, record.accepted, record.target_forwards = (final.drafted_tokens, final.accepted_tokens,
-                                                                   final.target_forwards)
-        record.cache_lookups, record.cache_hits = final.cache_lookups, final.cache_hits
-        record.tree_nodes, record.tree_hits = final.tree_nodes, final.tree_hits
-        record.lookup_tokens, record.lookup_accepted = final.lookup_tokens, final.lookup_accepted
-        record.hedge_tokens_kept = final.hedge_tokens_kept
+        record.take_counts(final)
     return record
 
 
