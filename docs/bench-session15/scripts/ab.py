@@ -9,6 +9,8 @@ copies of this script; their label "sized" is A, "fixed" B).
                               lookahead-follows-length.patch applied)
     VARIANT=empty             A: empty rounds after a rejection (the code as it is), B: wait for the drafter
     VARIANT=hedgeless         A: the code as it is, B: no hedges drafted (the tree keeps the runner-up siblings)
+    VARIANT=queue             A: the next round queued at the target before its verdict, B: not (needs
+                              bench-session17/scripts/queued-round.patch applied)
     VARIANT=wide              A: the code as it is, B: a hedge for every position's runner-up (N=8), DEPTH=2
                               tokens deep, from the first step (drafter-side: PATHS=inproc only)
 
@@ -63,6 +65,10 @@ else:
             hm2.HEDGE_DEPTH = DEPTH if NOW["label"] == "B" else 4
             return create(self, seq, key)
         hm2.HedgeBook._create = _create  # (drafter-side: in-process only)
+    elif VARIANT == "queue":  # B: the next round is never queued at the target
+        from duospec.coordinator.queued_round import QueuedRound
+        candidate = QueuedRound._queue_candidate
+        QueuedRound._queue_candidate = lambda self: candidate(self) if NOW["label"] == "A" else None
     elif VARIANT == "hedgeless":  # B: no hedges drafted; the tree keeps the runner-up siblings
         import sys
         from duospec.coordinator.draft_commands import DraftCommands
@@ -74,7 +80,7 @@ else:
             return n
         DraftCommands._max_hedges = staticmethod(patched)
     else:
-        raise SystemExit(f"VARIANT={VARIANT}: cap, tree, lookahead, empty, hedgeless or wide")
+        raise SystemExit(f"VARIANT={VARIANT}: cap, tree, lookahead, empty, queue, hedgeless or wide")
 ALL = LABELS + ["off"]
 
 
@@ -84,6 +90,11 @@ def select(label):
     return "off" if label == "off" else "pearl"
 
 
+def busy(run) -> float:
+    fractions = run.busy_fractions()
+    return fractions[0] if fractions else 0.0
+
+
 async def passes(path, runner):
     R = collections.defaultdict(list)
     for label in ALL:  # warm-up: each variant's guard learns first
@@ -91,11 +102,12 @@ async def passes(path, runner):
     for rep in range(REP):
         for label in (ALL if rep % 2 == 0 else ALL[::-1]):
             R[label].append(await runner(select(label), label))
-        print(path, rep, " ".join(f"{l} {R[l][-1][0]:.1f}/{R[l][-1][1]:.2f}" for l in ALL), flush=True)
+        print(path, rep, " ".join(f"{l} {R[l][-1][0]:.1f}/{R[l][-1][1]:.2f}/busy {R[l][-1][2]:.2f}" for l in ALL), flush=True)
     for label in LABELS:
         ratios = [a[0] / b[0] for a, b in zip(R[label], R["off"])]
         print(f"{path} {label}: tok/s {statistics.median(r[0] for r in R[label]):.1f}, x off {statistics.median(ratios):.3f} "
-              f"{[round(x, 2) for x in ratios]}, MAL {statistics.median(r[1] for r in R[label]):.2f}", flush=True)
+              f"{[round(x, 2) for x in ratios]}, MAL {statistics.median(r[1] for r in R[label]):.2f}, "
+              f"target busy {statistics.median(r[2] for r in R[label]):.2f}", flush=True)
     print(f"{path} off {statistics.median(r[0] for r in R['off']):.1f}", flush=True)
 
 
@@ -106,7 +118,7 @@ async def main():
 
         async def in_process(mode, v):
             run = await run_coordinator_mode(c, prompts, mode, 128, "in-process", v, variant=v)
-            return run.tokens_per_s, run.mean_accepted_length or 0
+            return run.tokens_per_s, run.mean_accepted_length or 0, busy(run)
         try:
             await passes("inproc", in_process)
         finally:
@@ -124,7 +136,7 @@ async def main():
             async def served(mode, v):
                 if STREAMS == 1:
                     run = await run_client_mode(s, prompts, mode, 128, lambda: None, variant=v)
-                    return run.tokens_per_s, run.mean_accepted_length or 0
+                    return run.tokens_per_s, run.mean_accepted_length or 0, busy(run)
                 s.coordinator.use_speculation_choices(v)
 
                 async def stream(i):  # two requests back to back
@@ -132,7 +144,7 @@ async def main():
                             for j in range(2)]
                 started = time.perf_counter()
                 records = [r for rs in await asyncio.gather(*(stream(i) for i in range(STREAMS))) for r in rs]
-                return sum(len(r.token_ids) for r in records) / (time.perf_counter() - started), 0.0
+                return sum(len(r.token_ids) for r in records) / (time.perf_counter() - started), 0.0, 0.0
             await passes(f"server-{STREAMS}" if STREAMS > 1 else "server", served)
 
 asyncio.run(main())
