@@ -11,6 +11,8 @@ copies of this script; their label "sized" is A, "fixed" B).
     VARIANT=hedgeless         A: the code as it is, B: no hedges drafted (the tree keeps the runner-up siblings)
     VARIANT=queue             A: the next round queued at the target before its verdict, B: not (needs
                               bench-session17/scripts/queued-round.patch applied)
+    VARIANT=costline          A: the verify cost measured per batch size, B: the fitted line (the code as it is;
+                              needs bench-session17/scripts/cost-table.patch applied)
     VARIANT=wide              A: the code as it is, B: a hedge for every position's runner-up (N=8), DEPTH=2
                               tokens deep, from the first step (drafter-side: PATHS=inproc only)
 
@@ -69,6 +71,13 @@ else:
         from duospec.coordinator.queued_round import QueuedRound
         candidate = QueuedRound._queue_candidate
         QueuedRound._queue_candidate = lambda self: candidate(self) if NOW["label"] == "A" else None
+    elif VARIANT == "costline":  # B: the verify cost model's line alone (before session 17)
+        from duospec.coordinator.adaptive import VerifyCostModel
+        measured = VerifyCostModel.cost
+        def line(self, n):
+            fixed, per_token = self.coefficients()
+            return fixed + per_token * n
+        VerifyCostModel.cost = lambda self, n: measured(self, n) if NOW["label"] == "A" else line(self, n)
     elif VARIANT == "hedgeless":  # B: no hedges drafted; the tree keeps the runner-up siblings
         import sys
         from duospec.coordinator.draft_commands import DraftCommands
@@ -80,7 +89,7 @@ else:
             return n
         DraftCommands._max_hedges = staticmethod(patched)
     else:
-        raise SystemExit(f"VARIANT={VARIANT}: cap, tree, lookahead, empty, queue, hedgeless or wide")
+        raise SystemExit(f"VARIANT={VARIANT}: cap, tree, lookahead, empty, queue, costline, hedgeless or wide")
 ALL = LABELS + ["off"]
 
 
