@@ -13,6 +13,9 @@ copies of this script; their label "sized" is A, "fixed" B).
                               bench-session17/scripts/queued-round.patch applied)
     VARIANT=costline          A: the verify cost measured per batch size, B: the fitted line (the code as it is;
                               needs bench-session17/scripts/cost-table.patch applied)
+    VARIANT=notree            A: the code as it is, B: no token trees (chains only; the cache stays)
+    VARIANT=extend            A: each greedy model draft extended by up to EXT=4 tokens that followed it earlier in
+                              the text (a MIN_N=3-gram match; drafter-side: PATHS=inproc only), B: the code as it is
     VARIANT=wide              A: the code as it is, B: a hedge for every position's runner-up (N=8), DEPTH=2
                               tokens deep, from the first step (drafter-side: PATHS=inproc only)
 
@@ -78,6 +81,32 @@ else:
             fixed, per_token = self.coefficients()
             return fixed + per_token * n
         VerifyCostModel.cost = lambda self, n: measured(self, n) if NOW["label"] == "A" else line(self, n)
+    elif VARIANT == "notree":  # B: chains only
+        from duospec.coordinator.sequence import Sequence
+        branches = Sequence.add_branches
+        Sequence.add_branches = lambda self, n: branches(self, n if NOW["label"] == "A" else 0)
+    elif VARIANT == "extend":  # A: a greedy model draft extended by what followed it in the text (in-process)
+        from duospec.coordinator.lookup import TextLookup
+        from duospec.draft_worker import model_proposer as mp
+        MIN_N, EXT = int(os.environ.get("MIN_N", 3)), int(os.environ.get("EXT", 4))
+        propose, rewind = mp.ModelProposer.propose, mp.ModelProposer.rewind
+        LOOKUPS = {}
+        def ext_propose(self, seqs, budgets):
+            out = propose(self, seqs, budgets)
+            if NOW["label"] != "A":
+                return out
+            for seq, budget, proposal in zip(seqs, budgets, out):
+                if len(proposal.tokens) == 1 and seq.sampling.greedy and budget > 1:
+                    look = LOOKUPS.setdefault(id(seq), TextLookup(min_ngram=MIN_N, max_ngram=8))
+                    more = look.propose(seq.tokens + proposal.tokens, min(EXT, budget - 1))
+                    proposal.tokens.extend(more)
+            return out
+        def ext_rewind(self, seq, length):
+            look = LOOKUPS.get(id(seq))
+            if look is not None:
+                look._indexed = min(look._indexed, length)
+            return rewind(self, seq, length)
+        mp.ModelProposer.propose, mp.ModelProposer.rewind = ext_propose, ext_rewind
     elif VARIANT == "hedgeless":  # B: no hedges drafted; the tree keeps the runner-up siblings
         import sys
         from duospec.coordinator.draft_commands import DraftCommands
@@ -89,7 +118,7 @@ else:
             return n
         DraftCommands._max_hedges = staticmethod(patched)
     else:
-        raise SystemExit(f"VARIANT={VARIANT}: cap, tree, lookahead, empty, queue, costline, hedgeless or wide")
+        raise SystemExit(f"VARIANT={VARIANT}: cap, tree, lookahead, empty, queue, costline, notree, extend, hedgeless or wide")
 ALL = LABELS + ["off"]
 
 
