@@ -11,8 +11,8 @@ copies of this script; their label "sized" is A, "fixed" B).
     VARIANT=hedgeless         A: the code as it is, B: no hedges drafted (the tree keeps the runner-up siblings)
     VARIANT=queue             A: the next round queued at the target before its verdict, B: not (needs
                               bench-session17/scripts/queued-round.patch applied)
-    VARIANT=costline          A: the verify cost measured per batch size, B: the fitted line (the code as it is;
-                              needs bench-session17/scripts/cost-table.patch applied)
+    VARIANT=costline          A: the verify cost measured per batch size (needs
+                              bench-session17/scripts/cost-table.patch applied), B: the fitted line, as the code is
     VARIANT=notree            A: the code as it is, B: no token trees (chains only; the cache stays)
     VARIANT=extend            A: each greedy model draft extended by up to EXT=4 tokens that followed it earlier in
                               the text (a MIN_N=3-gram match; drafter-side: PATHS=inproc only), B: the code as it is
