@@ -85,11 +85,7 @@ def _response(delta: Delta) -> pb.GenerateResponse:
     s = delta.stats
     response.finish_reason = _FINISH_TO_PB[delta.finish_reason]
     response.usage.CopyFrom(pb.Usage(prompt_tokens=delta.prompt_tokens, completion_tokens=delta.completion_tokens))
+    # every public count under its SpecStats name (a new one needs only the proto field)
     response.stats.CopyFrom(pb.SpeculationStats(
-        drafted_tokens=s.drafted_tokens, accepted_tokens=s.accepted_tokens,
-        target_forwards=s.target_forwards, mean_accepted_length=s.mean_accepted_length,
-        pre_verify_aborts=s.pre_verify_aborts, wasted_draft_tokens=s.wasted_draft_tokens,
-        cache_lookups=s.cache_lookups, cache_hits=s.cache_hits, tree_nodes=s.tree_nodes, tree_hits=s.tree_hits,
-        lookup_tokens=s.lookup_tokens, lookup_accepted=s.lookup_accepted, hedge_tokens_kept=s.hedge_tokens_kept,
-    ))
+        **{field.name: getattr(s, field.name) for field in pb.SpeculationStats.DESCRIPTOR.fields}))
     return response

@@ -7,7 +7,7 @@ Enum values cross into Python as plain lower-case strings: finish reasons `"leng
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Iterable, Mapping, Sequence
 
 from duospec.sdk.errors import InvalidArgument
@@ -25,6 +25,7 @@ class Usage:
 
 @dataclass(frozen=True)
 class SpeculationStats:
+    # Each field is named as its SpeculationStats proto field (chunk_from_proto copies them by name).
     drafted_tokens: int  # draft tokens the target verified
     accepted_tokens: int  # draft tokens the target kept
     target_forwards: int  # verify passes that included this request
@@ -217,21 +218,7 @@ def chunk_from_proto(response: pb.GenerateResponse) -> GenerationChunk:
         usage = Usage(response.usage.prompt_tokens, response.usage.completion_tokens)
     if response.HasField("stats"):
         s = response.stats
-        stats = SpeculationStats(
-            drafted_tokens=s.drafted_tokens,
-            accepted_tokens=s.accepted_tokens,
-            target_forwards=s.target_forwards,
-            mean_accepted_length=s.mean_accepted_length,
-            pre_verify_aborts=s.pre_verify_aborts,
-            wasted_draft_tokens=s.wasted_draft_tokens,
-            cache_lookups=s.cache_lookups,
-            cache_hits=s.cache_hits,
-            tree_nodes=s.tree_nodes,
-            tree_hits=s.tree_hits,
-            lookup_tokens=s.lookup_tokens,
-            lookup_accepted=s.lookup_accepted,
-            hedge_tokens_kept=s.hedge_tokens_kept,
-        )
+        stats = SpeculationStats(**{f.name: getattr(s, f.name) for f in fields(SpeculationStats)})
     return GenerationChunk(
         text=response.text,
         token_ids=tuple(response.token_ids),
