@@ -1,4 +1,4 @@
-"""Placing the draft and the target (DESIGN.md §2).
+"""Placing the draft and the target (docs/design.md#processes-and-planes).
 
 `placement: separate` (each model its own GPU; the overlap PEARL needs):
     one node with >= 2 GPUs      → two {GPU: 1} bundles on that node (different GPU ids)

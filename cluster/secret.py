@@ -1,4 +1,4 @@
-"""The per-deployment secret that authenticates the internal data plane (DESIGN.md §2).
+"""The per-deployment secret that authenticates the internal data plane (docs/design.md#processes-and-planes).
 
 The coordinator makes one secret when it starts a deployment and hands it to the draft and target
 actors through Ray (a constructor argument, so a restarted actor keeps it). Every internal gRPC

@@ -1,4 +1,4 @@
-"""What the drafter is told: every DraftCommand the scheduler sends (DESIGN.md §3) — start a sequence,
+"""What the drafter is told: every DraftCommand the scheduler sends (docs/design.md#the-pearl-protocol) — start a sequence,
 advance it after a verdict, abort + roll back (a RESET, or the adoption of a hedge's branch), forward
 the target's hidden states to a head drafter, release it — queued per event and sent as one message.
 

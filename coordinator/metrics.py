@@ -1,4 +1,4 @@
-"""Prometheus metrics (DESIGN.md §9), on the server's own CollectorRegistry.
+"""Prometheus metrics (docs/design.md#metrics), on the server's own CollectorRegistry.
 
 Counter names follow vLLM where the concept exists (`duospec:` instead of `vllm:`); prometheus_client
 appends `_total` to counters on exposition, as vLLM's do. Every per-request series has a `tenant`

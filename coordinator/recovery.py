@@ -1,4 +1,4 @@
-"""What the scheduler does when a worker's stream breaks or stalls (DESIGN.md §2: Ray restarts the actor).
+"""What the scheduler does when a worker's stream breaks or stalls (docs/design.md#processes-and-planes: Ray restarts the actor).
 
 A lost drafter: live sequences go on target-only (same output) and the stream is reopened on the
 restarted actor for later requests. A stalled drafter — its stream open but silent while sequences

@@ -1,4 +1,4 @@
-"""The PEARL scheduler: one loop for every live sequence and every mode (DESIGN.md §3).
+"""The PEARL scheduler: one loop for every live sequence and every mode (docs/design.md#the-pearl-protocol).
 
     drafter ──DraftChunkBatch──▶ _on_draft_batch ─┐
                                                   ├─▶ _dispatch ──VerifyBatch──▶ target

@@ -1,4 +1,4 @@
-"""The speculation cache, drafter side: hedges drafted in the drafter's spare steps (DESIGN.md §3b).
+"""The speculation cache, drafter side: hedges drafted in the drafter's spare steps (docs/design.md#beyond-one-chain).
 
 A verdict says "k of the drafts were accepted, then the target put token c at position b" (a
 correction, or a bonus the main line did not guess). PEARL alone throws the drafter's work away on

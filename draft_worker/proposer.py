@@ -38,7 +38,7 @@ positions arrive in FEATURES commands and the drafter keeps them in ``seq.featur
 cannot propose before some arrive answers ``Proposal(waiting=True)`` and is asked again after the
 next FEATURES command for that sequence.
 
-Hedges (the speculation cache, DESIGN.md §3b; draft_worker/hedges.py): a proposer that can `branch`
+Hedges (the speculation cache, docs/design.md#beyond-one-chain; draft_worker/hedges.py): a proposer that can `branch`
 gives a hypothetical sequence — the parent's tokens before a position, then another token there —
 state of its own that starts from what the parent holds (a model copies the KV prefix), and names in
 `Proposal.alternatives` its next-best tokens at each position (the likeliest corrections). A branch

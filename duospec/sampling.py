@@ -1,6 +1,6 @@
 """Sampling parameters, logits → probabilities, and counter-based randomness.
 
-Every random draw in duospec is keyed by ``(request seed, position, purpose)`` (DESIGN.md §4),
+Every random draw in duospec is keyed by ``(request seed, position, purpose)`` (docs/design.md#exactness),
 never by a stateful generator: the drafter and the target live in different processes and verify
 chunks of whatever size happens to be ready, so a draw must not depend on how many came before it.
 ``uniform`` is therefore a pure hash of its three arguments.

@@ -1,6 +1,6 @@
 """The lossless verify rule: one pure function from (drafts, p, q, params, position) to a verdict.
 
-Glossary (DESIGN.md §4; vLLM and Leviathan et al. name p and q the other way round in places):
+Glossary (docs/design.md#exactness; vLLM and Leviathan et al. name p and q the other way round in places):
 
 - **p**: the target distribution at a position, ``probs_from_logits(target_logits, params)``.
 - **q**: the draft distribution the draft token was sampled from, after the same temperature,
@@ -20,7 +20,7 @@ Glossary (DESIGN.md §4; vLLM and Leviathan et al. name p and q the other way ro
 Under this rule each emitted token is distributed exactly as p, whatever q is (Leviathan et al.
 2023, Chen et al. 2023). Randomness is counter-based, so equal inputs give equal verdicts.
 
-Token trees (`verify_tree`; DESIGN.md §3b):
+Token trees (`verify_tree`; docs/design.md#beyond-one-chain):
 
 - **tree**: draft tokens with a parent index each (-1: the last context token); a node sits one
   position after its parent. A chain is the tree with parents ``[-1, 0, 1, ...]``.

@@ -1,4 +1,4 @@
-"""Greedy exactness checks shared by the decoder, pipeline and server tests (DESIGN.md §4).
+"""Greedy exactness checks shared by the decoder, pipeline and server tests (docs/design.md#exactness).
 
 A mismatch with the reference is acceptable only at a genuine near-tie: where the reference's two
 best logits are within 1e-4 (relative). Such a case is reported with its margin, never hidden.

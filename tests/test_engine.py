@@ -2,7 +2,7 @@
 
 The reference is the transformers model run on the whole sequence at once (no cache); the engine is
 driven through prefills, ragged batched steps, rollbacks and re-extensions. fp32 logits must agree
-within 1e-4 (DESIGN.md §5).
+within 1e-4 (docs/design.md#engine).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Prometheus metrics: names (DESIGN.md §9), tenant labels, coordinator gauges, the HTTP endpoint."""
+"""Prometheus metrics: names (docs/design.md#metrics), tenant labels, coordinator gauges, the HTTP endpoint."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The PEARL pipeline through real Ray actors and gRPC streams (DESIGN.md §2-§4)."""
+"""The PEARL pipeline through real Ray actors and gRPC streams (docs/design.md)."""
 
 from __future__ import annotations
 

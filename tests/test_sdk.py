@@ -499,7 +499,7 @@ def torch_log_softmax(logits):
 
 
 def _assert_same_tokens(got: list[int], want: list[int], logits, label: str) -> None:
-    """Token-identical, except at a genuine near-tie of the reference (DESIGN.md §4), which is reported."""
+    """Token-identical, except at a genuine near-tie of the reference (docs/design.md#exactness), which is reported."""
     if got == want:
         return
     i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
