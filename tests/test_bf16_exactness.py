@@ -1,6 +1,6 @@
 """Greedy exactness in bfloat16 (the CUDA default), measured on the CPU against transformers in bf16.
 
-What exactness means in bf16 (docs/performance.md, "Exactness in bfloat16"): the engine and
+What exactness means in bf16 (docs/design.md, "Exactness in bfloat16"): the engine and
 transformers run the same bf16 operations in different orders (fused projections, batched
 attention), so their logits differ by a few bf16 units in the last place (ulp: 2^-7 of the value's
 power of two; 1/16 for a logit near 10). A greedy mismatch is acceptable only where transformers'

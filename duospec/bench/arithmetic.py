@@ -1,6 +1,6 @@
 """The numbers a benchmark report is made of, as pure functions over measured timings.
 
-Glossary (the same words in the report, docs/performance.md and the JSON keys):
+Glossary (the same words in the report, docs/benchmarks.md and the JSON keys):
 
 - tokens/s: generated tokens divided by the wall time of the requests that produced them.
 - speedup(x, base): tokens/s of x over tokens/s of base (> 1 = x is faster).

@@ -1,5 +1,5 @@
 """`duospec bench`: tokens/s, speedups, acceptance and overlap efficiency of every mode, written as
-Markdown, JSON and a PNG plot (see docs/performance.md)."""
+Markdown, JSON and a PNG plot (see docs/benchmarks.md)."""
 
 from __future__ import annotations
 

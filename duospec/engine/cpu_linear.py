@@ -12,7 +12,7 @@ is exactly 1 + k rows per sequence.
 So the choice is measured once per weight shape at load (`kernel_choices`), on as many copies of the
 weight as make the model's weight bytes: a forward reads each weight once, after every other weight,
 so a product finds its weight where the rest of the model left the caches, not hot from the call
-before. Measured hot (the seventh session's way), the choice flipped between loads on the AMD VM and
+before. Measured hot instead (each product timed on its own), the choice flipped between loads on the AMD VM and
 mostly kept ``F.linear``, with which the bundled target's 1- and 2-row forwards ran 20-30 % slower
 than with the choice measured this way (benchmarks/cpu_kernels.py).
 """
