@@ -16,7 +16,6 @@ import platform
 import time
 from dataclasses import asdict, dataclass, field
 
-from duospec.bench import arithmetic as ar
 from duospec.bench.inprocess import BenchPair, HFGenerate, encode_prompts, open_local_coordinator, run_coordinator_mode
 from duospec.bench.records import ALL_MODES, HF_MODES, OUR_MODES, Run
 from duospec.coordinator.api import SpeculationMode
@@ -287,18 +286,3 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return "unknown"
-
-
-def speedups(tokens_per_s: dict[str, float | None]) -> dict[str, float | None]:
-    """The ratios the report states, from median tokens/s by mode (None where a mode was not run)."""
-    get = tokens_per_s.get
-    return {
-        "pearl_vs_off": ar.ratio_or_none(get("pearl"), get("off")),
-        "vanilla_vs_off": ar.ratio_or_none(get("vanilla"), get("off")),
-        "hf_assisted_vs_off": ar.ratio_or_none(get("hf-assisted"), get("off")),
-        "hf_vs_off": ar.ratio_or_none(get("hf"), get("off")),
-        "pearl_vs_vanilla": ar.ratio_or_none(get("pearl"), get("vanilla")),
-        "pearl_vs_pearl_nocache": ar.ratio_or_none(get("pearl"), get("pearl-nocache")),
-        "pearl_vs_pearl_notree": ar.ratio_or_none(get("pearl"), get("pearl-notree")),
-        "pearl_vs_hf_assisted": ar.ratio_or_none(get("pearl"), get("hf-assisted")),
-    }

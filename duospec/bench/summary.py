@@ -120,8 +120,6 @@ def exactness(runs: list[Run]) -> dict:
 
 
 def summarise(collected, prompts) -> dict:
-    from duospec.bench.harness import speedups
-
     paths: dict[str, dict] = {}
     for path in ("in-process", "server"):
         by_mode = {m: [r for r in collected.runs if r.path == path and r.mode == m] for m in ALL_MODES}
@@ -162,3 +160,18 @@ def targets(report: dict) -> list[dict]:
                      "measured_on": "in-process" if key == "pearl_vs_hf_assisted" or main is
                      report["paths"].get("in-process") else "server"})
     return rows
+
+
+def speedups(tokens_per_s: dict[str, float | None]) -> dict[str, float | None]:
+    """The ratios the report states, from median tokens/s by mode (None where a mode was not run)."""
+    get = tokens_per_s.get
+    return {
+        "pearl_vs_off": ar.ratio_or_none(get("pearl"), get("off")),
+        "vanilla_vs_off": ar.ratio_or_none(get("vanilla"), get("off")),
+        "hf_assisted_vs_off": ar.ratio_or_none(get("hf-assisted"), get("off")),
+        "hf_vs_off": ar.ratio_or_none(get("hf"), get("off")),
+        "pearl_vs_vanilla": ar.ratio_or_none(get("pearl"), get("vanilla")),
+        "pearl_vs_pearl_nocache": ar.ratio_or_none(get("pearl"), get("pearl-nocache")),
+        "pearl_vs_pearl_notree": ar.ratio_or_none(get("pearl"), get("pearl-notree")),
+        "pearl_vs_hf_assisted": ar.ratio_or_none(get("pearl"), get("hf-assisted")),
+    }
