@@ -167,21 +167,39 @@ def _bench_smoke(tmp_path, *extra: str, draft_model: bool = True):
     return out
 
 
+def test_off_on_two_threads_sets_and_restores_torchs_threads():
+    import torch
+
+    from duospec.bench.harness import torch_threads
+
+    before = torch.get_num_threads()
+    with torch_threads(2):
+        assert torch.get_num_threads() == 2
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError), torch_threads(2):
+        raise RuntimeError("a failing run")
+    assert torch.get_num_threads() == before
+
+
 def test_bench_command_smoke_in_process(tmp_path):
     out = _bench_smoke(tmp_path, "--models-label", "tiny random-weight test models")
     report = json.loads((out / "results.json").read_text())
     modes = report["paths"]["in-process"]["modes"]
-    assert set(modes) == {"off", "hf", "hf-assisted", "vanilla", "pearl-nocache", "pearl-notree", "pearl"}
+    assert set(modes) == {"off", "off-2threads", "hf", "hf-assisted", "vanilla", "pearl-nocache", "pearl-notree",
+                          "pearl"}
     assert all(m["tokens_per_run"] == 16 and m["tokens_per_s"] > 0 for m in modes.values())
     assert modes["pearl"]["ideal_tokens_per_s"] > 0 and modes["pearl"]["target_busy_fraction"] > 0
     overhead = report["overhead"][0]
     assert overhead["path"] == "in-process" and overhead["rounds"] >= 16
     # the coordinator's handling is part of each round's overhead (a round's steps run one after another)
     assert 0 < overhead["handling_per_round_s"] <= overhead["overhead_per_round_s"]
-    assert set(report["exactness"]["by_run"]) == {"in-process/hf", "in-process/hf-assisted", "in-process/vanilla",
+    assert report["paths"]["in-process"]["speedups"]["pearl_vs_off_2threads"] > 0
+    assert set(report["exactness"]["by_run"]) == {"in-process/off-2threads", "in-process/hf",
+                                                  "in-process/hf-assisted", "in-process/vanilla",
                                                   "in-process/pearl-nocache", "in-process/pearl-notree", "in-process/pearl"}
     markdown = (out / "results.md").read_text()
     assert "tiny random-weight test models" in markdown and "| ours, pearl |" in markdown
+    assert "| ours, off, target on 2 torch threads (both cores) |" in markdown and "pearl vs off on 2 threads" in markdown
     assert "of it: coordinator handling (ms)" in markdown
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -192,7 +210,7 @@ def test_bench_runs_every_drafting_method(tmp_path, method):
     report = json.loads((out / "results.json").read_text())
     assert report["setup"]["config"]["draft_method"] == method
     modes = report["paths"]["in-process"]["modes"]
-    assert set(modes) == {"off", "hf", "hf-assisted", "vanilla", "pearl-nocache", "pearl-notree", "pearl"}  # hf-assisted: prompt lookup for ngram
+    assert set(modes) == {"off", "off-2threads", "hf", "hf-assisted", "vanilla", "pearl-nocache", "pearl-notree", "pearl"}  # hf-assisted: prompt lookup for ngram
     assert report["exactness"]["all_identical"] and modes["pearl"]["tokens_per_s"] > 0
     assert f"drafter {method}" in (out / "results.md").read_text()
     if method == "random":  # a random-weight copy of the draft's shape was written and used

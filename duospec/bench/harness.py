@@ -10,6 +10,7 @@ sweep. The returned report is what report.py writes as JSON, Markdown and PNG.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import pathlib
 import platform
@@ -17,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from duospec.bench.inprocess import BenchPair, HFGenerate, encode_prompts, open_local_coordinator, run_coordinator_mode
-from duospec.bench.records import ALL_MODES, HF_MODES, OUR_MODES, Run
+from duospec.bench.records import ALL_MODES, HF_MODES, OFF_THREADS, OFF_TWO_THREADS, OUR_MODES, Run
 from duospec.coordinator.api import SpeculationMode
 from duospec.coordinator.config import MAX_DRAFT_TOKENS, SpeculationDefaults
 
@@ -144,6 +145,19 @@ def _planned_requests(config: BenchConfig, n_prompts: int) -> int:
     return total
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads set to n for the block (process-wide: the in-process target's forward)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 async def _in_process(config: BenchConfig, pair: BenchPair, prompts, hf: HFGenerate | None, progress, out: Collected):
     from duospec.bench.served import round_overhead
 
@@ -157,6 +171,10 @@ async def _in_process(config: BenchConfig, pair: BenchPair, prompts, hf: HFGener
             for mode in config.modes:
                 if mode in HF_MODES:
                     out.runs.append(hf.run(prompts, mode, config.max_new_tokens, config.gamma, progress.tick))
+                elif mode == OFF_TWO_THREADS:
+                    with torch_threads(OFF_THREADS):
+                        out.runs.append(await run_coordinator_mode(coordinator, prompts, mode, config.max_new_tokens,
+                                                                   "in-process", f"r{rep}", progress.tick))
                 else:
                     out.runs.append(await run_coordinator_mode(coordinator, prompts, mode, config.max_new_tokens,
                                                                "in-process", f"r{rep}", progress.tick))

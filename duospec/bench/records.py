@@ -14,12 +14,17 @@ from duospec.bench import arithmetic as ar
 # tree, pearl-notree the cache without token trees, pearl the model's defaults (both on).
 OUR_MODES = ("off", "vanilla", "pearl-nocache", "pearl-notree", "pearl")
 HF_MODES = ("hf", "hf-assisted")  # transformers generate: target alone / with assistant_model=draft
-ALL_MODES = ("off", "hf", "hf-assisted", "vanilla", "pearl-nocache", "pearl-notree", "pearl")
+# `off` with the target's forward on two torch threads: the fair baseline on the same hardware, since
+# pearl's two models take one thread (one core) each. In-process only: the server's actors keep one.
+OFF_TWO_THREADS = "off-2threads"
+OFF_THREADS = 2
+ALL_MODES = ("off", OFF_TWO_THREADS, "hf", "hf-assisted", "vanilla", "pearl-nocache", "pearl-notree", "pearl")
 
 
 def request_mode(mode: str) -> tuple[str, bool | None, bool | None]:
     """A bench mode as the request's (speculation mode, cache, tree); None = the model's default."""
-    return {"pearl-nocache": ("pearl", False, False), "pearl-notree": ("pearl", True, False)}.get(mode, (mode, None, None))
+    return {"pearl-nocache": ("pearl", False, False), "pearl-notree": ("pearl", True, False),
+            OFF_TWO_THREADS: ("off", None, None)}.get(mode, (mode, None, None))
 
 
 @dataclass

@@ -10,6 +10,7 @@ from duospec.bench.records import ALL_MODES
 
 MODE_LABELS = {
     "off": "ours, off (target only)",
+    "off-2threads": "ours, off, target on 2 torch threads (both cores)",
     "hf": "transformers generate (target only)",
     "hf-assisted": "transformers assisted generation",
     "vanilla": "ours, vanilla speculative",
@@ -48,7 +49,7 @@ def _mode_table(path: str, block: dict) -> list[str]:
     sp = block["speedups"]
     lines += ["", f"pearl vs vanilla: {_num(sp['pearl_vs_vanilla'])}×, pearl vs pearl without the speculation cache: "
               f"{_num(sp.get('pearl_vs_pearl_nocache'))}×, without trees: {_num(sp.get('pearl_vs_pearl_notree'))}×, "
-              f"pearl vs HF assisted: "
+              f"pearl vs off on 2 threads: {_num(sp.get('pearl_vs_off_2threads'))}×, pearl vs HF assisted: "
               f"{_num(sp['pearl_vs_hf_assisted'])}×; pearl ideal overlap bound "
               f"{_num(pearl.get('ideal_tokens_per_s'), 1)} tokens/s, efficiency "
               f"{_num(pearl.get('efficiency'), 0, 100, ' %')}; pearl verified drafts in "

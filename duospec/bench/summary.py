@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from duospec.bench import arithmetic as ar
-from duospec.bench.records import ALL_MODES, Run
+from duospec.bench.records import ALL_MODES, OFF_TWO_THREADS, Run
 
 # The targets: (key in the report's "targets", what is compared, threshold).
 TARGETS = (
@@ -167,6 +167,7 @@ def speedups(tokens_per_s: dict[str, float | None]) -> dict[str, float | None]:
     get = tokens_per_s.get
     return {
         "pearl_vs_off": ar.ratio_or_none(get("pearl"), get("off")),
+        "pearl_vs_off_2threads": ar.ratio_or_none(get("pearl"), get(OFF_TWO_THREADS)),
         "vanilla_vs_off": ar.ratio_or_none(get("vanilla"), get("off")),
         "hf_assisted_vs_off": ar.ratio_or_none(get("hf-assisted"), get("off")),
         "hf_vs_off": ar.ratio_or_none(get("hf"), get("off")),

@@ -11,7 +11,7 @@ import sys
 from duospec.cluster.placement import PLACEMENTS
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-MODES = ("off", "hf", "hf-assisted", "vanilla", "pearl-nocache", "pearl-notree", "pearl")  # = bench.records.ALL_MODES
+MODES = ("off", "off-2threads", "hf", "hf-assisted", "vanilla", "pearl-nocache", "pearl-notree", "pearl")  # = bench.records.ALL_MODES
 SIMULATION_SCENARIOS = ("devices", "large-target", "large-pair")  # duospec.bench.simulate.SCENARIOS
 
 
