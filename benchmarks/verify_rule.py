@@ -1,5 +1,5 @@
 """The verify rule for a batch: the reference item by item (`verify_each`) vs batched tensor code
-(`verify_batch`), on this machine's CPU or a GPU (issue 18).
+(`duospec.verify.batch`), on this machine's CPU or a GPU.
 
     .venv/bin/python benchmarks/verify_rule.py                   # vocab 4,096 and 32,000, CPU
     .venv/bin/python benchmarks/verify_rule.py --device cuda --vocab 128256
@@ -19,7 +19,7 @@ import torch
 
 from duospec.qcodec import DraftProbs
 from duospec.sampling import SamplingParams, probs_from_logits
-from duospec.verify_batch import VerifyTask, verify_batch, verify_each
+from duospec.verify.batch import VerifyTask, verify_batch, verify_each
 
 
 def main() -> None:

@@ -166,16 +166,38 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         onehot = torch.zeros_like(logits)
         onehot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
         return onehot
+    n = logits.shape[0]
+    return probs_from_logits_rows(logits, torch.full((n,), params.temperature, dtype=torch.float64),
+                                  torch.full((n,), params.top_k, dtype=torch.long),
+                                  torch.full((n,), params.top_p, dtype=torch.float64))
+
+
+def probs_from_logits_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                           top_p: torch.Tensor) -> torch.Tensor:
+    """`probs_from_logits` for sampled rows each with its own parameters, ``[R]`` tensors on the
+    logits' device: float32 ``[R, V]``, each row computed as `probs_from_logits` computes it (each step
+    applies only to the rows that ask for it). The batched verify rule calls it for a whole batch."""
+    logits = logits.to(torch.float32)
     # Shift before dividing: with a tiny temperature, logits / t overflows to inf and inf - inf is NaN;
     # (logits - max) / t stays in [-inf, 0] and the softmax is the same distribution.
-    scaled = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature
+    scaled = (logits - logits.max(dim=-1, keepdim=True).values) / temperature.to(torch.float32)[:, None]
     vocab = scaled.shape[1]
-    if 0 < params.top_k < vocab:
-        kth = torch.topk(scaled, params.top_k, dim=-1).values[:, -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    cut = (top_k > 0) & (top_k < vocab)
+    if bool(cut.any()):  # ties at the k-th value are all kept
+        rows = cut.nonzero()[:, 0]
+        part = scaled[rows]
+        kth = torch.sort(part, dim=-1, descending=True).values.gather(1, (top_k[rows] - 1)[:, None])
+        scaled[rows] = part.masked_fill(part < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
-    if params.top_p < 1.0:
-        probs = _top_p(probs, params.top_p)
+    nucleus = top_p < 1.0
+    if bool(nucleus.any()):  # the smallest prefix of the sorted tokens whose mass reaches top_p
+        rows = nucleus.nonzero()[:, 0]
+        part = probs[rows]
+        sorted_probs, order = torch.sort(part, dim=-1, descending=True, stable=True)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p[rows].to(torch.float32)[:, None], 0.0)
+        kept = torch.zeros_like(part).scatter_(1, order, sorted_probs)
+        probs[rows] = kept / kept.sum(dim=-1, keepdim=True)
     return probs
 
 
@@ -191,14 +213,6 @@ def logprobs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.
         _check_logits(logits, "logits")
         return torch.log_softmax(logits.detach().to(torch.float32), dim=-1)
     return torch.log(probs_from_logits(logits, params))
-
-
-def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
-    kept = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
-    return kept / kept.sum(dim=-1, keepdim=True)
 
 
 def sample_token(probs_row: torch.Tensor, u: float) -> int:

@@ -1,6 +1,6 @@
 """The target's side of a verify round: one ragged batched forward, then the verify rule for the whole
-batch where the logits are — on a GPU as batched tensor code (`duospec.verify_batch`, which makes
-`duospec.verify`'s decisions, tested bit for bit), on a CPU the reference item by item; only token
+batch where the logits are — on a GPU as batched tensor code (`duospec.verify.batch`, which makes
+`duospec.verify.rule`'s decisions, tested bit for bit), on a CPU the reference item by item; only token
 ids, counts and asked-for logprobs and features leave the device.
 
 For each item the target feeds `context` (committed tokens it has not seen) followed by the draft
@@ -31,7 +31,7 @@ from duospec.internal.v1 import pearl_pb2 as pb
 from duospec.qcodec import DraftProbs
 from duospec.sampling import logprobs_from_logits
 from duospec.verify import NextTokenKind, TreeVerdict
-from duospec.verify_batch import VerifyTask, verify_batch, verify_each
+from duospec.verify.batch import VerifyTask, verify_batch, verify_each
 
 _KIND_TO_PROTO = {
     NextTokenKind.RECOVERED: pb.NEXT_TOKEN_KIND_RECOVERED,

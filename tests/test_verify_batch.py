@@ -1,4 +1,4 @@
-"""The batched verify rule (duospec/verify_batch.py) makes the reference's decisions, item for item.
+"""The batched verify rule (duospec/verify/batch.py) makes the reference's decisions, item for item.
 
 Randomized batches mix greedy and sampled items, chains and trees (with siblings and deterministic
 alternatives, some with nodes below them), top-k / top-p / temperature, declined bonuses and draft
@@ -20,7 +20,8 @@ import torch
 from duospec.qcodec import DraftProbs
 from duospec.sampling import Purpose, SamplingParams, probs_from_logits, sample_token, uniform
 from duospec.verify import TreeVerdict, verify, verify_tree
-from duospec.verify_batch import VerifyTask, probs_from_logits_rows, verify_batch, verify_each
+from duospec.sampling import probs_from_logits_rows
+from duospec.verify.batch import VerifyTask, verify_batch, verify_each
 
 torch.set_num_threads(1)
 

@@ -18,7 +18,7 @@ Glossary:
 
 Logits are returned as float32 on the CPU by default; ``to_cpu=False`` keeps them float32 on the
 runner's device, and ``forward_for_verify`` (the target's) returns only the rows the verify rule
-reads, on the device, where `duospec.verify_batch` decides the batch.
+reads, on the device, where `duospec.verify.batch` decides the batch.
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
+from duospec.trees import tree_depths
 from duospec.engine.errors import SlotsExhausted
 
-__all__ = ["SlotChunk", "ModelRunner", "tree_depths"]
+__all__ = ["SlotChunk", "ModelRunner"]
 
 
 @dataclass(frozen=True)
@@ -49,14 +50,6 @@ class SlotChunk:
         if self.parents is None:
             return list(range(len(self.token_ids)))
         return tree_depths(self.parents)
-
-
-def tree_depths(parents: Sequence[int]) -> list[int]:
-    """Each node's depth in a tree given as parent indices (-1: a root at depth 0; parents[i] < i)."""
-    depths: list[int] = []
-    for parent in parents:
-        depths.append(0 if parent < 0 else depths[parent] + 1)
-    return depths
 
 
 class ModelRunner(abc.ABC):
