@@ -1,7 +1,7 @@
 """What goes to the target for each chosen sequence: its verify item (drafts, a token tree, the bonus
 policy, logprobs) and, for a long prompt, a prefill chunk within the batch's prompt budget.
 
-Mixed into `Scheduler` (coordinator/scheduler.py), whose state these methods read: `config`,
+Mixed into `Scheduler` (coordinator/scheduler.py), whose state these methods read: `config`, `info`,
 `_draft_limit`, `_max_hedges`, `_lookup_length`.
 """
 
@@ -52,8 +52,12 @@ class VerifyItems:
             # draft; not for a head drafter, whose features would cover positions it never drafted)
             tokens = seq.lookup_tokens = seq.lookup.propose(seq.committed, self._lookup_length(seq))
         parents: list[int] = []
-        if tokens and not seq.empty_round and seq.greedy and seq.policy.tree_nodes and self._max_hedges(seq):
-            tokens, parents = seq.add_branches(seq.policy.tree_nodes)  # hedges ride along as a token tree
+        # A tree's nodes sit at their depth's position but take one KV row each after the main chain:
+        # near the end of the context only as many branch nodes as rows are left.
+        kv_room = self.info.max_context - len(seq.committed) - len(tokens)
+        if tokens and not seq.empty_round and seq.greedy and seq.policy.tree_nodes and self._max_hedges(seq) \
+                and kv_room > 0:
+            tokens, parents = seq.add_branches(min(seq.policy.tree_nodes, kv_room))  # hedges ride along as a tree
         return pb.VerifyItem(
             seq_id=seq.seq_id,
             epoch=seq.epoch,
