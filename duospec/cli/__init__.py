@@ -18,12 +18,14 @@ COMMAND_MODULES = [
     "duospec.cli.admin",      # tenants, usage
     "duospec.cli.train",      # train-tiny, distill
     "duospec.cli.bench",      # bench
+    "duospec.cli.pull",       # pull
 ]
 
 
 # What `duospec[serve]` adds; a base (client) install lacks them.
 SERVER_SIDE_MODULES = frozenset({"torch", "transformers", "tokenizers", "safetensors", "ray", "yaml", "numpy",
-                                 "starlette", "uvicorn", "prometheus_client", "tqdm", "grpc_reflection"})
+                                 "starlette", "uvicorn", "prometheus_client", "tqdm", "grpc_reflection",
+                                 "gguf", "accelerate"})
 
 
 def build_parser() -> argparse.ArgumentParser:
