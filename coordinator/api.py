@@ -17,6 +17,8 @@ from typing import AsyncIterator, Protocol
 
 from duospec.sampling import SamplingParams
 
+MAX_DRAFT_TOKENS = 64  # per verify, in any mode: the config, a request, `duospec bench`
+
 
 class SpeculationMode(enum.Enum):
     PEARL = "pearl"  # draft and target overlap; pre-verify early abort, post-verify speculation
@@ -127,10 +129,22 @@ class ModelInfo:
     # live sequences the model's scheduler holds at once (models[].max_num_seqs): the server's
     # weighted admission queue hands out exactly this many per model, so no request waits elsewhere
     max_num_seqs: int = 16
+    # the most drafts per verify a request may ask for (models[].speculation: the larger of
+    # max_draft_tokens and gamma); a request above it is refused, naming it
+    max_draft_tokens: int = MAX_DRAFT_TOKENS
 
     @property
     def has_draft(self) -> bool:
         return self.draft_method is not None
+
+    def draft_tokens_problem(self, n: int) -> str | None:
+        """Why a request may not ask for `n` drafts per verify; None when it may. Refused rather than
+        clamped: a client that asks for more learns the cap instead of silently getting less."""
+        if 0 <= n <= self.max_draft_tokens:
+            return None
+        return (f"{n} drafts per verify; model {self.name!r} allows at most {self.max_draft_tokens} "
+                f"(its speculation.max_draft_tokens / gamma): ask for at most {self.max_draft_tokens}, or leave "
+                "it unset (0) for the model's default")
 
     @property
     def end_token_ids(self) -> frozenset[int]:

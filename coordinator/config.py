@@ -53,11 +53,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from duospec.cluster.placement import PLACEMENTS
-from duospec.coordinator.api import SpeculationMode
+from duospec.coordinator.api import MAX_DRAFT_TOKENS, SpeculationMode
 from duospec.draft_worker.proposer import POOL_SCOPES, DraftMethod, DraftSpec, NgramOptions
 
 DEVICES = ("auto", "cpu", "cuda")
-MAX_DRAFT_TOKENS = 64  # per verify, in any mode: the config, a request, `duospec bench`
 MAX_GRACE_PERIOD_S = 3600.0  # server.grace_period_s and `duospec serve --grace-period`
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -123,6 +122,11 @@ class SpeculationDefaults:
     lookup: bool = True
     # vanilla: the textbook baseline's fixed drafts per verify (γ drafts, then the verify, in turn)
     gamma: int = 4
+
+    @property
+    def request_cap(self) -> int:
+        """The most drafts per verify a request may ask for, in any mode (ModelInfo.max_draft_tokens)."""
+        return max(self.max_draft_tokens, self.gamma)
 
     def draft_tokens(self, mode: SpeculationMode) -> int:
         """A request's drafts per verify when it does not ask: γ in vanilla, the cap in pearl."""

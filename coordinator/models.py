@@ -109,4 +109,5 @@ def model_info(model_config, max_context: int | None = None) -> ModelInfo:
         eos_token_id=eos,
         eos_token_ids=end_ids or ((eos,) if eos is not None else ()),
         max_num_seqs=int(getattr(model_config, "max_num_seqs", 16)),
+        max_draft_tokens=model_config.speculation.request_cap,
     )

@@ -67,7 +67,7 @@ class SpeculationPolicy:
 
 def fair_share(ready: list, vtime: dict[str, float], limit: int) -> list:
     """Which of the `ready` sequences go into a verify batch of at most `limit`: weighted fair share
-    of the target by tenant (`vtime`: committed tokens / weight so far), oldest first within a tenant."""
+    of the target by tenant (`vtime`: target rows / weight so far), oldest first within a tenant."""
     if len(ready) <= limit:
         return ready
     vtime = dict(vtime)
@@ -77,6 +77,14 @@ def fair_share(ready: list, vtime: dict[str, float], limit: int) -> list:
         seq = min(pool, key=lambda s: vtime.get(s.request.tenant, 0.0))
         pool.remove(seq)
         chosen.append(seq)
-        # Expected tokens per verify ~ 1 + drafts; charge provisionally so one tenant can't take all.
-        vtime[seq.request.tenant] = vtime.get(seq.request.tenant, 0.0) + 1.0 / seq.request.priority_weight
+        # Charge the rows its item will likely take provisionally, so one tenant can't take the whole
+        # batch with expensive items (the scheduler charges the real rows once the items are built).
+        vtime[seq.request.tenant] = vtime.get(seq.request.tenant, 0.0) + _rows_estimate(seq) / seq.request.priority_weight
     return chosen
+
+
+def _rows_estimate(seq) -> int:
+    """The target rows `seq`'s next verify item will likely take: the context it has not fed yet (1
+    while decoding, a prompt chunk's worth while prefilling) and the drafts it may verify."""
+    pending = max(1, len(seq.committed) - seq.target_len)
+    return pending + min(len(seq.drafts), seq.policy.max_draft_tokens)

@@ -19,7 +19,7 @@ from duospec.coordinator.api import (
     SpeculationMode,
     Unavailable,
 )
-from duospec.coordinator.config import MAX_DRAFT_TOKENS, SpeculationDefaults
+from duospec.coordinator.config import SpeculationDefaults
 from duospec.coordinator.policies import SpeculationPolicy
 from duospec.coordinator.scheduler import Scheduler, SchedulerConfig
 
@@ -120,8 +120,9 @@ class ModelRouter:
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds the model "
                 f"context of {info.max_context} tokens; shorten the prompt or lower max_new_tokens"
             )
-        if request.max_draft_tokens is not None and not 0 <= request.max_draft_tokens <= MAX_DRAFT_TOKENS:
-            raise InvalidRequest(f"max_draft_tokens={request.max_draft_tokens}: must be in [0, {MAX_DRAFT_TOKENS}]")
+        problem = None if request.max_draft_tokens is None else info.draft_tokens_problem(request.max_draft_tokens)
+        if problem:
+            raise InvalidRequest(f"max_draft_tokens: {problem}")
         if request.logprobs is not None and not 0 <= request.logprobs <= 20:
             raise InvalidRequest(f"logprobs={request.logprobs}: ask for 0 to 20 alternatives")
         if not (math.isfinite(request.priority_weight) and request.priority_weight > 0):

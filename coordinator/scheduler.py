@@ -136,7 +136,7 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands):
         self._seq_ids = itertools.count(1)
         self._batch_ids = itertools.count(1)
         self._target_releases: list[int] = []
-        self._vtime: dict[str, float] = {}  # weighted fair share: committed tokens / weight per tenant
+        self._vtime: dict[str, float] = {}  # weighted fair share: target rows / weight per tenant (_charge)
         self._slots = asyncio.Semaphore(config.max_num_seqs)
         self._tasks: list[asyncio.Task] = []
         self._idle_since = time.monotonic()
@@ -318,6 +318,7 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands):
         self.patience.end()
         chosen = fair_share(ready, self._vtime, self.config.max_batch_size)
         items = self._verify_items(chosen)  # (drops sequences whose prefill waits for the next round)
+        self._charge(chosen, items)
         batch = pb.VerifyBatch(batch_id=next(self._batch_ids), items=items, release_seq_ids=self._target_releases)
         self._target_releases = []
         now = time.monotonic()
@@ -326,6 +327,15 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands):
         decode_only = all(len(item.context) == 1 for item in items)
         self.inflight = InFlightVerify(batch.batch_id, [s.seq_id for s in chosen], now, n_tokens, decode_only)
         self.target.send(batch)
+
+    def _charge(self, chosen: list[Sequence], items: list[pb.VerifyItem]) -> None:
+        """Fair share counts what each item costs the target: its rows (context and draft tokens, tree
+        branches included), not the tokens it commits, so a tenant whose long drafts are mostly
+        rejected pays for them instead of the other tenants in the batch."""
+        for seq, item in zip(chosen, items):
+            tenant = seq.request.tenant
+            rows = len(item.context) + len(item.draft_tokens)
+            self._vtime[tenant] = self._vtime.get(tenant, 0.0) + rows / seq.request.priority_weight
 
     def _draft_limit(self, seq: Sequence) -> int:
         """Most drafts to verify for `seq` now: the policy's cap, lowered by the adaptive length in pearl.
@@ -498,8 +508,6 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands):
                                                  verdict.kind == pb.NEXT_TOKEN_KIND_RECOVERED, verdict.path)
         if k:
             self.recent_acceptance.observe(seq.acceptance.alpha)
-        tenant = seq.request.tenant
-        self._vtime[tenant] = self._vtime.get(tenant, 0.0) + len(kept) / seq.request.priority_weight
         if kept:
             logprobs = tuple(TokenLogprob(t, lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs)))
                              for t, lp in zip(kept, verdict.logprobs))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from duospec.coordinator.api import GenerationRequest, ModelInfo, SpeculationMode
-from duospec.coordinator.config import MAX_DRAFT_TOKENS, ServerSettings
+from duospec.coordinator.config import ServerSettings
 from duospec.sampling import SamplingParams
 from duospec.v1 import generation_pb2 as pb
 
@@ -210,6 +210,7 @@ def _speculation(sp: pb.SpeculationParams, info: ModelInfo, default_mode: Specul
         raise invalid("speculation.mode", f"unknown value {sp.mode}; use PEARL, VANILLA or OFF")
     if mode is not SpeculationMode.OFF and not info.has_draft:
         raise invalid("speculation.mode", f"model {info.name!r} has no drafter; use OFF or leave it unset")
-    if sp.max_draft_tokens > MAX_DRAFT_TOKENS:
-        raise invalid("speculation.max_draft_tokens", f"{sp.max_draft_tokens}; use at most {MAX_DRAFT_TOKENS}")
+    problem = info.draft_tokens_problem(sp.max_draft_tokens)
+    if problem:
+        raise invalid("speculation.max_draft_tokens", problem)
     return mode, (sp.max_draft_tokens or None)

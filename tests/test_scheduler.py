@@ -161,9 +161,27 @@ async def test_queued_request_fails_fast_once_the_target_is_lost():
 async def test_a_new_tenant_starts_at_the_others_virtual_time():
     scheduler, target, draft, policy = _scheduler()
     scheduler._vtime["a"] = 500.0
-    scheduler._add(_request(tenant="a"), policy)
+    scheduler._add(_request(tenant="a"), policy)  # (its prompt goes to the target at once: charged)
     scheduler._add(_request(tenant="b"), policy)
-    assert scheduler._vtime["b"] == 500.0
+    assert scheduler._vtime["b"] == scheduler._vtime["a"] > 500.0
+
+
+async def test_fair_share_charges_each_items_target_rows_by_weight():
+    """What a verify item costs the target — its context and its drafts — not what it commits: a
+    tenant whose drafts are rejected still pays for verifying them."""
+    scheduler, target, draft, policy = _scheduler()
+    seq = scheduler._add(_request(tenant="a", weight=2.0), policy)
+
+    def rows_sent() -> int:
+        return sum(len(item.context) + len(item.draft_tokens) for batch in target.sent for item in batch.items)
+
+    assert scheduler._vtime["a"] == rows_sent() / 2.0 > 0  # the prompt's prefill
+    _chunks(scheduler, seq, 3, [10, 11, 12, 13])
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_NONE)  # prefill-only verdict: the drafts go next
+    assert len(target.sent[-1].items[0].draft_tokens) == 4
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_RECOVERED, 50)  # all four rejected: one token
+    assert seq.committed == [1, 2, 3, 50]
+    assert scheduler._vtime["a"] == rows_sent() / 2.0 and rows_sent() >= 3 + 4 + 1
 
 
 async def test_unexpected_verdict_batch_is_ignored():

@@ -121,19 +121,28 @@ def test_non_loopback_without_tenants_refuses_to_start(tiny_pair):  # noqa: F811
 
 
 async def _share_of_tokens(h, streams: dict[str, int], warmup_s: float, window_s: float, min_tokens: int = 0,
-                           max_window_s: float = 120.0):
+                           max_window_s: float = 120.0, requests: dict | None = None, rows: dict | None = None):
     """Each tenant keeps `streams[name]` streams busy; returns (committed tokens in the window, refusals).
     The window lasts `window_s`, and longer until `min_tokens` were committed in it: a share measured
     over a few hundred tokens (a slow machine's 5 s) is mostly the noise of whole requests. It never
-    closes on a small sample: past `max_window_s` without `min_tokens`, the test fails saying so."""
+    closes on a small sample: past `max_window_s` without `min_tokens`, the test fails saying so.
+    `requests[name]`: what that tenant sends (default 6 greedy tokens). `rows`: filled with each
+    tenant's target rows in the window (what fair share charges), read off the batches the scheduler
+    sends to the target."""
     committed = dict.fromkeys(streams, 0)
     refused = dict.fromkeys(streams, 0)
     window_open = asyncio.Event()
 
+    def make_request(name: str) -> pb.GenerateRequest:
+        if requests and name in requests:
+            return requests[name]()
+        req = request("def f():", 6)
+        req.stopping.ignore_eos = True
+        return req
+
     async def keep_busy(name: str):
         while True:
-            req = request("def f():", 6)
-            req.stopping.ignore_eos = True
+            req = make_request(name)
             try:
                 async for m in h.stub.Generate(req, metadata=(("authorization", f"Bearer {KEYS[name]}"),)):
                     if window_open.is_set():
@@ -148,6 +157,8 @@ async def _share_of_tokens(h, streams: dict[str, int], warmup_s: float, window_s
     tasks = [asyncio.ensure_future(keep_busy(name)) for name, n in streams.items() for _ in range(n)]
     try:
         await asyncio.sleep(warmup_s)  # let the queue fill before measuring
+        if rows is not None:
+            _count_target_rows(h.coordinator.entries[MODEL].scheduler, rows, window_open)
         window_open.set()
         deadline = time.monotonic() + max_window_s
         await asyncio.sleep(window_s)
@@ -161,6 +172,21 @@ async def _share_of_tokens(h, streams: dict[str, int], warmup_s: float, window_s
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     return committed, refused
+
+
+def _count_target_rows(scheduler, rows: dict, window_open: asyncio.Event) -> None:
+    """Adds each tenant's rows of every verify batch sent while the window is open to `rows`."""
+    send = scheduler.target.send
+
+    def counting_send(batch):
+        if window_open.is_set():
+            for item in batch.items:
+                seq = scheduler.sequences.get(item.seq_id)
+                if seq is not None:
+                    rows[seq.request.tenant] = rows.get(seq.request.tenant, 0) + len(item.context) + len(item.draft_tokens)
+        send(batch)
+
+    scheduler.target.send = counting_send
 
 
 async def test_fair_share_follows_weights(tiny_pair):  # noqa: F811
@@ -192,6 +218,39 @@ async def test_fair_share_at_the_default_config_and_a_flood_starves_no_one(tiny_
     assert refused["heavy"] == refused["light"] == 0, refused
     assert refused["flood"] > 0 and committed["flood"] > 0, (refused, committed)
     assert 3.0 * 0.85 <= ratio <= 3.0 * 1.15, committed
+
+
+async def test_fair_share_charges_the_target_rows_of_long_drafts(tiny_pair):  # noqa: F811
+    """Tenants weighted 3:1, the light one asking for the most drafts per verify the model allows and
+    the heavy one for a single draft. The model does not adapt draft lengths, and the tiny pair's
+    drafts are mostly rejected: a committed token costs the light tenant several rows. With four times
+    as many live sequences as a verify batch holds (the target is the bottleneck, so fair share picks
+    every batch), the target's rows, which fair share charges, still split 3:1 (±15 %): the long
+    drafts come out of the light tenant's share, not the heavy one's."""
+    from duospec.coordinator.config import ModelConfig, SpeculationDefaults
+    from duospec.coordinator.local import LocalCoordinator
+
+    target, draft = tiny_pair
+    coordinator = LocalCoordinator([ModelConfig(name=MODEL, target=str(target), draft=str(draft), device="cpu",
+                                                max_batch_size=4, max_num_seqs=32,
+                                                speculation=SpeculationDefaults(adaptive=False))])
+    tenants = [tenant("heavy", priority_weight=3.0), tenant("light", priority_weight=1.0)]
+    settings = ServerSettings(host="127.0.0.1", port=0, metrics_port=0, http_port=0)
+    cap = coordinator.models()[0].max_draft_tokens
+
+    def drafting(k: int):
+        def make() -> pb.GenerateRequest:
+            req = request("def f():", 24, speculation=pb.SpeculationParams(max_draft_tokens=k))
+            req.stopping.ignore_eos = True
+            return req
+        return make
+
+    rows: dict[str, int] = {}
+    async with running_server(coordinator, settings, tenants=tenants) as h:
+        committed, _ = await _share_of_tokens(h, {"heavy": 32, "light": 32}, 1.5, 5.0, min_tokens=1500,
+                                              requests={"heavy": drafting(1), "light": drafting(cap)}, rows=rows)
+    assert committed["light"] > 0 and rows["light"] > 0, (committed, rows)
+    assert 3.0 * 0.85 <= rows["heavy"] / rows["light"] <= 3.0 * 1.15, (rows, committed)
 
 
 async def test_listing_shows_paths_and_node_ids_to_admins_only(harness):

@@ -146,6 +146,30 @@ async def test_invalid_requests_name_the_field(harness):
         assert "Traceback" not in err.details()
 
 
+async def test_more_drafts_than_the_models_cap_are_refused_naming_the_cap(harness):
+    """The model's cap (the larger of its configured max_draft_tokens and gamma) bounds what a request
+    may ask for, in every mode; at the cap a request is served with at most that many per verify."""
+    from duospec.coordinator.api import GenerationRequest, InvalidRequest
+    from duospec.coordinator.config import SpeculationDefaults
+
+    cap = harness.server.gateway.models[MODEL].max_draft_tokens
+    assert cap == SpeculationDefaults().request_cap == 8
+    for mode in (pb.SPECULATION_MODE_VANILLA, pb.SPECULATION_MODE_PEARL):
+        asking = request("x", 4, speculation=pb.SpeculationParams(mode=mode, max_draft_tokens=cap + 1))
+        err = await rpc_error(harness.stub, asking)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+        assert err.details().startswith("speculation.max_draft_tokens:") and f"at most {cap}" in err.details()
+    at_cap = request("def fib(n):", 24, speculation=pb.SpeculationParams(mode=pb.SPECULATION_MODE_VANILLA,
+                                                                         max_draft_tokens=cap))
+    at_cap.stopping.ignore_eos = True
+    stats = (await collect(harness.stub, at_cap))[-1].stats
+    assert 0 < stats.drafted_tokens <= cap * stats.target_forwards
+    # the in-process entry point (bench, tests) refuses the same
+    events = harness.coordinator.generate(GenerationRequest("r", (1, 2), 4, model=MODEL, max_draft_tokens=cap + 1))
+    with pytest.raises(InvalidRequest, match=f"at most {cap}"):
+        await events.__anext__()
+
+
 async def test_unknown_model_is_not_found(harness):
     err = await rpc_error(harness.stub, pb.GenerateRequest(model="nope", prompt="x"))
     assert err.code() == grpc.StatusCode.NOT_FOUND
