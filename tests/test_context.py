@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from duospec.coordinator.config import ConfigError, ModelConfig, parse_serve_config
 from duospec.coordinator.models import ModelPairError, model_info
 from duospec.engine import CheckpointError
-from duospec.engine.llama import check_kv_fits
+from duospec.engine.kv_memory import check_kv_fits
 from duospec.v1 import generation_pb2 as pb
 from test_server_support import collect, running_server
 from tiny_models import make_tiny_checkpoint
@@ -84,6 +84,7 @@ def test_max_model_len_above_the_model_is_refused(long_pair):
 
 
 def test_a_kv_cache_that_cannot_fit_is_a_clear_start_up_error():
-    with pytest.raises(CheckpointError, match=r"16 sequences x 131072 positions needs .* GiB .*lower models\[\]\.max_model_len"):
-        check_kv_fits(1 << 60, torch.device("cpu"), 16, 131072)
-    check_kv_fits(1 << 20, torch.device("cpu"), 16, 1024)  # a small one passes
+    with pytest.raises(CheckpointError, match=r"\(16 sequences x 131072 positions\) needs .* GiB .*set "
+                                              r"models\[\]\.kv_cache_memory_bytes lower"):
+        check_kv_fits(1 << 60, torch.device("cpu"), "16 sequences x 131072 positions")
+    check_kv_fits(1 << 20, torch.device("cpu"), "16 sequences x 1024 positions")  # a small one passes

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from duospec.engine import SlotChunk, load_model
-from tiny_models import make_tiny_checkpoint
+from tiny_models import make_tiny_checkpoint, scattered_runner
 
 TOL = 1e-4
 CONFIGS = {
@@ -36,10 +36,16 @@ def _paths(parents):
     return out
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
+@pytest.fixture(scope="module", params=[(name, layout) for name in CONFIGS for layout in ("slots", "scattered")],
+                ids=lambda p: "-".join(p))
 def runner(request, tmp_path_factory):
-    family, kw = CONFIGS[request.param]
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("trees") / request.param, family, seed=4, **kw)
+    """Each config on a pool laid out like one region per slot, and on a small pool of 4-position
+    blocks in random order (trees, their kept paths and the probes cross block boundaries)."""
+    name, layout = request.param
+    family, kw = CONFIGS[name]
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("trees") / name, family, seed=4, **kw)
+    if layout == "scattered":
+        return scattered_runner(path, max_context=128, blocks=48, block_size=4)
     return load_model(path, dtype=torch.float32, max_slots=4, max_context=128)
 
 

@@ -21,7 +21,8 @@ import random
 import shutil
 from typing import Any
 
-__all__ = ["FAMILIES", "BOS_TOKEN", "EOS_TOKEN", "PAD_TOKEN", "UNK_TOKEN", "make_tiny_checkpoint", "tiny_tokenizer"]
+__all__ = ["FAMILIES", "BOS_TOKEN", "EOS_TOKEN", "PAD_TOKEN", "UNK_TOKEN", "make_tiny_checkpoint", "scattered_runner",
+           "tiny_tokenizer"]
 
 FAMILIES = ("llama", "llama3", "qwen2", "mistral")
 BOS_TOKEN = "<s>"
@@ -230,3 +231,30 @@ def _perturb_norms(model, seed: int) -> None:
                 param.add_(0.1 * torch.randn(param.shape, generator=gen))
             elif name.endswith(".bias"):
                 param.copy_(0.05 * torch.randn(param.shape, generator=gen))
+
+
+
+def scattered_runner(path: str | pathlib.Path, *, max_context: int, blocks: int, block_size: int = 4,
+                     max_slots: int = 8, seed: int = 0, **kw):
+    """A lean runner (float32, CPU) whose KV pool holds `blocks` blocks of `block_size` positions (too
+    few for a block region per slot, so sequences page) with its free blocks in a random order: each
+    sequence's blocks end up scattered over the pool. Through the public API only: a one-token
+    sequence in every block, freed in a shuffled order."""
+    import torch
+    from transformers import AutoConfig
+
+    from duospec.engine import SlotChunk, load_model
+    from duospec.engine.loader import KVOptions
+
+    config = AutoConfig.from_pretrained(str(path))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    block_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4 * block_size
+    runner = load_model(path, device="cpu", dtype=torch.float32, max_slots=max(max_slots, blocks),
+                        max_context=max_context,
+                        kv=KVOptions(block_size=block_size, kv_cache_memory_bytes=blocks * block_bytes), **kw)
+    filler = [runner.allocate_slot() for _ in range(blocks)]
+    runner.forward([SlotChunk(slot, 0, [3]) for slot in filler])
+    random.Random(seed).shuffle(filler)
+    for slot in filler:
+        runner.free_slot(slot)
+    return runner

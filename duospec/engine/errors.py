@@ -11,3 +11,8 @@ class CheckpointError(ValueError):
 
 class SlotsExhausted(RuntimeError):
     """Every KV-cache slot of a runner is in use; free one or load the model with more ``max_slots``."""
+
+
+class BlocksExhausted(SlotsExhausted):
+    """The KV pool has no free block for a forward's new positions; nothing was changed. Free a
+    sequence (or preempt one) and retry, or give the model more KV memory."""

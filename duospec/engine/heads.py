@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from duospec.engine.errors import CheckpointError
 from duospec.engine.llama import LeanLlamaRunner
+from duospec.engine.loader import KVOptions
 
 HEAD_FILE = "head.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -222,7 +223,8 @@ class EagleRunner(LeanLlamaRunner):
 
 
 def load_eagle(path, target_path, *, device="cpu", dtype=torch.float32, max_slots: int = 16,
-               max_context: int | None = None, io: TargetIO | None = None) -> EagleRunner:
+               max_context: int | None = None, io: TargetIO | None = None, kv: KVOptions | None = None) -> EagleRunner:
+    """`kv`: the head's KV pool (default: as many positions as `max_slots` sequences of `max_context`)."""
     info = read_head(path, "eagle")
     io = io or read_target_io(target_path)
     _check_target(info, io)
@@ -233,7 +235,8 @@ def load_eagle(path, target_path, *, device="cpu", dtype=torch.float32, max_slot
     state["lm_head.weight"] = io.lm_head
     config.tie_word_embeddings = io.lm_head is io.embed
     return EagleRunner(config, state, weights["fc.weight"], device=torch.device(device), dtype=dtype,
-                       max_slots=max_slots, max_context=max_context or config.max_position_embeddings)
+                       max_slots=max_slots, max_context=max_context or config.max_position_embeddings,
+                       **(kv.kwargs() if kv is not None else {}))
 
 
 @dataclass

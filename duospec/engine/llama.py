@@ -1,9 +1,12 @@
 """duospec's own forward for the Llama family (Llama incl. llama3 rope scaling, Qwen2, Mistral) over a
-slot KV cache.
+paged KV cache.
 
-KV cache: per layer ``k_cache``/``v_cache`` of shape ``[max_slots, n_kv_heads, max_context, head_dim]``,
-preallocated once. A forward writes each chunk's keys/values at ``(slot, position)``; rollback is
-the slot length in ``ModelRunner`` (stale positions are masked out and overwritten later).
+KV cache: per layer ``k_cache``/``v_cache`` of shape ``[n_kv_heads, num_blocks * block_size, head_dim]``,
+one pool preallocated at load (sized by duospec/engine/kv_memory.py); ``self.kv`` (blocks.py) maps
+each slot's positions to blocks. A forward writes each chunk's keys/values at their blocks' rows and
+gathers each sequence's rows ``0 .. K-1`` into ``[B, n_kv_heads, K, head_dim]``, the layout the slot
+cache had, so attention computes exactly what it did. Rollback is the slot length in ``ModelRunner``
+(stale positions are masked out and overwritten later).
 
 One forward = one ragged batch: projections and MLPs run on the ``N`` flattened tokens; attention is
 one SDPA call per layer over ``[B, heads, T, K]`` (``T`` = longest chunk, ``K`` = longest context)
@@ -13,8 +16,6 @@ modeling_llama / modeling_qwen2 / modeling_mistral so the logits match on the sa
 
 from __future__ import annotations
 
-import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain
@@ -22,8 +23,10 @@ from itertools import accumulate, chain
 import torch
 import torch.nn.functional as F
 
+from duospec.engine.blocks import BlockTables
 from duospec.engine.cpu_linear import CpuLinear
 from duospec.engine.errors import CheckpointError
+from duospec.engine.kv_memory import DEFAULT_BLOCK_SIZE, pool_blocks
 from duospec.engine.runner import ModelRunner, SlotChunk
 
 __all__ = ["LEAN_MODEL_TYPES", "LeanLlamaRunner", "lean_unsupported_reason"]
@@ -104,7 +107,7 @@ class _Layer:
     gate_up: CpuLinear  # [2 * intermediate, hidden]
     down: CpuLinear  # [hidden, intermediate]
     window: int | None
-    k_cache: torch.Tensor  # [max_slots, n_kv_heads, max_context, head_dim]
+    k_cache: torch.Tensor  # [n_kv_heads, num_blocks * block_size, head_dim]
     v_cache: torch.Tensor
 
 
@@ -114,9 +117,10 @@ class _Batch:
 
     tokens: torch.Tensor  # [N]
     positions: torch.Tensor  # [N] rotary position of each token
-    cache_index: torch.Tensor  # [N] where its keys/values go (== positions, except in token trees)
-    slots: torch.Tensor  # [N] slot of each token
-    batch_slots: torch.Tensor | slice  # [B] slot per chunk, or a slice when they are consecutive
+    write_rows: torch.Tensor  # [N] pool row of each token's keys/values (its cache index's block row)
+    # [B * K] pool row of each chunk's cache indices 0 .. K-1 (past its blocks: row 0, masked out), or
+    # (first block, spacing) when they can be read as a view (`_read_rows`)
+    read_rows: torch.Tensor | tuple[int, int]
     pad_index: torch.Tensor | None  # [N] row in the padded [B*T] layout; None when all chunks are T long
     masks: dict[int | None, torch.Tensor | None]  # window -> [B, 1, T, K] bool (True = attend)
     last_rows: torch.Tensor  # [B] row of each chunk's last token
@@ -132,7 +136,11 @@ class LeanLlamaRunner(ModelRunner):
     supports_hidden = True
 
     def __init__(self, config, state_dict: dict[str, torch.Tensor], *, device: torch.device,
-                 dtype: torch.dtype, max_slots: int, max_context: int) -> None:
+                 dtype: torch.dtype, max_slots: int, max_context: int, kv_cache_memory_bytes: int | None = None,
+                 gpu_memory_utilization: float | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                 prefix_caching: bool = True) -> None:
+        """`max_slots`: sequences open at once (a slot costs nothing until it holds positions);
+        `max_context`: positions of one sequence; the pool's size: kv_memory.pool_blocks."""
         super().__init__(max_slots, max_context)
         reason = lean_unsupported_reason(config)
         if reason is not None:
@@ -145,9 +153,11 @@ class LeanLlamaRunner(ModelRunner):
         self.n_kv_heads = getattr(config, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
         self.eps = config.rms_norm_eps
+        self.block_size = block_size
         with torch.no_grad():
             self._load_weights(config, state_dict)
             self._build_rope(config)
+            self._allocate_pool(kv_cache_memory_bytes, gpu_memory_utilization, prefix_caching)
 
     # ---- load --------------------------------------------------------------------------------
 
@@ -174,9 +184,6 @@ class LeanLlamaRunner(ModelRunner):
 
         self.lm_head = linear(head)
         self.final_norm = take("model.norm.weight")
-        cache_shape = (self.max_slots, self.n_kv_heads, self.max_context, self.head_dim)
-        check_kv_fits(2 * config.num_hidden_layers * math.prod(cache_shape) * self.embed.element_size(), self.device,
-                      self.max_slots, self.max_context)
         self.layers: list[_Layer] = []
         for i, window in enumerate(_layer_windows(config)):
             p = f"model.layers.{i}."
@@ -191,10 +198,26 @@ class LeanLlamaRunner(ModelRunner):
                 gate_up=linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
                 down=linear(take(p + "mlp.down_proj.weight")),
                 window=window if window is not None and window < self.max_context else None,
-                k_cache=torch.zeros(cache_shape, device=self.device, dtype=self.dtype),
-                v_cache=torch.zeros(cache_shape, device=self.device, dtype=self.dtype),
+                k_cache=torch.empty(0), v_cache=torch.empty(0),  # _allocate_pool, once the weights are in
             ))
         self._windows = sorted({layer.window for layer in self.layers}, key=lambda w: w or 0)
+
+    def _allocate_pool(self, kv_cache_memory_bytes: int | None, gpu_memory_utilization: float | None,
+                       prefix_caching: bool) -> None:
+        row_bytes = 2 * len(self.layers) * self.n_kv_heads * self.head_dim * self.embed.element_size()
+        num_blocks = pool_blocks(block_bytes=row_bytes * self.block_size, block_size=self.block_size,
+                                 max_slots=self.max_slots, max_context=self.max_context, device=self.device,
+                                 kv_cache_memory_bytes=kv_cache_memory_bytes,
+                                 gpu_memory_utilization=gpu_memory_utilization)
+        per_sequence = -(-self.max_context // self.block_size)
+        # A pool sized like a slot cache is laid out like one (BlockTables: homes); a smaller one pages.
+        homes = per_sequence if num_blocks >= self.max_slots * per_sequence else 0
+        self.kv = BlockTables(num_blocks, self.block_size, prefix_caching=prefix_caching, home_blocks=homes)
+        shape = (self.n_kv_heads, num_blocks * self.block_size, self.head_dim)
+        for layer in self.layers:
+            # zeros: a masked-out row still enters attention multiplied by 0, so it must be finite
+            layer.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+            layer.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
 
     def _build_rope(self, config) -> None:
         inv_freq, scale = _inv_freq(config)
@@ -206,17 +229,27 @@ class LeanLlamaRunner(ModelRunner):
         self.cos = (emb.cos() * scale).to(device=self.device, dtype=self.dtype)  # [max_context, head_dim]
         self.sin = (emb.sin() * scale).to(device=self.device, dtype=self.dtype)
 
+    def _rows(self, blocks: list[int], cache_indices) -> list[int]:
+        """Pool rows of a slot's cache indices."""
+        bs = self.block_size
+        return [blocks[i // bs] * bs + i % bs for i in cache_indices]
+
     def _move_positions(self, slot: int, src: list[int], dst: list[int]) -> None:
+        blocks = self.kv.blocks(slot)
+        self._copy_rows(self._rows(blocks, src), self._rows(blocks, dst))
+
+    def _copy_rows(self, src: list[int], dst: list[int]) -> None:
         src_t = torch.tensor(src, device=self.device)
         dst_t = torch.tensor(dst, device=self.device)
         for layer in self.layers:  # the gather copies first, so overlapping moves are safe
-            layer.k_cache[slot, :, dst_t] = layer.k_cache[slot, :, src_t]
-            layer.v_cache[slot, :, dst_t] = layer.v_cache[slot, :, src_t]
+            layer.k_cache[:, dst_t] = layer.k_cache[:, src_t]
+            layer.v_cache[:, dst_t] = layer.v_cache[:, src_t]
 
-    def _copy_prefix(self, src: int, dst: int, length: int) -> None:
-        for layer in self.layers:  # cost grows with the branch point, not with max_context
-            layer.k_cache[dst, :, :length] = layer.k_cache[src, :, :length]
-            layer.v_cache[dst, :, :length] = layer.v_cache[src, :, :length]
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: each (source, copy) block's rows into the copy."""
+        bs = self.block_size
+        self._copy_rows([s * bs + i for s, _ in pairs for i in range(bs)],
+                        [d * bs + i for _, d in pairs for i in range(bs)])
 
     # ---- forward -----------------------------------------------------------------------------
 
@@ -282,7 +315,11 @@ class LeanLlamaRunner(ModelRunner):
     def _prepare(self, chunks: Sequence[SlotChunk]) -> _Batch:
         sizes = [len(c.token_ids) for c in chunks]
         starts = [c.start_pos for c in chunks]
-        slots = [c.slot for c in chunks]
+        # Blocks first: it raises BlocksExhausted before anything changes when the pool is short.
+        copies = self.kv.prepare_writes([(c.slot, s, s + n) for c, s, n in zip(chunks, starts, sizes)])
+        if copies:
+            self._copy_blocks(copies)
+        tables = [self.kv.blocks(c.slot) for c in chunks]
         n_chunks, max_len = len(chunks), max(sizes)
         contexts = [s + n for s, n in zip(starts, sizes)]
         max_ctx = max(contexts)
@@ -291,27 +328,39 @@ class LeanLlamaRunner(ModelRunner):
         depths = [c.depths() for c in chunks] if trees else None  # chains: position == cache index
         positions = cache_index if not trees else list(
             chain.from_iterable([s + d for d in ds] for s, ds in zip(starts, depths)))
-        token_slots = list(chain.from_iterable([c.slot] * n for c, n in zip(chunks, sizes)))
+        write_rows = list(chain.from_iterable(self._rows(t, range(s, s + n)) for t, s, n in zip(tables, starts, sizes)))
         tokens = list(chain.from_iterable(c.token_ids for c in chunks))
         # One host->device copy for all per-token indices.
-        rows = [tokens, positions, token_slots] + ([cache_index] if trees else [])
-        flat = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        flat = torch.tensor([tokens, positions, write_rows], dtype=torch.long).to(self.device, non_blocking=True)
         uniform = all(n == max_len for n in sizes)
         pad_index = None
         if not uniform:
             pad_index = torch.tensor(
                 list(chain.from_iterable(range(b * max_len, b * max_len + n) for b, n in enumerate(sizes))),
                 dtype=torch.long).to(self.device, non_blocking=True)
-        consecutive = slots == list(range(slots[0], slots[0] + n_chunks))
-        batch_slots = (slice(slots[0], slots[0] + n_chunks) if consecutive
-                       else torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True))
         last = [end - 1 for end in accumulate(sizes)]
         masks = {w: self._mask(starts, sizes, contexts, max_len, max_ctx, w, depths, trees) for w in self._windows}
-        return _Batch(tokens=flat[0], positions=flat[1], cache_index=flat[3] if trees else flat[1], slots=flat[2],
-                      batch_slots=batch_slots,
+        return _Batch(tokens=flat[0], positions=flat[1], write_rows=flat[2], read_rows=self._read_rows(tables, max_ctx),
                       pad_index=pad_index, masks=masks,
                       last_rows=torch.tensor(last, dtype=torch.long).to(self.device, non_blocking=True),
                       sizes=sizes, n_chunks=n_chunks, max_len=max_len, max_ctx=max_ctx)
+
+    def _read_rows(self, tables: list[list[int]], max_ctx: int) -> torch.Tensor | tuple[int, int]:
+        """What `_attention` reads: (first block, spacing in blocks) when every chunk's blocks for
+        indices 0 .. K-1 lie in order and the chunks' first blocks are evenly spaced (a view of the pool,
+        no copy), else the pool rows of each chunk's indices, flat [B * K]."""
+        bs = self.block_size
+        n = -(-max_ctx // bs)
+        firsts = [t[0] for t in tables]
+        spacing = firsts[1] - firsts[0] if len(tables) > 1 else 1
+        if spacing > 0 and all(t[:n] == list(range(f, f + n)) and f == firsts[0] + b * spacing
+                               for b, (t, f) in enumerate(zip(tables, firsts))):
+            return firsts[0], spacing
+        # Block ids to the device (B x n), rows computed there: B x K indices never cross the bus.
+        padded = torch.tensor([t[:n] + [0] * (n - len(t[:n])) for t in tables], dtype=torch.long)
+        padded = padded.to(self.device, non_blocking=True)
+        rows = padded[:, :, None] * bs + torch.arange(bs, device=self.device)
+        return rows.view(len(tables), n * bs)[:, :max_ctx].reshape(-1)
 
     def _mask(self, starts, sizes, contexts, max_len, max_ctx, window, depths, trees) -> torch.Tensor | None:
         """[B, 1, T, K] bool, True = attend. None when every query may see every gathered key."""
@@ -357,15 +406,17 @@ class LeanLlamaRunner(ModelRunner):
         qk = qk * cos + _rotate_half(qk) * sin  # rope on queries and keys in one go
         q, k = qk[:, :nh], qk[:, nh:]
         v = qkv[:, (nh + nkv) * hd:].view(n_tok, nkv, hd)
-        layer.k_cache[batch.slots, :, batch.cache_index] = k
-        layer.v_cache[batch.slots, :, batch.cache_index] = v
-        if isinstance(batch.batch_slots, slice):
-            keys = layer.k_cache[batch.batch_slots, :, : batch.max_ctx]
-            values = layer.v_cache[batch.batch_slots, :, : batch.max_ctx]
-        else:  # slice first: the gather copies the positions in use, not every slot's max_context
-            keys = layer.k_cache[:, :, : batch.max_ctx].index_select(0, batch.batch_slots)
-            values = layer.v_cache[:, :, : batch.max_ctx].index_select(0, batch.batch_slots)
+        layer.k_cache[:, batch.write_rows] = k.transpose(0, 1)
+        layer.v_cache[:, batch.write_rows] = v.transpose(0, 1)
         b, t = batch.n_chunks, batch.max_len
+        if isinstance(batch.read_rows, tuple):  # [B, nkv, K, hd] views: sequence b starts `spacing` blocks on
+            first, spacing = batch.read_rows
+            view = ((b, nkv, batch.max_ctx, hd), (spacing * self.block_size * hd, layer.k_cache.stride(0), hd, 1),
+                    first * self.block_size * hd)
+            keys, values = layer.k_cache.as_strided(*view), layer.v_cache.as_strided(*view)
+        else:  # [nkv, B*K, hd] -> [B, nkv, K, hd]: each (sequence, head) is K contiguous rows, as in a slot
+            keys = layer.k_cache.index_select(1, batch.read_rows).view(nkv, b, batch.max_ctx, hd).transpose(0, 1)
+            values = layer.v_cache.index_select(1, batch.read_rows).view(nkv, b, batch.max_ctx, hd).transpose(0, 1)
         if batch.pad_index is None:
             q_pad = q.reshape(b, t, nh, hd)
         else:
@@ -381,23 +432,6 @@ class LeanLlamaRunner(ModelRunner):
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         gate, up = layer.gate_up(self._norm(h, layer.post_norm)).chunk(2, dim=-1)
         return h + layer.down(F.silu(gate) * up)
-
-
-def check_kv_fits(kv_bytes: int, device: torch.device, max_slots: int, max_context: int) -> None:
-    """A clear start-up error when the preallocated KV cache cannot fit in free memory."""
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        try:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):  # not a POSIX system: nothing to check against
-            return
-    if kv_bytes > 0.9 * free:
-        raise CheckpointError(
-            f"the KV cache for {max_slots} sequences x {max_context} positions needs {kv_bytes / 2**30:.1f} GiB "
-            f"but {free / 2**30:.1f} GiB is free on {device}; lower models[].max_model_len (or the number of "
-            f"sequences)"
-        )
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

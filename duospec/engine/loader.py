@@ -10,16 +10,17 @@ from __future__ import annotations
 import copy
 import logging
 import pathlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from duospec.engine.errors import CheckpointError
+from duospec.engine.kv_memory import DEFAULT_BLOCK_SIZE
 from duospec.engine.replay import REPLAY_FILE, load_replay_runner
 from duospec.engine.runner import ModelRunner
 
-__all__ = ["LoadedCheckpoint", "end_token_ids", "load_checkpoint", "load_model", "load_tokenizer", "resolve_dtype"]
+__all__ = ["KVOptions", "LoadedCheckpoint", "end_token_ids", "load_checkpoint", "load_model", "load_tokenizer", "resolve_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,20 @@ BACKENDS = ("auto", "lean", "hf")
 DEFAULT_MAX_CONTEXT_CAP = 4096
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+
+
+@dataclass(frozen=True)
+class KVOptions:
+    """A paged runner's KV pool and prefix cache (duospec/engine/kv_memory.py says how the pool is sized;
+    the serve config's models[] fields of the same names fill these)."""
+
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    prefix_caching: bool = True
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    def kwargs(self) -> dict:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -110,12 +125,13 @@ def _max_context(ref: str, config, max_context: int | None) -> int:
 
 def load_model(path: str | pathlib.Path, *, device: str | torch.device = "cpu", dtype: str | torch.dtype = "auto",
                max_slots: int = 16, max_context: int | None = None, backend: str = "auto",
-               num_layers: int | None = None) -> ModelRunner:
+               num_layers: int | None = None, kv: KVOptions | None = None) -> ModelRunner:
     """Load a causal LM checkpoint into a ``ModelRunner``.
 
-    backend: "lean" = duospec's slot-cache forward (Llama/Qwen2/Mistral; error otherwise), "hf" =
+    backend: "lean" = duospec's paged-KV forward (Llama/Qwen2/Mistral; error otherwise), "hf" =
     the transformers model one sequence at a time, "auto" = lean where supported, else hf.
-    max_context: positions per slot; default min(max_position_embeddings, 4096).
+    max_slots: sequences open at once; max_context: positions of one sequence, default
+    min(max_position_embeddings, 4096); kv: the lean backend's KV pool (kv_memory.py).
     num_layers: keep only the first K decoder layers (plus the final norm and LM head): the
     shallow-layer draft of a target (only those layers' weights are loaded).
     A directory holding ``replay.json`` loads a ``ReplayRunner`` (benchmark simulation; see replay.py).
@@ -145,7 +161,7 @@ def load_model(path: str | pathlib.Path, *, device: str | torch.device = "cpu", 
     model = _load_hf_model(ref, torch_dtype, config if num_layers is not None else None)
     if use_lean:
         runner: ModelRunner = LeanLlamaRunner(model.config, model.state_dict(), device=dev, dtype=torch_dtype,
-                                              max_slots=max_slots, max_context=context)
+                                              max_slots=max_slots, max_context=context, **(kv or KVOptions()).kwargs())
         del model
         return runner
     from duospec.engine.hf_runner import HFRunner

@@ -16,6 +16,13 @@ Glossary:
              ``keep_path(slot, start_pos, path)`` then moves the accepted path to its positions and
              drops the rest — at most the path's length in copies. A chain is ``parents = [-1, 0, ...]``.
 
+Paged backends (the lean one) keep a slot's positions in blocks of one pool (duospec/engine/blocks.py,
+``self.kv``): a slot costs nothing until it holds positions, ``max_context`` bounds one sequence, and
+the pool bounds them all together (a forward that needs more blocks than are free raises
+``BlocksExhausted`` and changes nothing). Their prefix cache: ``commit(slot, n)`` declares positions
+``0 .. n-1`` verified (only those are ever cached), ``match_prefix`` adopts cached blocks of a
+sequence's verified tokens from an earlier sequence with the same ``cache_salt``.
+
 Logits are returned as float32 on the CPU by default; ``to_cpu=False`` keeps them float32 on the
 runner's device, and ``forward_for_verify`` (the target's) returns only the rows the verify rule
 reads, on the device, where `duospec.verify.batch` decides the batch.
@@ -30,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from duospec.trees import tree_depths
+from duospec.engine.blocks import BlockTables, CacheStats
 from duospec.engine.errors import SlotsExhausted
 
 __all__ = ["SlotChunk", "ModelRunner"]
@@ -68,6 +76,7 @@ class ModelRunner(abc.ABC):
     backend: str
     supports_trees: bool = False  # chunks with `parents` and keep_path (the lean and replay backends)
     supports_hidden: bool = False  # forward_with_hidden (the lean backend)
+    kv: BlockTables | None = None  # paged backends: every slot's block table over one pool
 
     def __init__(self, max_slots: int, max_context: int) -> None:
         if max_slots < 1:
@@ -81,11 +90,14 @@ class ModelRunner(abc.ABC):
 
     # ---- slots -------------------------------------------------------------------------------
 
-    def allocate_slot(self) -> int:
-        """Return a free slot (lowest index first) with length 0."""
+    def allocate_slot(self, cache_salt: str = "") -> int:
+        """Return a free slot (lowest index first) with length 0. `cache_salt`: whose prefix cache the
+        slot shares (a tenant; "" = every sequence of this runner's model)."""
         for slot, length in enumerate(self._lengths):
             if length is None:
                 self._lengths[slot] = 0
+                if self.kv is not None:
+                    self.kv.open(slot, cache_salt)
                 self._on_allocate(slot)
                 return slot
         raise SlotsExhausted(
@@ -96,6 +108,8 @@ class ModelRunner(abc.ABC):
     def free_slot(self, slot: int) -> None:
         self._check_allocated(slot)
         self._lengths[slot] = None
+        if self.kv is not None:
+            self.kv.close(slot)
         self._on_free(slot)
 
     def slot_length(self, slot: int) -> int:
@@ -106,7 +120,12 @@ class ModelRunner(abc.ABC):
         current = self._check_allocated(slot)
         if not 0 <= length <= current:
             raise ValueError(f"truncate(slot={slot}, length={length}): length must be in [0, {current}]")
+        self._set_length(slot, length)
+
+    def _set_length(self, slot: int, length: int) -> None:
         self._lengths[slot] = length
+        if self.kv is not None:
+            self.kv.truncate(slot, length)
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Make slot ``dst`` hold what slot ``src`` holds at positions ``0 .. length-1``."""
@@ -115,12 +134,46 @@ class ModelRunner(abc.ABC):
         if src == dst or not 0 <= length <= src_len:
             raise ValueError(f"copy_prefix(src={src}, dst={dst}, length={length}): need src != dst and "
                              f"length in [0, {src_len}]")
-        self._copy_prefix(src, dst, length)
+        if self.kv is not None:  # shares src's blocks; a later write copies the one it touches
+            self.kv.fork(src, dst, length)
+        else:
+            self._copy_prefix(src, dst, length)
         self._lengths[dst] = length
 
-    @abc.abstractmethod
     def _copy_prefix(self, src: int, dst: int, length: int) -> None:
-        """Backend part of ``copy_prefix`` (arguments validated)."""
+        """Backend part of ``copy_prefix`` for slot backends (arguments validated)."""
+        raise NotImplementedError(f"the {self.backend} backend cannot copy a slot")
+
+    # ---- prefix cache (paged backends; elsewhere these change nothing) -----------------------
+
+    def commit(self, slot: int, length: int) -> None:
+        """Positions ``0 .. length-1`` of ``slot`` hold verified tokens: their full blocks may serve
+        later sequences with the slot's cache salt. Never pass draft positions."""
+        current = self._check_allocated(slot)
+        if not 0 <= length <= current:
+            raise ValueError(f"commit(slot={slot}, length={length}): length must be in [0, {current}]")
+        if self.kv is not None:
+            self.kv.commit(slot, length)
+
+    def match_prefix(self, slot: int, start_pos: int, token_ids: Sequence[int]) -> int:
+        """``slot`` holds verified tokens at ``0 .. start_pos-1`` and ``token_ids`` (verified) follow:
+        take cached blocks for as many of them as the prefix cache holds, at least the last token
+        left out. Returns the position to feed from (``start_pos`` on a miss); the slot then holds
+        that many positions."""
+        current = self._check_allocated(slot)
+        if not 0 <= start_pos <= current or not token_ids:
+            raise ValueError(f"match_prefix(slot={slot}, start_pos={start_pos}): need start_pos in "
+                             f"[0, {current}] and at least one token")
+        if self.kv is None:
+            return start_pos
+        self._set_length(slot, start_pos)
+        reached = self.kv.match(slot, start_pos, token_ids)
+        self._lengths[slot] = reached
+        return reached
+
+    def cache_stats(self) -> CacheStats | None:
+        """The KV pool and prefix cache counters (None: a slot backend)."""
+        return self.kv.stats() if self.kv is not None else None
 
     def keep_path(self, slot: int, start_pos: int, path: Sequence[int]) -> None:
         """After a tree chunk at ``start_pos``: keep only the tokens at chunk indices ``path`` (root
@@ -133,8 +186,11 @@ class ModelRunner(abc.ABC):
                              f"and lie within the {length - start_pos} tokens cached from start_pos")
         moves = [(start_pos + i, start_pos + d) for d, i in enumerate(path) if i != d]
         if moves:
-            self._move_positions(slot, [src for src, _ in moves], [dst for _, dst in moves])
-        self._lengths[slot] = start_pos + len(path)
+            src, dst = [s for s, _ in moves], [d for _, d in moves]
+            if self.kv is not None:
+                self.kv.move(slot, src, dst)
+            self._move_positions(slot, src, dst)
+        self._set_length(slot, start_pos + len(path))
 
     def _move_positions(self, slot: int, src: list[int], dst: list[int]) -> None:
         raise NotImplementedError(f"the {self.backend} backend has no token trees")
@@ -253,3 +309,5 @@ class ModelRunner(abc.ABC):
     def _commit_lengths(self, chunks: Sequence[SlotChunk]) -> None:
         for chunk in chunks:
             self._lengths[chunk.slot] = chunk.start_pos + len(chunk.token_ids)
+            if self.kv is not None:
+                self.kv.record(chunk.slot, chunk.start_pos, chunk.token_ids)
