@@ -1,7 +1,7 @@
 """`duospec serve` configuration: typed, validated at load, errors that name the field and the fix.
 
     server:   {host: 0.0.0.0, port: 50051, http_port: 8000 (OpenAI-compatible HTTP; 0 = off), metrics_port: 9400,
-               metrics_host: null (= host), max_concurrent_requests: 64,
+               metrics_host: 127.0.0.1, max_concurrent_requests: 64,
                max_queued_requests: 256, max_new_tokens_limit: 2048, grace_period_s: 10,
                tls: {cert_file: ..., key_file: ..., client_ca_file: ...},
                internal_tls: {cert_file: ..., key_file: ..., ca_file: ..., server_name: duospec-worker}}
@@ -89,7 +89,9 @@ class ServerSettings:
     port: int = 50051
     http_port: int = 8000  # the OpenAI-compatible HTTP API, on `host`; 0 = off
     metrics_port: int = 9400  # 0 = no metrics endpoint
-    metrics_host: str | None = None  # where /metrics listens; None = `host`
+    # Where /metrics listens: loopback unless configured, whatever `host` is. Metrics name tenants and
+    # models, so an operator opens them (KubeRay: the pod IP, behind a NetworkPolicy) on purpose.
+    metrics_host: str = "127.0.0.1"
     max_concurrent_requests: int = 64  # streams generating at once (all tenants)
     max_queued_requests: int = 256  # waiting for a generation slot; beyond this RESOURCE_EXHAUSTED
     max_new_tokens_limit: int = 2048  # a request asking for more is INVALID_ARGUMENT
@@ -225,7 +227,7 @@ def _parse_server(f: "_Fields", base_dir: pathlib.Path) -> ServerSettings:
         port=f.int_in("port", 0, 65535, default=d.port),
         http_port=f.int_in("http_port", 0, 65535, default=d.http_port),
         metrics_port=f.int_in("metrics_port", 0, 65535, default=d.metrics_port),
-        metrics_host=f.get("metrics_host", str, default=None) if f.raw.get("metrics_host") is not None else None,
+        metrics_host=f.get("metrics_host", str, default=d.metrics_host),
         max_concurrent_requests=f.int_in("max_concurrent_requests", 1, 1 << 20, default=d.max_concurrent_requests),
         max_queued_requests=f.int_in("max_queued_requests", 0, 1 << 20, default=d.max_queued_requests),
         max_new_tokens_limit=f.int_in("max_new_tokens_limit", 1, 1 << 24, default=d.max_new_tokens_limit),
@@ -234,6 +236,9 @@ def _parse_server(f: "_Fields", base_dir: pathlib.Path) -> ServerSettings:
         tls=tls,
         internal_tls=internal_tls,
     )
+    if not settings.metrics_host.strip():
+        raise ConfigError(f"{f.where('metrics_host')}: empty; give the address /metrics listens on "
+                          "(127.0.0.1, the address your Prometheus reaches, or 0.0.0.0 for every interface)")
     if settings.default_max_new_tokens > settings.max_new_tokens_limit:
         raise ConfigError(
             f"{f.where('default_max_new_tokens')}: {settings.default_max_new_tokens} is above "

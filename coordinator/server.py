@@ -156,8 +156,7 @@ class DuospecServer:
         await server.start()
         self._server = server
         if self.settings.metrics_port:
-            self._metrics_http = self.metrics.serve(self.settings.metrics_port,
-                                                    self.settings.metrics_host or self.settings.host)
+            self._metrics_http = self.metrics.serve(self.settings.metrics_port, self.settings.metrics_host)
         self._health_task = asyncio.create_task(self._health_loop())
         if self.tenants_path is not None:
             self._tenants_task = asyncio.create_task(self._watch_tenants())

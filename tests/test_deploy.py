@@ -5,6 +5,8 @@
   rejected) from ../shared/kuberay-crds (or $DUOSPEC_KUBERAY_CRDS); core kinds have their fields.
 - Every `duospec ...` command in deploy/ parses with the real CLI parser, and ports, paths, model
   locations and versions agree between serve commands, Service, probes, config and Dockerfile.
+
+What is exposed, and to whom, and what keeps the server running: tests/test_deploy_hardening.py.
 """
 
 from __future__ import annotations
@@ -17,41 +19,19 @@ import os
 import pathlib
 import re
 import shlex
-import subprocess
 
 import pytest
 import yaml
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-DEPLOY = REPO / "deploy"
-KUBERAY = DEPLOY / "kuberay"
-CLUSTER_CONFIGS = ("cluster.yaml", "cluster.local.yaml")
+from deploy_support import (
+    CLUSTER_CONFIGS, DEPLOY, REPO, commands_in, deploy_commands, flag_values, head_pod_spec, head_serve_flags,
+    kuberay_docs, load_yaml, readme_commands, serve_config, the_doc,
+)
+
 CRD_KINDS = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml",
              "RayService": "ray.io_rayservices.yaml"}
 CORE_KINDS = ("Service", "Secret", "ConfigMap", "PersistentVolumeClaim", "NetworkPolicy")
 API_VERSIONS = {"NetworkPolicy": "networking.k8s.io/v1"}  # the rest are core v1
-
-
-def load_yaml(path: pathlib.Path):
-    return yaml.safe_load(path.read_text(encoding="utf-8"))
-
-
-def kuberay_docs() -> list[tuple[str, dict]]:
-    """(file name, manifest) for every document in deploy/kuberay."""
-    docs = []
-    for path in sorted(KUBERAY.glob("*.yaml")):
-        docs += [(path.name, d) for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d is not None]
-    return docs
-
-
-def the_doc(kind: str) -> dict:
-    found = [d for _, d in kuberay_docs() if d.get("kind") == kind]
-    assert len(found) == 1, f"deploy/kuberay: expected exactly one {kind}, found {len(found)}"
-    return found[0]
-
-
-def serve_config() -> dict:
-    return load_yaml(DEPLOY / "serve.yaml")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,79 +228,6 @@ def test_int_or_string_quantities_accept_both_and_nothing_else(crd_validators):
 # Commands in the deploy files parse with the real CLI
 
 
-SHELL_OPERATOR = re.compile(r"^[();<>|&]+$")
-SUBCOMMAND = re.compile(r"^[a-z][\w-]*$")
-
-
-def commands_in(text: str) -> list[list[str]]:
-    """Every `duospec ...` command in a shell snippet, as argv without the program name. Quoted
-    strings are searched too (`tmux new-session "... && duospec serve ..."`)."""
-    found = []
-    for line in text.replace("\\\n", " ").splitlines():
-        lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
-        lexer.whitespace_split = True
-        tokens = list(lexer)
-        for i, token in enumerate(tokens):
-            if " " in token:
-                found += commands_in(token)
-            rest = tokens[i + 1:]
-            if token.rsplit("/", 1)[-1] == "duospec" and rest and SUBCOMMAND.match(rest[0]):
-                found.append(argv_until_operator(rest))
-    return found
-
-
-def argv_until_operator(tokens: list[str]) -> list[str]:
-    argv = []
-    for j, token in enumerate(tokens):
-        redirected_fd = token.isdigit() and j + 1 < len(tokens) and tokens[j + 1][0] in "<>"  # the 2 of `2>&1`
-        if SHELL_OPERATOR.match(token) or redirected_fd:
-            break
-        argv.append(token)
-    return argv
-
-
-def yaml_strings(node):
-    if isinstance(node, str):
-        yield node
-    elif isinstance(node, dict):
-        for value in node.values():
-            yield from yaml_strings(value)
-    elif isinstance(node, list):
-        for value in node:
-            yield from yaml_strings(value)
-
-
-def deploy_commands() -> list[tuple[str, list[str]]]:
-    """(source, argv) for commands the deployment runs: YAML values in deploy/ (not comments)."""
-    found = []
-    for path in sorted(DEPLOY.rglob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")):
-            for text in yaml_strings(doc):
-                found += [(str(path.relative_to(REPO)), argv) for argv in commands_in(text)]
-    return found
-
-
-def readme_commands() -> list[tuple[str, list[str]]]:
-    text = (DEPLOY / "README.md").read_text(encoding="utf-8")
-    blocks = re.findall(r"^[ \t]*```[a-z]*\n(.*?)^[ \t]*```", text, flags=re.S | re.M)
-    lines = "\n".join(line for block in blocks for line in block.splitlines() if not line.lstrip().startswith("#"))
-    return [("deploy/README.md", argv) for argv in commands_in(lines)]
-
-
-def flag_values(argv: list[str]) -> dict[str, str]:
-    """`--flag value` / `--flag=value` pairs (booleans map to "")."""
-    values, i = {}, 0
-    while i < len(argv):
-        token = argv[i]
-        if token.startswith("--"):
-            name, eq, value = token.partition("=")
-            if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                value, i = argv[i + 1], i + 1
-            values[name] = value
-        i += 1
-    return values
-
-
 def test_every_documented_duospec_command_parses():
     from duospec.cli import build_parser
 
@@ -380,16 +287,6 @@ def test_wait_for_gpus_invocations_parse():
 
 # ---------------------------------------------------------------------------------------------
 # KubeRay: ports, probes, mounts and config agree
-
-
-def head_pod_spec() -> dict:
-    return the_doc("RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]
-
-
-def head_serve_flags() -> dict[str, str]:
-    container = head_pod_spec()["containers"][0]
-    [argv] = [a for text in yaml_strings(container) for a in commands_in(text) if a[0] == "serve"]
-    return flag_values(argv[1:])
 
 
 def test_kuberay_ports_agree_between_server_service_and_probe():
@@ -508,52 +405,3 @@ def test_gpu_workers_request_one_gpu_each():
         assert str(resources["limits"]["nvidia.com/gpu"]) == str(resources["requests"]["nvidia.com/gpu"]) == "1"
     total = sum(g["replicas"] for g in the_doc("RayCluster")["spec"]["workerGroupSpecs"])
     assert total >= 2, "draft and target need a GPU each"
-
-
-def test_head_command_starts_ray_without_block_then_execs_serve(tmp_path):
-    """The head container's shell: KubeRay's generated `ray start` minus --block (quoted JSON
-    intact), then `duospec serve` as the main process. Fake `ray`/`duospec` record their argv."""
-    for tool in ("ray", "duospec"):
-        fake = tmp_path / tool
-        fake.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > "{tmp_path}/{tool}.argv"\n')
-        fake.chmod(0o755)
-    container = head_pod_spec()["containers"][0]
-    generated = """ray start --head --resources='{"duospec": 1}' --block --num-gpus=0"""
-    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "KUBERAY_GEN_RAY_START_CMD": generated}
-    # Without -l: this machine's login profile would reset PATH and hide the fakes.
-    command = [arg.replace("-lc", "-c") for arg in container["command"]]
-    done = subprocess.run([*command, *container["args"]], env=env, capture_output=True, text=True, timeout=30)
-    assert done.returncode == 0, done.stderr
-    ray_argv = (tmp_path / "ray.argv").read_text().splitlines()
-    assert ray_argv == ["start", "--head", '--resources={"duospec": 1}', "--num-gpus=0"]
-    serve_argv = (tmp_path / "duospec.argv").read_text().splitlines()
-    assert serve_argv[0] == "serve" and flag_values(serve_argv[1:]) == head_serve_flags()
-
-
-def test_kuberay_exposes_only_the_api_and_metrics_beyond_the_raycluster():
-    """The dashboard (job submission runs code), GCS and the workers' data-plane ports are reachable
-    only from the RayCluster's own pods; from elsewhere only gRPC 50051, HTTP 8000 and metrics 9400 (head)."""
-    cluster = the_doc("RayCluster")["metadata"]["name"]
-    policies = [d for _, d in kuberay_docs() if d.get("kind") == "NetworkPolicy"]
-    own_pods = {"podSelector": {"matchLabels": {"ray.io/cluster": cluster}}}
-    opened_to_outside: dict[str, set] = {}
-    for policy in policies:
-        spec = policy["spec"]
-        assert "Ingress" in spec["policyTypes"]
-        selected = spec["podSelector"]["matchLabels"]
-        assert selected.get("ray.io/cluster") == cluster, policy["metadata"]["name"]
-        for rule in spec.get("ingress", []):
-            if rule.get("from") == [own_pods]:
-                continue  # the pods of this RayCluster talk to each other freely
-            assert "from" not in rule or rule["from"], "an empty from would admit everyone"
-            ports = {p["port"] for p in rule.get("ports", [])}
-            assert ports, f"{policy['metadata']['name']}: a rule open to other pods must name its ports"
-            opened_to_outside.setdefault(selected.get("ray.io/node-type", "all"), set()).update(ports)
-    assert opened_to_outside == {"head": {50051, 8000, 9400}}
-    assert any(p["spec"]["podSelector"]["matchLabels"] == {"ray.io/cluster": cluster} for p in policies), \
-        "every pod of the RayCluster must be covered by a policy"
-    service = next(d for _, d in kuberay_docs() if d.get("kind") == "Service")
-    assert service["spec"].get("type", "ClusterIP") == "ClusterIP" and {p["port"] for p in service["spec"]["ports"]} \
-        == {50051, 8000, 9400}
-    head_service = cluster_head_service = the_doc("RayCluster")["spec"]["headGroupSpec"]["headService"]["spec"]
-    assert cluster_head_service.get("clusterIP") == "None" and head_service.get("type", "ClusterIP") == "ClusterIP"

@@ -62,3 +62,17 @@ async def test_metrics_endpoint_serves_request_metrics(tiny_pair):  # noqa: F811
                  "duospec:spec_decode_num_draft_tokens_total{tenant=\"default\"}",
                  "duospec:coordinator_live_sequences"):
         assert name in body, name
+
+
+async def test_metrics_listen_on_loopback_even_when_the_api_listens_everywhere(tiny_pair):  # noqa: F811
+    """Bound to 0.0.0.0 (with tenants), the server still serves /metrics on 127.0.0.1, whose tenant
+    labels are not for the network, until server.metrics_host names an address."""
+    from duospec.coordinator.tenancy import Tenant, hash_api_key, new_api_key
+
+    tenants = [Tenant("alpha", key_hashes=(hash_api_key(new_api_key()),))]
+    for metrics_host, expected in ((None, "127.0.0.1"), ("127.0.0.2", "127.0.0.2")):
+        options = {} if metrics_host is None else {"metrics_host": metrics_host}
+        settings = ServerSettings(host="0.0.0.0", port=0, metrics_port=_free_port(), http_port=0, **options)
+        async with running_server(server_coordinator(tiny_pair), settings, tenants=tenants) as h:
+            server, _thread = h.server._metrics_http
+            assert server.server_address[0] == expected

@@ -272,18 +272,6 @@ async def test_request_ids_that_could_forge_log_lines_are_refused(harness, reque
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in err.details()
 
 
-async def test_the_metrics_endpoint_binds_to_the_server_host(tiny_pair):  # noqa: F811
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    settings = ServerSettings(host="127.0.0.1", port=0, metrics_port=port, http_port=0)
-    async with running_server(server_coordinator(tiny_pair), settings, tenants=TENANTS) as h:
-        server, _thread = h.server._metrics_http
-        assert server.server_address[0] == "127.0.0.1"  # not 0.0.0.0: no wider than the API itself
-
-
 async def test_tenants_file_changes_apply_without_a_restart_and_revoked_streams_end(tiny_pair, tmp_path):  # noqa: F811
     """Removing a key from the tenants file ends that key's open stream with UNAUTHENTICATED and
     refuses it from then on; a key added to the file works at once; a malformed file changes nothing."""

@@ -25,6 +25,9 @@ def register(subparsers) -> None:
     p.add_argument("--http-port", type=int,
                    help="OpenAI-compatible HTTP port, /v1/completions etc. (default 8000; 0 = off)")
     p.add_argument("--metrics-port", type=int, help="Prometheus /metrics port (default 9400; 0 = off)")
+    p.add_argument("--metrics-host", type=_address,
+                   help="address /metrics listens on (default 127.0.0.1 whatever --host is, or "
+                        "server.metrics_host from --config)")
     p.add_argument("--address", help="Ray cluster to join (ADDR or 'auto'); default: start a local Ray")
     p.add_argument("--backend", choices=("ray", "local"), default="ray",
                    help="ray = draft/target Ray actors (default); local = in-process, no Ray (development)")
@@ -36,6 +39,12 @@ def register(subparsers) -> None:
                    help="on SIGTERM, how long in-flight streams may finish before they are cancelled "
                         "(default 10, or server.grace_period_s from --config)")
     p.set_defaults(func=run_serve)
+
+
+def _address(text: str) -> str:
+    if not text.strip():  # an empty bind address would mean every interface
+        raise argparse.ArgumentTypeError("empty; give an address such as 127.0.0.1 or the pod IP")
+    return text
 
 
 def _grace_seconds(text: str) -> float:
@@ -80,7 +89,7 @@ def build_config(args: argparse.Namespace):
         config = replace(config, models=[default_model(args.model_dir)])
     server = config.server
     overrides = {"host": args.host, "port": args.port, "http_port": args.http_port, "metrics_port": args.metrics_port,
-                 "grace_period_s": args.grace_period}
+                 "metrics_host": args.metrics_host, "grace_period_s": args.grace_period}
     server = replace(server, **{k: v for k, v in overrides.items() if v is not None})
     config = replace(config, server=server)
     if args.ledger:
