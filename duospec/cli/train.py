@@ -1,5 +1,6 @@
-"""`duospec train-tiny` (the bundled pair), `duospec distill` (a draft for any Llama-family target) and
-`duospec train-heads` (an EAGLE or Medusa head for one)."""
+"""`duospec train-tiny` (the bundled pair), `duospec distill` (a draft for any Llama-family target),
+`duospec train-heads` (an EAGLE or Medusa head for one) and `duospec distill-data` (the target's own
+answers to instruction prompts, to train them on)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def register(subparsers) -> None:
 
     _register_distill(subparsers)
     _register_heads(subparsers)
+    _register_answers(subparsers)
 
 
 def _train_tiny(args: argparse.Namespace) -> int:
@@ -57,7 +59,8 @@ def _register_distill(subparsers) -> None:
     )
     parser.add_argument("--target", type=Path, required=True, help="target checkpoint directory")
     parser.add_argument("--data", nargs="+", required=True, metavar="PATH",
-                        help="text files, or directories walked recursively for text files (binary files are skipped)")
+                        help="text files, or directories walked recursively for text files (binary files are "
+                             "skipped); 'stdlib' = the training split of the Python standard library")
     parser.add_argument("--out", type=Path, required=True, help="draft checkpoint directory to write")
     parser.add_argument("--draft-layers", type=int, default=2, help="decoder layers (default 2)")
     parser.add_argument("--draft-hidden", type=int, default=256, help="hidden size (default 256)")
@@ -135,6 +138,42 @@ def _train_heads(args: argparse.Namespace) -> int:
         print(f"duospec train-heads: {err}", file=sys.stderr)
         return 2
     print(f"head written to {result}")
+    return 0
+
+
+def _register_answers(subparsers) -> None:
+    from duospec.training.answers import AnswerOptions
+
+    parser = subparsers.add_parser(
+        "distill-data",
+        help="generate the target's own answers to instruction prompts (self-distillation data)",
+        description="Greedy answers of the target (duospec's engine, batched) to chat and coding prompts built "
+                    "from the standard library's training split; writes OUT/answers.jsonl and "
+                    "OUT/conversations.txt (pass it to distill/train-heads --data). Rerunning continues.",
+    )
+    parser.add_argument("--target", type=Path, required=True, help="target checkpoint directory")
+    parser.add_argument("--out", type=Path, required=True, help="folder to write (or continue)")
+    parser.add_argument("--count", type=int, default=AnswerOptions.count, help="prompts to answer in all")
+    parser.add_argument("--max-new-tokens", type=int, default=AnswerOptions.max_new_tokens,
+                        help="longest answer in tokens")
+    parser.add_argument("--batch-size", type=int, default=AnswerOptions.batch_size,
+                        help="answers generated together")
+    parser.set_defaults(func=_distill_data)
+
+
+def _distill_data(args: argparse.Namespace) -> int:
+    from duospec.engine import CheckpointError
+    from duospec.training.answers import AnswerOptions, generate_answers
+
+    options = AnswerOptions(count=args.count, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    try:
+        options.validate()
+        total = generate_answers(args.target, args.out, options,
+                                 log=lambda line: print(line, file=sys.stderr, flush=True))
+    except (ValueError, CheckpointError) as err:
+        print(f"duospec distill-data: {err}", file=sys.stderr)
+        return 2
+    print(f"{total} answers in {args.out}")
     return 0
 
 

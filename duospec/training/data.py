@@ -23,6 +23,8 @@ TEXT_EXTENSIONS = {
     ".css", ".sh", ".sql", ".tex", ".csv",
 }
 _SKIPPED_DIRS = {".git", "__pycache__", ".venv", "node_modules", ".hg", ".svn"}
+# `--data stdlib`: the training split of the Python standard library (duospec/training/corpus.py).
+STDLIB = "stdlib"
 
 
 class DataError(ValueError):
@@ -72,6 +74,19 @@ def collect_text_files(paths: Iterable[str | Path]) -> list[Path]:
             raise DataError(f"--data {raw}: directory holds no text files")
     if not found:
         raise DataError("--data: no text files given")
+    return sorted(found)
+
+
+def collect_data_files(paths: Iterable[str | Path]) -> list[Path]:
+    """`collect_text_files`, where the word `stdlib` stands for the standard library's training split."""
+    paths = [str(p) for p in paths]
+    named = [p for p in paths if p != STDLIB]
+    found = set(collect_text_files(named)) if named else set()
+    if STDLIB in paths:
+        from duospec.training import corpus
+
+        train, _ = corpus.split_files(corpus.stdlib_files())
+        found.update(f.path.resolve() for f in train)
     return sorted(found)
 
 

@@ -19,7 +19,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from duospec.training.data import DataError, WindowSource, build_token_cache, collect_text_files, files_fingerprint
+from duospec.training.data import DataError, WindowSource, build_token_cache, collect_data_files, files_fingerprint
 from duospec.training.models import SUPPORTED_TARGET_TYPES, ModelShape, llama_config
 
 STATE_DIR = ".distill"
@@ -230,7 +230,7 @@ def distill(options: DistillOptions) -> Path:
     target_config = load_target_config(options.target)
     tokenizer = _load_tokenizer(options.target)
     try:
-        files = collect_text_files(options.data)
+        files = collect_data_files(options.data)
     except DataError as err:
         raise DistillError(str(err)) from err
     draft_config = draft_config_for(target_config, options)

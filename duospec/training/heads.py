@@ -28,10 +28,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from duospec.training.data import DataError, collect_text_files
+from duospec.training.data import STDLIB, DataError, collect_data_files
 
 STATE_DIR = ".train-heads"
-STDLIB = "stdlib"
 KL_WEIGHT = 0.5
 FEATURE_WEIGHT = 1.0
 
@@ -258,13 +257,8 @@ def load_trained_head(head_dir, target_dir) -> tuple[str, torch.nn.Module]:
 
 
 def _files(options: HeadOptions) -> list[Path]:
-    if list(options.data) == [STDLIB]:
-        from duospec.training import corpus
-
-        train, _ = corpus.split_files(corpus.stdlib_files())
-        return [f.path for f in train]
     try:
-        return collect_text_files(options.data)
+        return collect_data_files(options.data)
     except DataError as err:
         raise HeadTrainingError(str(err)) from err
 
