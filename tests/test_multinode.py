@@ -164,6 +164,7 @@ def wait_until_serving(address: str, server: subprocess.Popen, log: pathlib.Path
     pytest.fail(f"duospec serve not SERVING after {timeout_s:.0f} s:\n{log.read_text()[-4000:]}")
 
 
+@pytest.mark.slow  # two `ray start` processes and a served pair: minutes on 2 cores
 @pytest.mark.timeout(900)  # the cluster's two `ray start`s (≤ 180 s each) + serving (≤ 240 s) + the calls
 def test_draft_and_target_run_on_different_nodes(two_node_cluster, tiny_serve_config, tmp_path):
     import duospec

@@ -64,6 +64,7 @@ def test_the_wheel_has_one_top_level_package_and_a_client_only_base(wheel):
     assert any("torch" in line for line in serve) and any("ray" in line for line in serve)
 
 
+@pytest.mark.slow  # a fresh venv and a pip install of the wheel and its dependencies: minutes
 @pytest.mark.timeout(900)  # the pip install alone may take up to 600 s, past the global 300 s
 async def test_a_base_install_calls_a_server_with_the_sdk_and_has_no_torch_or_ray(wheel, tmp_path, tiny_pair):  # noqa: F811
     env_dir = tmp_path / "client-venv"

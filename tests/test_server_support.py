@@ -1,10 +1,13 @@
 """Shared pieces for the server tests (this module holds no tests of its own).
 
-`server_coordinator()` returns the real in-process coordinator (`coordinator.local.LocalCoordinator`)
-when it exists, else `TargetOnlyCoordinator`: a unit-test double that implements the Coordinator
-protocol by running the tiny target checkpoint token by token with transformers (mode OFF
-semantics). Tests written against either must pass against both; re-run them once LocalCoordinator
-lands (see the report in the server PR).
+`server_coordinator()` is the real in-process coordinator (`coordinator.local.LocalCoordinator`: the
+scheduler, policies and workers of the Ray pipeline, on threads) over the tiny pair, recording the
+requests the server hands it; `step_delay_s` puts a sleep before every target forward, so a stream
+of N tokens in mode off lasts at least N × step_delay_s on any machine.
+
+`TargetOnlyCoordinator` is a test double of the Coordinator protocol that runs the tiny target token
+by token with transformers (mode off), for tests that need no scheduler: the HTTP front's slow
+streams, a server in a subprocess, a client-only install.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from duospec.coordinator.api import (
     FinishEvent, FinishReason, GenerationRequest, ModelInfo, SpecStats, TokensEvent, Unavailable,
 )
 from duospec.coordinator.config import ModelConfig, ServerSettings
+from duospec.coordinator.local import LocalCoordinator, load_runner
+from duospec.coordinator.models import model_info
+from duospec.coordinator.router import scheduler_config
 from duospec.coordinator.server import DuospecServer
 from duospec.v1 import generation_pb2 as pb
 from duospec.v1 import generation_pb2_grpc as pb_grpc
@@ -117,13 +123,51 @@ class TargetOnlyCoordinator:
         return None
 
 
-def server_coordinator(tiny_pair, step_delay_s: float = 0.0):
+class RecordingCoordinator(LocalCoordinator):
+    """LocalCoordinator that keeps every request the server hands it (`started`, in order) and when
+    each began and ended (`spans[i]`: monotonic start, end or None while it runs): what the server
+    passed on, tenant and internal id included, is then something a test can assert on."""
+
+    def __init__(self, models: list[ModelConfig], *, runners: dict | None = None):
+        super().__init__(models, runners=runners)
+        self.started: list[GenerationRequest] = []
+        self.spans: list[list[float | None]] = []
+
+    async def generate(self, request: GenerationRequest):
+        self.started.append(request)
+        span = [time.monotonic(), None]
+        self.spans.append(span)
+        try:
+            async for event in super().generate(request):
+                yield event
+        finally:
+            span[1] = time.monotonic()
+
+
+def delayed_target(config: ModelConfig, step_delay_s: float):
+    """The target's runner, loaded as LocalCoordinator loads it, sleeping `step_delay_s` before each
+    forward (every verify and prefill goes through forward_for_verify)."""
+    info = model_info(config)
+    runner = load_runner(info.target_path, config, scheduler_config(config).max_num_seqs, info.max_context)
+    forward = runner.forward_for_verify
+
+    def forward_after_a_pause(*args, **kwargs):
+        time.sleep(step_delay_s)  # on the target's own thread, as a busy device would hold it
+        return forward(*args, **kwargs)
+
+    runner.forward_for_verify = forward_after_a_pause
+    return runner
+
+
+def server_coordinator(tiny_pair, step_delay_s: float = 0.0) -> RecordingCoordinator:
     target, draft = tiny_pair
-    try:
-        from duospec.coordinator.local import LocalCoordinator
-    except ImportError:
-        return TargetOnlyCoordinator(target, draft, step_delay_s=step_delay_s)
-    return LocalCoordinator([ModelConfig(name=MODEL, target=str(target), draft=str(draft), device="cpu")])
+    config = ModelConfig(name=MODEL, target=str(target), draft=str(draft), device="cpu")
+    runners = None
+    if step_delay_s:
+        info = model_info(config)
+        draft_runner = load_runner(str(draft), config, scheduler_config(config).max_num_seqs, info.max_context)
+        runners = {MODEL: (delayed_target(config, step_delay_s), draft_runner)}
+    return RecordingCoordinator([config], runners=runners)
 
 
 @dataclass
