@@ -9,6 +9,7 @@ from concurrent import futures
 
 import grpc
 
+from duospec.cluster.keepalive import WORKER_KEEPALIVE_OPTIONS
 from duospec.cluster.runtime import node_ip, torch_threads_for_actor
 from duospec.cluster.secret import DeploymentSecretInterceptor, InternalTls
 
@@ -40,7 +41,8 @@ class GrpcModelWorker:
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"duospec-{self.role}"),
             interceptors=[DeploymentSecretInterceptor(deployment_secret)],
-            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
+            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
+                     *WORKER_KEEPALIVE_OPTIONS],
         )
         self._serve(self.server)
         host = node_ip()

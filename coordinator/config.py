@@ -28,6 +28,8 @@
                                              # server's weighted queue
         restart_timeout_s: 600               # how long live requests wait for a restarted worker (a large
                                              # model's load time); the server keeps reconnecting past it
+        hang_timeout_s: 10                   # a worker silent this long (a verify far past its cost, unanswered
+                                             # keepalive pings) counts as hung: Ray kills and restarts it
         prefill_chunk_tokens: 512            # prompt tokens per forward (both workers): long prompts are
                                              # prefilled in chunks that share rounds with others' decode
         max_model_len: 8192                  # optional; positions per sequence (default: the model's
@@ -149,6 +151,13 @@ class ModelConfig:
     # How long live requests wait for a killed worker to come back (Ray restarts it) before they fail
     # with UNAVAILABLE; the coordinator keeps reconnecting after that, and serves again once it is back.
     restart_timeout_s: float = 600.0
+    # A worker that stops answering without closing its streams (a hung GPU, a stopped process, a node
+    # gone silent) counts as hung after this many seconds: a verify outstanding this long (or many
+    # times its predicted cost, if longer), keepalive pings on an internal stream unanswered for about
+    # this long, or a stalled drafter that does not answer within it. Ray then kills and restarts it,
+    # and the requests go on as after a crash (coordinator/recovery.py). Keep it above the slowest
+    # legitimate forward (a prefill chunk on a cold GPU).
+    hang_timeout_s: float = 10.0
     # Prompt tokens per forward, on the target (per verify batch) and the drafter (per sequence).
     prefill_chunk_tokens: int = 512
     speculation: SpeculationDefaults = field(default_factory=SpeculationDefaults)
@@ -290,6 +299,7 @@ def _parse_model(f: "_Fields", base_dir: pathlib.Path) -> ModelConfig:
         max_batch_size=f.int_in("max_batch_size", 1, 4096, default=8),
         max_num_seqs=f.int_in("max_num_seqs", 1, 4096, default=16),
         restart_timeout_s=f.float_in("restart_timeout_s", 1.0, 86400.0, default=600.0),
+        hang_timeout_s=f.float_in("hang_timeout_s", 1.0, 3600.0, default=ModelConfig.hang_timeout_s),
         prefill_chunk_tokens=f.int_in("prefill_chunk_tokens", 16, 1 << 20, default=512),
         speculation=spec,
         max_model_len=f.int_in("max_model_len", 2, 1 << 24, default=2) if f.raw.get("max_model_len") is not None else None,

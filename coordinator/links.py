@@ -1,17 +1,22 @@
 """Links from the scheduler to the two workers: in-process (threads) or gRPC streams.
 
 Both kinds carry the same protobuf messages, so the scheduler cannot tell them apart: `send` never
-blocks, `responses()` is an async iterator that ends (or raises) when the worker is gone.
+blocks, `responses()` is an async iterator that ends (or raises) when the worker is gone. A gRPC
+link pings its worker (HTTP/2 keepalive, cluster/keepalive.py): a worker whose process stops answering
+without closing its socket (stopped, its node unreachable) breaks the stream instead of leaving it
+open and silent forever.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import queue
 import threading
 
 import grpc
 
+from duospec.cluster.keepalive import keepalive_options
 from duospec.cluster.secret import InternalTls, call_metadata, internal_channel
 from duospec.draft_worker.drafter import Drafter
 from duospec.draft_worker.service import DraftLoop
@@ -19,6 +24,25 @@ from duospec.internal.v1 import pearl_pb2_grpc as pb_grpc
 from duospec.target_worker.verifier import Verifier
 
 _END = object()
+
+
+class LinkLoss(enum.Enum):
+    """Why the scheduler gave a worker's link up: what reconnecting must do about the worker."""
+
+    CLOSED = "closed"  # its stream ended or broke: the process died and Ray restarts it; wait for that
+    SILENT = "silent"  # open but silent while sequences wait (a stalled drafter): replace it unless it answers
+    HUNG = "hung"  # a verify far past its predicted cost, or keepalive pings unanswered: replace it at once
+
+
+def loss_of(exc: BaseException) -> LinkLoss:
+    """How a worker's stream that raised `exc` was lost: HUNG when its keepalive pings went
+    unanswered (gRPC ends the call UNAVAILABLE, "ping timeout" / "keepalive watchdog timeout"), else
+    CLOSED."""
+    if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
+        details = (exc.details() or "").lower()
+        if "ping timeout" in details or "keepalive" in details:
+            return LinkLoss.HUNG
+    return LinkLoss.CLOSED
 
 
 class _AsyncInbox:
@@ -113,11 +137,13 @@ def failed_batch(batch, exc: Exception):
 class GrpcStreamLink:
     """A bidirectional gRPC stream (DraftService.Draft or TargetService.Verify) to a worker actor."""
 
-    def __init__(self, endpoint: str, method: str, secret: str, tls: InternalTls | None = None):
+    def __init__(self, endpoint: str, method: str, secret: str, tls: InternalTls | None = None, *,
+                 hang_timeout_s: float):
         self.endpoint = endpoint
         self.channel = internal_channel(
             endpoint, tls,
-            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
+            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
+                     *keepalive_options(hang_timeout_s)],
         )
         self.outbox: asyncio.Queue = asyncio.Queue()
         metadata = call_metadata(secret)

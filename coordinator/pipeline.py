@@ -15,7 +15,7 @@ from duospec.cluster.actors import WorkerPair, launch_pair
 from duospec.cluster.runtime import connect
 from duospec.cluster.secret import InternalTls, new_deployment_secret
 from duospec.coordinator.api import ModelInfo
-from duospec.coordinator.links import GrpcStreamLink, wait_for_channel
+from duospec.coordinator.links import GrpcStreamLink, LinkLoss, wait_for_channel
 from duospec.coordinator.models import model_info
 from duospec.coordinator.router import ModelEntry, ModelRouter, scheduler_config
 from duospec.coordinator.scheduler import Scheduler
@@ -40,16 +40,19 @@ class PipelineCoordinator(ModelRouter):
         async def open_scheduler() -> Scheduler:
             await wait_for_channel(pair.target_info["endpoint"], timeout=30, tls=pair.internal_tls)
             secret, tls = pair.deployment_secret, pair.internal_tls
-            target = GrpcStreamLink(pair.target_info["endpoint"], "verify", secret, tls)
-            draft = GrpcStreamLink(pair.draft_info["endpoint"], "draft", secret, tls) if pair.draft_info else None
+            sched_config = scheduler_config(config)
+            hang_s = sched_config.hang_timeout_s
+            target = GrpcStreamLink(pair.target_info["endpoint"], "verify", secret, tls, hang_timeout_s=hang_s)
+            draft = GrpcStreamLink(pair.draft_info["endpoint"], "draft", secret, tls,
+                                   hang_timeout_s=hang_s) if pair.draft_info else None
             bound = float(getattr(config, "restart_timeout_s", 600.0))  # how long a killed worker may take
             scheduler = Scheduler(
                 info,
                 target,
                 draft,
-                scheduler_config(config),
-                reconnect_target=_reconnector(pair, "target", bound),
-                reconnect_draft=_reconnector(pair, "draft", bound) if pair.draft else None,
+                sched_config,
+                reconnect_target=_reconnector(pair, "target", bound, hang_s),
+                reconnect_draft=_reconnector(pair, "draft", bound, hang_s) if pair.draft else None,
             )
             await scheduler.start()
             return scheduler
@@ -80,27 +83,55 @@ class PipelineCoordinator(ModelRouter):
         self.pairs.clear()
 
 
-def _reconnector(pair: WorkerPair, role: str, timeout_s: float):
-    """Waits for Ray to restart the role's actor, then opens a stream to its new endpoint."""
+def _reconnector(pair: WorkerPair, role: str, timeout_s: float, hang_timeout_s: float):
+    """Waits for Ray to restart the role's actor, then opens a stream to its new endpoint. A hung
+    actor (LinkLoss.HUNG, or SILENT and not answering within `hang_timeout_s`) is killed first: Ray
+    restarts it (max_restarts), where waiting would never end."""
     method = "verify" if role == "target" else "draft"
 
-    async def reconnect() -> GrpcStreamLink:
+    async def reconnect(loss: LinkLoss = LinkLoss.CLOSED) -> GrpcStreamLink:
+        import ray
+
         loop = asyncio.get_running_loop()
+        handle, old = getattr(pair, role), getattr(pair, f"{role}_info") or {}
+        replaced = loss is LinkLoss.HUNG or (loss is LinkLoss.SILENT and not await _answers(handle, hang_timeout_s))
+        if replaced:
+            log.error("the %s worker of %s (pid %s) does not answer: killing it for Ray to restart", role,
+                      pair.model, old.get("pid"))
+            try:
+                ray.kill(handle, no_restart=False)
+            except Exception as exc:  # already dead: Ray restarts it (or the wait below says why not)
+                log.warning("killing the %s worker of %s failed: %s", role, pair.model, exc)
         deadline = loop.time() + timeout_s
         last_error: Exception | None = None
         while loop.time() < deadline:
             handle = getattr(pair, role)
             try:
                 info = await asyncio.wait_for(handle.info.remote(), max(1.0, min(10.0, deadline - loop.time())))
+                if replaced and info.get("started_at") == old.get("started_at"):
+                    raise ConnectionError("the killed process still answers; waiting for its replacement")
                 await wait_for_channel(info["endpoint"], timeout=max(1.0, deadline - loop.time()), tls=pair.internal_tls)
                 setattr(pair, f"{role}_info", info)
-                return GrpcStreamLink(info["endpoint"], method, pair.deployment_secret, pair.internal_tls)
+                return GrpcStreamLink(info["endpoint"], method, pair.deployment_secret, pair.internal_tls,
+                                      hang_timeout_s=hang_timeout_s)
             except Exception as exc:  # still restarting
                 last_error = exc
                 await asyncio.sleep(0.5)
         raise ConnectionError(f"the {role} actor did not restart within {timeout_s:.0f} s: {last_error}")
 
     return reconnect
+
+
+async def _answers(handle, within_s: float) -> bool:
+    """False when the actor leaves a call unanswered for `within_s` seconds (a stopped process never
+    answers); an actor that is dead or restarting is Ray's to restart, not ours to kill."""
+    try:
+        await asyncio.wait_for(handle.info.remote(), within_s)
+    except asyncio.TimeoutError:
+        return False
+    except Exception:  # dead or restarting
+        pass
+    return True
 
 
 def start_pipeline(models: list, *, ray_address: str | None = None, placement_timeout_s: float = 30.0,

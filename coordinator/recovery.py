@@ -1,15 +1,27 @@
-"""What the scheduler does when a worker's stream breaks or stalls (docs/design.md#processes-and-planes: Ray restarts the actor).
+"""What the scheduler does when a worker's stream breaks, stalls or hangs (Ray restarts the actor:
+docs/design.md#processes-and-planes).
 
 A lost drafter: live sequences go on target-only (same output) and the stream is reopened on the
 restarted actor for later requests. A stalled drafter — its stream open but silent while sequences
 wait for drafts, longer than DRAFT_STALL_STEPS of its measured step time (at least
-DRAFT_STALL_FLOOR_S) — is treated as lost: its stream is closed and reopened. A lost target: the
-coordinator waits for the restart (up to the model's restart_timeout_s), re-sends every live
-sequence's committed tokens (a re-prefill) and goes on; past the bound the live requests fail with
-UNAVAILABLE, and the coordinator keeps reconnecting: while the target is down new requests are
-refused at once with UNAVAILABLE and the server's health is NOT_SERVING (`target_serving`); once it
-is back both serve again. Mixed into `Scheduler` (coordinator/scheduler.py), whose state these
-methods read and write: the links, `sequences`, `inflight`, the `_target_up`/`_draft_up` flags.
+DRAFT_STALL_FLOOR_S) — is treated as lost: its stream is closed and reopened, on a new actor if the
+old one does not answer within the model's hang_timeout_s. A lost target: the coordinator waits for
+the restart (up to the model's restart_timeout_s), re-sends every live sequence's committed tokens
+(a re-prefill) and goes on; past the bound the live requests fail with UNAVAILABLE, and the
+coordinator keeps reconnecting: while the target is down new requests are refused at once with
+UNAVAILABLE and the server's health is NOT_SERVING (`target_serving`); once it is back both serve
+again.
+
+A hung worker never closes its stream, so it is found two ways: a verify outstanding longer than
+hang_timeout_s (or VERIFY_HANG_FACTOR times its predicted cost, if that is longer), and the internal
+streams' keepalive pings going unanswered (cluster/keepalive.py). Either way the link is lost as
+for a dead worker — health NOT_SERVING at once, new requests UNAVAILABLE, live ones waiting for the
+recovery — and the reconnection has Ray kill the actor and restart it (LinkLoss, pipeline.py)
+instead of waiting on a process that will never answer. (Only where there is a way to restart: the
+in-process links have none, and no verify watchdog.)
+
+Mixed into `Scheduler` (coordinator/scheduler.py), whose state these methods read and write: the
+links, `config`, `sequences`, `inflight`, `verify_cost`, the `_target_up`/`_draft_up` flags.
 """
 
 from __future__ import annotations
@@ -19,12 +31,13 @@ import logging
 import time
 
 from duospec.coordinator.api import Unavailable
-from duospec.coordinator.links import close_quietly
+from duospec.coordinator.links import LinkLoss, close_quietly, loss_of
 
 log = logging.getLogger("coordinator.scheduler")
 
 DRAFT_STALL_FLOOR_S = 3.0  # a drafter silent this long (or longer, see below) while sequences wait is stalled
 DRAFT_STALL_STEPS = 100  # ... or this many of its measured steps, whichever is longer
+VERIFY_HANG_FACTOR = 20  # a verify outstanding this many times its predicted cost (or hang_timeout_s) is hung
 WATCH_INTERVAL_S = 0.25
 RECONNECT_PAUSE_S = 1.0  # between reconnect attempts once a worker stayed away past its bound
 
@@ -32,6 +45,13 @@ RECONNECT_PAUSE_S = 1.0  # between reconnect attempts once a worker stayed away 
 class WorkerRecovery:
     _draft_heard_t = 0.0  # when the drafter last sent anything (monotonic)
     _draft_stalled = False  # the watchdog closed the draft stream: its reader reopens it
+    _target_hung = False  # the watchdog closed the target stream: its reader replaces the target
+
+    def _start_watchdogs(self) -> None:
+        if self.draft is not None:
+            self._tasks.append(asyncio.create_task(self._watch_draft(), name="duospec-draft-watchdog"))
+        if self._reconnect_target is not None:  # (a hung in-process target has nothing to restart it)
+            self._tasks.append(asyncio.create_task(self._watch_target(), name="duospec-target-watchdog"))
 
     @property
     def target_serving(self) -> bool:
@@ -43,22 +63,27 @@ class WorkerRecovery:
         """Reads draft chunks; when the stream breaks (or stalls), live sequences go on target-only and
         the link is reopened on the restarted drafter for later requests."""
         while not self.closed:
+            loss = LinkLoss.CLOSED
             try:
                 async for batch in self.draft.responses():
                     self._on_draft_batch(batch)
             except asyncio.CancelledError:
                 if self.closed or not self._draft_stalled:
                     raise
-            except Exception as exc:  # the stream broke: the drafter is gone
-                log.warning("draft stream ended (%s); live sequences continue target-only", type(exc).__name__)
+            except Exception as exc:  # the stream broke: the drafter is gone (or hung: loss_of)
+                loss = loss_of(exc)
+                log.warning("draft stream ended (%s, %s); live sequences continue target-only",
+                            type(exc).__name__, loss.value)
             if self.closed:
                 return
+            if self._draft_stalled:
+                loss = LinkLoss.SILENT
             self._draft_stalled = False
             self._draft_up = False
             self._draft_lost()
             if self._reconnect_draft is None:
                 return
-            link = await self._reconnect(self._reconnect_draft, "drafter")
+            link = await self._reconnect(self._reconnect_draft, "drafter", loss)
             if link is None:
                 return
             old, self.draft = self.draft, link
@@ -105,21 +130,46 @@ class WorkerRecovery:
                 await close_quietly(self.draft)  # ends its reader's stream: the lost-drafter path
 
     # -- the target -----------------------------------------------------------------------------------
+    def verify_hang_bound_s(self, inflight) -> float:
+        """How long the verify `inflight` may be outstanding before the target counts as hung."""
+        predicted = self.verify_cost.cost(inflight.n_tokens) + (self.patience.round_overhead_s.value or 0.0)
+        return max(self.config.hang_timeout_s, VERIFY_HANG_FACTOR * predicted)
+
+    async def _watch_target(self) -> None:
+        """Treats a target that sits on a verify far longer than it should take as hung."""
+        while not self.closed:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            inflight = self.inflight
+            if inflight is None or not self._target_up:
+                continue
+            waited = time.monotonic() - inflight.sent_at
+            if waited > self.verify_hang_bound_s(inflight):
+                log.error("target silent for %.1f s on a verify of %d tokens (predicted %.3f s): treated as hung; "
+                          "it is restarted", waited, inflight.n_tokens, self.verify_cost.cost(inflight.n_tokens))
+                self._target_hung = True
+                self._target_up = False  # NOT_SERVING, new requests refused: now, not once the stream ends
+                await close_quietly(self.target)  # ends its reader's stream: the lost-target path
+
     async def _read_target(self) -> None:
         """Reads verdicts; when the stream breaks, waits for the restarted target and re-prefills every
         live sequence's committed tokens on it (nothing committed is lost)."""
         while not self.closed:
+            loss = LinkLoss.CLOSED
             try:
                 async for batch in self.target.responses():
                     self._on_verdict_batch(batch)
             except asyncio.CancelledError:
-                raise
+                if self.closed or not self._target_hung:
+                    raise
             except Exception as exc:
-                log.error("target stream ended (%s)", type(exc).__name__)
-            if self.closed or not await self._recover_target():
+                loss = loss_of(exc)
+                log.error("target stream ended (%s, %s)", type(exc).__name__, loss.value)
+            if self._target_hung:
+                loss, self._target_hung = LinkLoss.HUNG, False
+            if self.closed or not await self._recover_target(loss):
                 return
 
-    async def _recover_target(self) -> bool:
+    async def _recover_target(self, loss: LinkLoss) -> bool:
         self._target_up = False
         self.inflight = None
         self._target_releases = []  # the restarted target holds no sequences
@@ -130,7 +180,7 @@ class WorkerRecovery:
             log.error("target stream ended and there is no way to reconnect")
             self._target_lost()
             return False
-        link = await self._reconnect(self._reconnect_target, "target", on_give_up=self._target_lost)
+        link = await self._reconnect(self._reconnect_target, "target", loss, on_give_up=self._target_lost)
         if link is None:
             return False
         old, self.target = self.target, link
@@ -142,19 +192,21 @@ class WorkerRecovery:
         self._dispatch()
         return True
 
-    async def _reconnect(self, reconnect, role: str, on_give_up=None):
-        """Calls `reconnect` (which waits up to the restart bound) until it succeeds; after the first
-        failure, `on_give_up` runs once (the live requests fail) and attempts go on. None when closed."""
+    async def _reconnect(self, reconnect, role: str, loss: LinkLoss, on_give_up=None):
+        """Calls `reconnect(loss)` (which waits up to the restart bound) until it succeeds; after the
+        first failure, `on_give_up` runs once (the live requests fail) and attempts go on. None when
+        closed."""
         gave_up = False
         while not self.closed:
             try:
-                return await reconnect()
+                return await reconnect(loss)
             except Exception as exc:
                 if not gave_up:
                     log.error("%s did not come back in time (%s); still trying", role, exc)
                     gave_up = True
                     if on_give_up is not None:
                         on_give_up()
+            loss = LinkLoss.CLOSED  # a worker replaced once: later attempts wait for that restart
             await asyncio.sleep(RECONNECT_PAUSE_S)
         return None
 

@@ -47,7 +47,8 @@ from duospec.coordinator.api import (
 )
 from duospec.coordinator.draft_commands import DraftCommands
 from duospec.coordinator.guard import GoodputGuard
-from duospec.coordinator.links import verify_error
+from duospec.coordinator.config import ModelConfig
+from duospec.coordinator.links import LinkLoss, verify_error
 from duospec.coordinator.patience import Patience
 from duospec.coordinator.recovery import WorkerRecovery
 from duospec.coordinator.verify_items import VerifyItems
@@ -62,7 +63,7 @@ LOOKUP_PROBE_EVERY = 16  # while looked-up tokens do not pay, every 16th empty r
 ACCEPTANCE_FLOOR = 0.5  # the lowest acceptance a new (or re-tried) sequence's estimate starts from
 
 
-Reconnect = Callable[[], Awaitable["Link"]]  # opens a link to the (restarted) worker, or raises
+Reconnect = Callable[[LinkLoss], Awaitable["Link"]]  # opens a link to the (replaced, restarted) worker, or raises
 
 
 class Link(Protocol):
@@ -108,6 +109,7 @@ class SchedulerConfig:
     # Prompt tokens fed to the target per verify batch, over all its sequences: a long prompt is
     # prefilled in chunks that share rounds with the others' decode instead of stalling them.
     prefill_chunk_tokens: int = 512
+    hang_timeout_s: float = ModelConfig.hang_timeout_s  # when a silent worker counts as hung (recovery.py)
     stats_window: list = field(default_factory=list)
 
 
@@ -167,7 +169,7 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands):
         self._tasks.append(asyncio.create_task(self._read_target(), name="duospec-target-reader"))
         if self.draft is not None:
             self._tasks.append(asyncio.create_task(self._read_draft(), name="duospec-draft-reader"))
-            self._tasks.append(asyncio.create_task(self._watch_draft(), name="duospec-draft-watchdog"))
+        self._start_watchdogs()
 
     async def close(self) -> None:
         self.closed = True

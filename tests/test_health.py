@@ -65,11 +65,11 @@ async def test_health_follows_a_target_outage_longer_than_the_restart_bound(ray_
         # says so, for an outage longer than the bound whatever the machine's speed.
         gate, reconnect = asyncio.Event(), scheduler._reconnect_target
 
-        async def gated_reconnect():
+        async def gated_reconnect(loss):
             if not gate.is_set():
                 await asyncio.sleep(1.0)  # the bound: restart_timeout_s
                 raise ConnectionError("still restarting")
-            return await reconnect()
+            return await reconnect(loss)
 
         scheduler._reconnect_target = gated_reconnect
         live = asyncio.ensure_future(collect(h.stub, _greedy_request([9, 10, 11], 200), timeout=60))
