@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from duospec.draft_worker.hedges import HedgeBook, extend, forget_alternatives
 from duospec.draft_worker.proposer import DraftState, FeatureStore, Proposer
-from duospec.engine.errors import SlotsExhausted
+from duospec.engine.errors import BlocksExhausted, SlotsExhausted
 from duospec.internal.features_wire import features_from_proto
 from duospec.internal.sampling_wire import sampling_from_proto
 from duospec.internal.v1 import pearl_pb2 as pb
@@ -28,6 +28,7 @@ class Drafter:
         self.hedges = HedgeBook(proposer)
         self.steps = 0
         self.tokens_drafted = 0
+        self.dropped: list[int] = []  # sequences a step released for want of KV blocks (target-only now)
 
     # -- commands -------------------------------------------------------------------------------
     def apply(self, cmd: pb.DraftCommand) -> None:
@@ -104,6 +105,7 @@ class Drafter:
             committed_len=min(cmd.committed_len or len(cmd.tail), len(cmd.tail)),
             draft_until=cmd.draft_until,
             pool=cmd.pool,
+            cache_salt=cmd.cache_salt,
             max_hedges=cmd.max_hedges,
             features=FeatureStore() if self.proposer.method.reads_features else None,
         )
@@ -176,8 +178,7 @@ class Drafter:
         hedging = self.hedges.growing([seq for seq in self.sequences.values() if self._may_hedge(seq)])
         if not active and not hedging:
             return chunks
-        proposals = self.proposer.propose(active + [h for _, h, _ in hedging],
-                                          budgets + [budget for _, _, budget in hedging])
+        proposals = self._propose_within_pool(active, budgets, hedging)
         for seq, budget, proposal in zip(active, budgets, proposals):
             if proposal.prefilling:  # still reading its prompt: nothing to send, more work next step
                 continue
@@ -197,6 +198,25 @@ class Drafter:
                 chunks.append(self._chunk(hedge, start, tokens, proposal.probs[: len(tokens)], False, hedge=key))
         self.steps += 1
         return chunks
+
+    def _propose_within_pool(self, active: list[DraftState], budgets: list[int], hedging: list) -> list:
+        """The proposer's answers for `active` and then the hedges. When the KV pool cannot hold the
+        step, the hedges go first, then the newest sequences (released; `dropped` names them), until
+        the rest fits; the lists shrink in place."""
+        while active or hedging:
+            try:
+                return self.proposer.propose(active + [h for _, h, _ in hedging],
+                                             budgets + [budget for _, _, budget in hedging])
+            except BlocksExhausted:  # raised before anything changed
+                if hedging:
+                    self.hedges.drop_all()
+                    hedging.clear()
+                    continue
+                victim = active.pop()
+                budgets.pop()
+                self.release(victim.seq_id)
+                self.dropped.append(victim.seq_id)
+        return []
 
     @staticmethod
     def _chunk(seq: DraftState, start: int, tokens, probs, exhausted: bool, hedge=None) -> pb.DraftChunk:

@@ -53,6 +53,7 @@ class EagleProposer(Proposer):
         self.rows_refed = 0
 
     def open(self, seq: DraftState) -> None:
+        # No prefix cache for the head: its rows depend on features as well as tokens (nothing is committed).
         anchor = None if seq.sampling.greedy else len(seq.tokens) - 1
         seq.proposer_state = _HeadState(self.runner.allocate_slot(), anchor=anchor)
 
@@ -156,4 +157,4 @@ class EagleProposer(Proposer):
 
     def stats(self) -> dict:
         return {"free_slots": self.runner.free_slots, "head_rows_fed": self.rows_fed,
-                "head_rows_refed": self.rows_refed}
+                "head_rows_refed": self.rows_refed, **self.runner.kv_stats()}

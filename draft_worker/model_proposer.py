@@ -5,6 +5,10 @@ One token per step for every drafting sequence, in one ragged batched forward (t
 `fed` counts the positions of `tokens` already in it, so a step feeds only what is new (after a
 RESET: the committed tail; otherwise the previously drafted token).
 
+Prefix cache (a paged runner): a new sequence takes what it can of its verified prompt from the cache
+(`match_prefix`, under its `cache_salt`), and after each step the positions both fed and verified
+are committed to it — never a drafted one.
+
 Hedges (draft_worker/hedges.py): a branch gets a free slot holding a copy of the parent's KV prefix;
 each proposal names the draft's next-best tokens (by logit) as the likeliest corrections.
 
@@ -63,7 +67,9 @@ class ModelProposer(Proposer):
         self.prefill_chunk_tokens = prefill_chunk_tokens
 
     def open(self, seq: DraftState) -> None:
-        seq.proposer_state = _SlotState(self.runner.allocate_slot())
+        slot = self.runner.allocate_slot(seq.cache_salt)
+        verified = seq.tokens[: seq.committed_len]
+        seq.proposer_state = _SlotState(slot, self.runner.match_prefix(slot, 0, verified) if verified else 0)
 
     def rewind(self, seq: DraftState, length: int) -> None:
         state: _SlotState = seq.proposer_state
@@ -96,15 +102,14 @@ class ModelProposer(Proposer):
         proposals = [Proposal(prefilling=True) for _ in seqs]
         ready = []
         for row, (seq, state, end) in enumerate(zip(seqs, states, ends)):
-            if end < len(seq.tokens):  # a chunk of a long prompt read; no token until the rest is in
-                state.fed = end
-                continue
-            state.fed = seq.next_pos  # everything before the new token is now cached
-            ready.append(row)
+            state.fed = end  # everything before the new token, once the whole prompt is in
+            self.runner.commit(state.slot, min(state.fed, seq.committed_len))
+            if end == len(seq.tokens):
+                ready.append(row)
         if ready:
             for row, proposal in zip(ready, proposals_from_logits(logits[ready], [seqs[r] for r in ready])):
                 proposals[row] = proposal
         return proposals
 
     def stats(self) -> dict:
-        return {"free_slots": self.runner.free_slots}
+        return {"free_slots": self.runner.free_slots, **self.runner.kv_stats()}

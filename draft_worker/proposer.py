@@ -135,6 +135,7 @@ class DraftState:
     committed_len: int  # tokens[:committed_len] are verified
     draft_until: int  # draft positions < draft_until only (the coordinator's lookahead bound)
     pool: str = ""  # the tenant's n-gram pool key ("" = none)
+    cache_salt: str = ""  # whose KV prefix cache the sequence shares (the tenant, or "" for the whole model)
     exhausted: bool = False  # the proposer has nothing more until the next command
     tokens_drafted: int = 0
     proposer_state: object = None

@@ -87,6 +87,8 @@ class DraftLoop:
                 started = time.perf_counter()
                 try:
                     chunks = self.drafter.step()
+                    failed.extend(self.drafter.dropped)
+                    self.drafter.dropped.clear()
                 except Exception:  # never let one bad step kill the loop: those sequences go target-only
                     log.exception("draft step failed; dropping the sequences it was drafting")
                     failed.extend(self.drafter.drop_drafting())

@@ -16,6 +16,13 @@ path's keys and values to their positions. A backend without trees verifies the 
 An item that asks for `features` (its drafter is an EAGLE or Medusa head) gets the final hidden
 states of its committed positions with the verdict: the context's and the accepted drafts', never a
 rejected draft's.
+
+KV blocks (a paged runner): after each verdict the slot's positions are all verified and committed to
+the prefix cache; an item whose context is longer than one token (a prompt, or a re-prefill) first
+takes what it can of it from the cache (`match_prefix`, under the sequence's `cache_salt`) and feeds
+only the rest — except items asking for features, whose cached positions would have no hidden states.
+When the pool cannot hold a batch, items are left out from the last one on, each answered with a
+KV_CACHE_FULL error (nothing of it changed), until the rest fits.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import time
 
 import torch
 
-from duospec.engine import ModelRunner, SlotChunk, SlotsExhausted
+from duospec.engine import BlocksExhausted, ModelRunner, SlotChunk, SlotsExhausted
 from duospec.internal.features_wire import features_to_proto
 from duospec.internal.sampling_wire import sampling_from_proto
 from duospec.internal.v1 import pearl_pb2 as pb
@@ -66,7 +73,7 @@ class Verifier:
         for seq_id in batch.release_seq_ids:
             self.release(seq_id)
         out = pb.VerdictBatch(batch_id=batch.batch_id)
-        items, chunks, tasks = [], [], []
+        items, chunks, tasks, cached = [], [], [], []
         first_row = 0  # where the next item's verify rows start in the forward's logits
         for item in batch.items:
             error = self._check(item)
@@ -82,37 +89,58 @@ class Verifier:
                 continue
             items.append(item)
             first_row += len(item.draft_tokens) + 1
-            chunks.append(SlotChunk(self.slots[item.seq_id], item.start_pos, [*item.context, *item.draft_tokens],
-                                    _chunk_parents(item)))
+            cached.append(self._cached_prefix(item))
+            chunks.append(SlotChunk(self.slots[item.seq_id], item.start_pos + cached[-1],
+                                    [*item.context[cached[-1]:], *item.draft_tokens], _chunk_parents(item, cached[-1])))
         if chunks:
             want_hidden = any(item.features for item in items) and self.runner.supports_hidden
             try:
-                logits, hidden = self.runner.forward_for_verify(chunks, [len(item.context) - 1 for item in items],
-                                                                hidden=want_hidden)
-                decisions = self._decide(logits, tasks)
+                logits, hidden = self._forward_fitting(chunks, items, tasks, cached, out, want_hidden)
+                decisions = self._decide(logits, tasks) if items else []
             except Exception as exc:  # a broken batch must not take the worker down: report, go on
                 for item in items:
                     self.release(item.seq_id)
                     out.errors.append(_error(item, pb.VERIFY_ERROR_KIND_BAD_REQUEST, f"target forward failed: {exc}"))
                 items = []
             else:
-                self.forwards += 1
+                self.forwards += bool(items)
             hidden_start = 0
-            for item, task, decision in zip(items, tasks, decisions if items else []):
+            for item, task, decision, chunk, skip in zip(items, tasks, decisions if items else [], chunks, cached):
                 rows = logits[task.first_row : task.first_row + len(item.draft_tokens) + 1]
-                item_hidden = hidden[hidden_start : hidden_start + len(item.context) + len(item.draft_tokens)] \
-                    if hidden is not None else None
-                hidden_start += len(item.context) + len(item.draft_tokens)
+                item_hidden = hidden[hidden_start : hidden_start + len(chunk.token_ids)] if hidden is not None else None
+                hidden_start += len(chunk.token_ids)
                 try:
                     if isinstance(decision, Exception):
                         raise decision
-                    out.verdicts.append(self._verdict(item, task, decision, rows, item_hidden))
+                    out.verdicts.append(self._verdict(item, task, decision, rows, item_hidden, skip))
                 except Exception as exc:
                     self.release(item.seq_id)
                     out.errors.append(_error(item, pb.VERIFY_ERROR_KIND_BAD_REQUEST, f"verify failed: {exc}"))
                 self.tokens_verified += len(item.draft_tokens)
         out.forward_seconds = time.perf_counter() - started
         return out
+
+    def _cached_prefix(self, item: pb.VerifyItem) -> int:
+        """How many of the item's context positions the prefix cache supplies (the slot then holds them)."""
+        if len(item.context) < 2 or item.features:
+            return 0
+        return self.runner.match_prefix(self.slots[item.seq_id], item.start_pos, item.context) - item.start_pos
+
+    def _forward_fitting(self, chunks: list[SlotChunk], items: list, tasks: list, cached: list[int],
+                         out: pb.VerdictBatch, hidden: bool):
+        """The batch's forward; when the KV pool cannot hold it, the last items leave the batch (the
+        lists shrink in place) with a KV_CACHE_FULL error each, until the rest fits."""
+        while True:
+            try:
+                return self.runner.forward_for_verify(
+                    chunks, [len(item.context) - 1 - skip for item, skip in zip(items, cached)], hidden=hidden)
+            except BlocksExhausted as exc:  # raised before the forward changed anything
+                item = items.pop()
+                for rest in (chunks, tasks, cached):
+                    rest.pop()
+                out.errors.append(_error(item, pb.VERIFY_ERROR_KIND_KV_CACHE_FULL, str(exc)))
+                if not items:
+                    return None, None
 
     def _as_supported(self, item: pb.VerifyItem) -> pb.VerifyItem:
         """The item, or its main chain when this backend has no trees."""
@@ -144,7 +172,7 @@ class Verifier:
                 # A restarted target lost its cache: the coordinator must re-send from position 0.
                 return _error(item, pb.VERIFY_ERROR_KIND_BAD_REQUEST, "unknown sequence; resend from position 0")
             try:
-                self.slots[item.seq_id] = self.runner.allocate_slot()
+                self.slots[item.seq_id] = self.runner.allocate_slot(item.cache_salt)
             except SlotsExhausted as exc:
                 return _error(item, pb.VERIFY_ERROR_KIND_SLOTS_EXHAUSTED, str(exc))
         elif item.start_pos > self.runner.slot_length(self.slots[item.seq_id]):
@@ -152,9 +180,10 @@ class Verifier:
         return None
 
     def _verdict(self, item: pb.VerifyItem, task: VerifyTask, decision: TreeVerdict, rows: torch.Tensor,
-                 hidden=None) -> pb.Verdict:
+                 hidden=None, cached: int = 0) -> pb.Verdict:
         """The verdict message for one decided item; its KV slot keeps the committed prefix less the
-        newest token (fed at the start of the next round). `rows`: its k + 1 logits rows (device)."""
+        newest token (fed at the start of the next round). `rows`: its k + 1 logits rows (device);
+        `cached`: its context positions read from the prefix cache."""
         n_ctx = len(item.context)
         result = decision.verdict
         path = decision.path if item.draft_parents else ()
@@ -162,6 +191,7 @@ class Verifier:
             self.runner.keep_path(self.slots[item.seq_id], item.start_pos + n_ctx, path)
         committed_len = item.start_pos + n_ctx + result.n_accepted + (result.next_token is not None)
         self.runner.truncate(self.slots[item.seq_id], committed_len - 1)
+        self.runner.commit(self.slots[item.seq_id], committed_len - 1)  # every position it keeps is verified
         verdict = pb.Verdict(
             seq_id=item.seq_id,
             epoch=item.epoch,
@@ -169,6 +199,7 @@ class Verifier:
             kind=_KIND_TO_PROTO[result.kind],
             next_token=result.next_token if result.next_token is not None else 0,
             path=path,
+            cached_tokens=cached,
         )
         accepted = list(decision.path)  # a chain's path is 0 .. n_accepted - 1
         if item.features and hidden is not None:
@@ -214,11 +245,12 @@ def _logprobs(rows, accepted: list[int], parents: list[int], tokens: list[int], 
             for lp, v, i in zip(chosen, values.tolist(), ids.tolist())]
 
 
-def _chunk_parents(item: pb.VerifyItem) -> list[int] | None:
-    """The forward chunk's parents: the context is a chain, a draft root hangs off its last token."""
+def _chunk_parents(item: pb.VerifyItem, cached: int = 0) -> list[int] | None:
+    """The forward chunk's parents: the context (less its `cached` leading tokens) is a chain, a draft
+    root hangs off its last token."""
     if not item.draft_parents:
         return None
-    n_ctx = len(item.context)
+    n_ctx = len(item.context) - cached
     return [*range(-1, n_ctx - 1), *(n_ctx - 1 if p < 0 else n_ctx + p for p in item.draft_parents)]
 
 

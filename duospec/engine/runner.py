@@ -175,6 +175,14 @@ class ModelRunner(abc.ABC):
         """The KV pool and prefix cache counters (None: a slot backend)."""
         return self.kv.stats() if self.kv is not None else None
 
+    def kv_stats(self) -> dict:
+        """The same as a worker reports them ({} for a slot backend)."""
+        stats = self.cache_stats()
+        if stats is None:
+            return {}
+        return {"kv_blocks": stats.num_blocks, "kv_free_blocks": stats.free_blocks, "kv_usage": stats.usage,
+                "prefix_cache_queries": stats.queries, "prefix_cache_hits": stats.hits}
+
     def keep_path(self, slot: int, start_pos: int, path: Sequence[int]) -> None:
         """After a tree chunk at ``start_pos``: keep only the tokens at chunk indices ``path`` (root
         first, each the parent of the next), moved to positions ``start_pos, start_pos + 1, ...``."""

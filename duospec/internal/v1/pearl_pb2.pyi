@@ -41,6 +41,7 @@ class VerifyErrorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     VERIFY_ERROR_KIND_SLOTS_EXHAUSTED: _ClassVar[VerifyErrorKind]
     VERIFY_ERROR_KIND_CONTEXT_OVERFLOW: _ClassVar[VerifyErrorKind]
     VERIFY_ERROR_KIND_BAD_REQUEST: _ClassVar[VerifyErrorKind]
+    VERIFY_ERROR_KIND_KV_CACHE_FULL: _ClassVar[VerifyErrorKind]
 DRAFT_COMMAND_KIND_UNSPECIFIED: DraftCommandKind
 DRAFT_COMMAND_KIND_START: DraftCommandKind
 DRAFT_COMMAND_KIND_RESET: DraftCommandKind
@@ -61,6 +62,7 @@ VERIFY_ERROR_KIND_UNSPECIFIED: VerifyErrorKind
 VERIFY_ERROR_KIND_SLOTS_EXHAUSTED: VerifyErrorKind
 VERIFY_ERROR_KIND_CONTEXT_OVERFLOW: VerifyErrorKind
 VERIFY_ERROR_KIND_BAD_REQUEST: VerifyErrorKind
+VERIFY_ERROR_KIND_KV_CACHE_FULL: VerifyErrorKind
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed")
@@ -75,7 +77,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class DraftCommand(_message.Message):
-    __slots__ = ("seq_id", "epoch", "kind", "start_pos", "tail", "draft_until", "sampling", "pool", "committed_len", "max_hedges", "adopt", "features")
+    __slots__ = ("seq_id", "epoch", "kind", "start_pos", "tail", "draft_until", "sampling", "pool", "committed_len", "max_hedges", "adopt", "features", "cache_salt")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +90,7 @@ class DraftCommand(_message.Message):
     MAX_HEDGES_FIELD_NUMBER: _ClassVar[int]
     ADOPT_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     epoch: int
     kind: DraftCommandKind
@@ -100,7 +103,8 @@ class DraftCommand(_message.Message):
     max_hedges: int
     adopt: HedgeKey
     features: Features
-    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., kind: _Optional[_Union[DraftCommandKind, str]] = ..., start_pos: _Optional[int] = ..., tail: _Optional[_Iterable[int]] = ..., draft_until: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., pool: _Optional[str] = ..., committed_len: _Optional[int] = ..., max_hedges: _Optional[int] = ..., adopt: _Optional[_Union[HedgeKey, _Mapping]] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., kind: _Optional[_Union[DraftCommandKind, str]] = ..., start_pos: _Optional[int] = ..., tail: _Optional[_Iterable[int]] = ..., draft_until: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., pool: _Optional[str] = ..., committed_len: _Optional[int] = ..., max_hedges: _Optional[int] = ..., adopt: _Optional[_Union[HedgeKey, _Mapping]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class Features(_message.Message):
     __slots__ = ("start_pos", "hidden_size", "fp16")
@@ -159,7 +163,7 @@ class DraftChunkBatch(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[DraftChunk, _Mapping]]] = ..., busy_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., failed_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
-    __slots__ = ("seq_id", "epoch", "start_pos", "context", "draft_tokens", "draft_probs", "sampling", "bonus", "draft_parents", "logprobs", "top_logprobs", "features")
+    __slots__ = ("seq_id", "epoch", "start_pos", "context", "draft_tokens", "draft_probs", "sampling", "bonus", "draft_parents", "logprobs", "top_logprobs", "features", "cache_salt")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +176,7 @@ class VerifyItem(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     epoch: int
     start_pos: int
@@ -184,7 +189,8 @@ class VerifyItem(_message.Message):
     logprobs: bool
     top_logprobs: int
     features: bool
-    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., start_pos: _Optional[int] = ..., context: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[bytes]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., bonus: _Optional[_Union[BonusPolicy, str]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., features: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., start_pos: _Optional[int] = ..., context: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[bytes]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., bonus: _Optional[_Union[BonusPolicy, str]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., features: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class VerifyBatch(_message.Message):
     __slots__ = ("batch_id", "items", "release_seq_ids")
@@ -197,7 +203,7 @@ class VerifyBatch(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("seq_id", "epoch", "n_accepted", "kind", "next_token", "path", "logprobs", "features")
+    __slots__ = ("seq_id", "epoch", "n_accepted", "kind", "next_token", "path", "logprobs", "features", "cached_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     N_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +212,7 @@ class Verdict(_message.Message):
     PATH_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     epoch: int
     n_accepted: int
@@ -214,7 +221,8 @@ class Verdict(_message.Message):
     path: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     features: Features
-    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., n_accepted: _Optional[int] = ..., kind: _Optional[_Union[NextTokenKind, str]] = ..., next_token: _Optional[int] = ..., path: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., n_accepted: _Optional[int] = ..., kind: _Optional[_Union[NextTokenKind, str]] = ..., next_token: _Optional[int] = ..., path: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_ids", "top_logprobs")
