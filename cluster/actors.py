@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from duospec.cluster.placement import PlacementError, create_placement_group, plan_placement
 from duospec.cluster.runtime import NAMESPACE
@@ -25,7 +25,9 @@ class WorkerPair:
     placement_group: object
     target_info: dict
     draft_info: dict | None
-    deployment_secret: str  # what every internal stream to these workers must carry (cluster/secret.py)
+    # what every internal stream to these workers must carry (cluster/secret.py); out of the repr, so
+    # a log line or an error that prints the pair does not hand it out
+    deployment_secret: str = field(repr=False)
     internal_tls: InternalTls | None = None  # mutual TLS on those streams, when the deployment has it
 
     def shutdown(self) -> None:

@@ -3,10 +3,12 @@
     server:   {host: 0.0.0.0, port: 50051, http_port: 8000 (OpenAI-compatible HTTP; 0 = off), metrics_port: 9400,
                metrics_host: 127.0.0.1, max_concurrent_requests: 64,
                max_queued_requests: 256, max_new_tokens_limit: 2048, grace_period_s: 10,
+               max_request_body_bytes: 4194304,  # HTTP bodies past this get 413, checked while reading
                tls: {cert_file: ..., key_file: ..., client_ca_file: ...},
                internal_tls: {cert_file: ..., key_file: ..., ca_file: ..., server_name: duospec-worker}}
                                              # internal_tls: mutual TLS between coordinator and workers
     ledger: /var/lib/duospec/usage.db
+    ledger_retention_days: 90                # rows older than this are deleted (hourly); 0 = keep forever
     tenants: /etc/duospec/tenants.yaml       # optional; see coordinator/tenancy.py
     models:
       - name: python-tiny                    # first model = default
@@ -99,6 +101,9 @@ class ServerSettings:
     max_new_tokens_limit: int = 2048  # a request asking for more is INVALID_ARGUMENT
     default_max_new_tokens: int = 256  # used when a request leaves max_new_tokens at 0
     grace_period_s: float = 10.0  # SIGTERM: how long in-flight streams may finish before cancel
+    # The largest HTTP request body accepted (bytes), as gRPC's default 4 MiB message limit: a longer
+    # body gets 413 as soon as its Content-Length, or the bytes read so far, pass it (never read whole).
+    max_request_body_bytes: int = 4 << 20
     tls: TlsSettings | None = None
     internal_tls: InternalTlsSettings | None = None
 
@@ -176,6 +181,8 @@ class ServeConfig:
     models: list[ModelConfig]
     ledger: str
     tenants: str | None = None  # tenants file; None = auth off (loopback only, or --insecure-no-auth)
+    # Usage rows finished more than this many days ago are deleted (checked hourly); 0 keeps them forever.
+    ledger_retention_days: float = 90.0
 
 
 DEFAULT_LEDGER = "duospec-usage.db"
@@ -203,12 +210,14 @@ def parse_serve_config(raw: Any, *, source: str = "config", base_dir: pathlib.Pa
         seen.add(model.name)
     ledger = top.get("ledger", str, default=DEFAULT_LEDGER)
     tenants = top.get("tenants", str, default=None)
+    retention = top.float_in("ledger_retention_days", 0.0, 36500.0, default=ServeConfig.ledger_retention_days)
     top.reject_unknown()
     return ServeConfig(
         server=server,
         models=models,
         ledger=_resolve(ledger, base_dir),
         tenants=_resolve(tenants, base_dir) if tenants else None,
+        ledger_retention_days=retention,
     )
 
 
@@ -242,6 +251,7 @@ def _parse_server(f: "_Fields", base_dir: pathlib.Path) -> ServerSettings:
         max_new_tokens_limit=f.int_in("max_new_tokens_limit", 1, 1 << 24, default=d.max_new_tokens_limit),
         default_max_new_tokens=f.int_in("default_max_new_tokens", 1, 1 << 24, default=d.default_max_new_tokens),
         grace_period_s=f.float_in("grace_period_s", 0.0, MAX_GRACE_PERIOD_S, default=d.grace_period_s),
+        max_request_body_bytes=f.int_in("max_request_body_bytes", 1024, 1 << 30, default=d.max_request_body_bytes),
         tls=tls,
         internal_tls=internal_tls,
     )

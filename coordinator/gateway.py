@@ -1,8 +1,8 @@
 """The one request path behind every front (gRPC `GenerationService`, the OpenAI-compatible HTTP API).
 
 One request, step by step:
-  1. `authenticate` the bearer key (UNAUTHENTICATED); the tenant's requests/min is charged first
-     thing in `generate`, so a request rejected later still counts;
+  1. `accept` the bearer key (UNAUTHENTICATED) and charge the tenant's requests/min, before the
+     front reads or parses the request's body, so a request rejected later still counts;
   2. resolve the model (NOT_FOUND, PERMISSION_DENIED), validate and tokenize off the event loop
      (INVALID_ARGUMENT naming the field) — coordinator/validation.py;
   3. admit against the tenant's quotas and the weighted queue (RESOURCE_EXHAUSTED + retry_after_s)
@@ -13,8 +13,9 @@ One request, step by step:
      coordinator's generator — that frees the sequence's KV slots — release the admission ticket
      and finish the ledger row with the tokens the client received.
 Fronts see `GatewayError` (a gRPC status name, a message that says what to fix, the field when there
-is one) and `Delta`s; they only translate. Logs carry ids, tenant, model and counts, never prompts,
-completions or keys.
+is one) and `Delta`s; they only translate. A request refused before admission (steps 1-3, or a body
+the front cannot read) is logged and counted per tenant (`refuse`). Logs carry ids, tenant, model,
+codes and counts, never prompts, completions, keys or values the client sent.
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ from duospec.coordinator.api import (
 )
 from duospec.coordinator.config import ServerSettings
 from duospec.coordinator.ledger import FLUSH_INTERVAL_S, RUNNING, UsageLedger, UsageRecord
-from duospec.coordinator.metrics import ServerMetrics
+from duospec.coordinator.metrics import UNAUTHENTICATED_TENANT, ServerMetrics
 from duospec.coordinator.tenancy import ANONYMOUS, AuthError, Tenant, TenantRegistry, authorize_model
-from duospec.coordinator.validation import RequestError, ValidatedRequest, resolve_model, validate_request, with_tenant
+from duospec.coordinator.validation import (
+    RequestError, ValidatedRequest, max_prompt_chars, resolve_model, validate_request, with_tenant,
+)
 from duospec.v1 import generation_pb2 as pb
 
 log = logging.getLogger("duospec.server")
@@ -177,6 +180,9 @@ class Gateway:
         self.default_modes = default_modes or {}
         self.models: dict[str, ModelInfo] = {m.name: m for m in coordinator.models()}
         self.default_model = next(iter(self.models))
+        # The longest prompt text that can fit each model's context, refused before tokenizing.
+        self.max_prompt_chars = {name: max_prompt_chars(self.models[name], tok)
+                                 for name, tok in tokenizers.items() if name in self.models}
         self._streams: dict[str, _Stream] = {}
 
     # ---- who is calling ----------------------------------------------------------------------------
@@ -190,6 +196,31 @@ class Gateway:
         except AuthError as exc:
             raise GatewayError(exc.code, str(exc)) from None
         return Caller(tenant, key_hash)
+
+    def accept(self, authorization: str | None) -> Caller:
+        """The first step of every Generate, before its body is read: the caller, with one request
+        charged to its requests/min. Raises GatewayError (counted and logged as refused)."""
+        try:
+            caller = self.authenticate(authorization)
+        except GatewayError as exc:
+            raise self.refuse(None, exc) from None
+        try:
+            self.admission.charge_request(caller.tenant)
+        except AdmissionError as exc:
+            raise self.refuse(caller, GatewayError(exc.code, str(exc), exc.retry_after_s)) from None
+        return caller
+
+    def refuse(self, caller: Caller | None, exc: GatewayError) -> GatewayError:
+        """Counts and logs a request refused before admission (`caller` None: no valid key); returns
+        `exc` to raise. The log line names the tenant, the code and the field or the server's reason,
+        never the key, the prompt or a value the client sent (those are in INVALID_ARGUMENT and
+        NOT_FOUND messages)."""
+        tenant = caller.tenant.name if caller is not None else None
+        self.metrics.observe_refusal(tenant, exc.code)
+        detail = f"field={exc.field}" if exc.code in ("INVALID_ARGUMENT", "NOT_FOUND") else f"reason: {exc}"
+        log.info("request refused before admission: tenant=%s code=%s %s", tenant or UNAUTHENTICATED_TENANT,
+                 exc.code, detail)
+        return exc
 
     def visible_models(self, caller: Caller) -> list[ModelInfo]:
         return [m for m in self.models.values() if caller.tenant.may_use(m.name)]
@@ -215,8 +246,9 @@ class Gateway:
     # ---- one request ---------------------------------------------------------------------------------
 
     async def generate(self, caller: Caller, request: pb.GenerateRequest) -> AsyncIterator[Delta]:
-        """Deltas of one request; raises GatewayError (before the first delta, or mid-stream for a
-        failure of the system). Closing the generator early cancels the request."""
+        """Deltas of one request from a caller `accept` returned; raises GatewayError (before the first
+        delta, or mid-stream for a failure of the system). Closing the generator early cancels the
+        request."""
         validated, ticket, stream = await self._admit(caller, request)
         if caller.key_hash is not None and self.registry is not None and not self.registry.holds(
                 caller.key_hash, caller.tenant.name):  # revoked while it was validated or queued
@@ -226,8 +258,8 @@ class Gateway:
         self.lifecycle.stream_opened()
         self._update_queue_gauges()
         try:
-            await self._ledger_write(self.ledger.start_async if self.ledger else None,
-                                     stream, lambda: self._record(stream, "running", RUNNING))
+            if self.ledger is not None:
+                await self.ledger.start_async(self._record(stream, "running", RUNNING))
             # aclosing: a consumer that stops at the last delta (or leaves) closes the coordinator's
             # generator now, freeing the sequence before the admission slot goes to the next request.
             async with contextlib.aclosing(self._run(validated, stream)) as deltas:
@@ -259,22 +291,23 @@ class Gateway:
     async def _admit(self, caller: Caller, request: pb.GenerateRequest):
         tenant = caller.tenant
         try:
-            self.admission.charge_request(tenant)
-            info = resolve_model(request.model, self.models, self.default_model)
-            authorize_model(tenant, info.name)
+            usable = [m.name for m in self.visible_models(caller)]
+            info = resolve_model(request.model, self.models, self.default_model, usable)
+            authorize_model(tenant, info.name, usable)
             # Tokenizing and templating a long prompt takes milliseconds: not on the event loop.
             validated: ValidatedRequest = await asyncio.to_thread(
                 validate_request, request, info, self.tokenizers[info.name], self.settings,
                 self.default_modes.get(info.name, SpeculationMode.PEARL), uuid.uuid4().hex,
+                max_prompt_chars=self.max_prompt_chars.get(info.name),
             )
             n_prompt = len(validated.request.prompt_token_ids)
             ticket = await self.admission.admit(tenant, n_prompt + validated.request.max_new_tokens, info.name)
         except RequestError as exc:
-            raise GatewayError(exc.code, str(exc), field=exc.field) from None
+            raise self.refuse(caller, GatewayError(exc.code, str(exc), field=exc.field)) from None
         except AuthError as exc:
-            raise GatewayError(exc.code, str(exc)) from None
+            raise self.refuse(caller, GatewayError(exc.code, str(exc))) from None
         except AdmissionError as exc:
-            raise GatewayError(exc.code, str(exc), exc.retry_after_s) from None
+            raise self.refuse(caller, GatewayError(exc.code, str(exc), exc.retry_after_s)) from None
         stream = _Stream(validated.request.request_id, caller, info.name, validated.client_request_id, n_prompt)
         return validated, ticket, stream
 
@@ -363,15 +396,6 @@ class Gateway:
             stream.progress_t = now
             self.ledger.progress(self._record(stream, "running", RUNNING))
 
-    async def _ledger_write(self, write, stream: _Stream, record) -> None:
-        """`write(record())`, off the loop; losing a row must not fail the request (the log says so)."""
-        if write is None:
-            return
-        try:
-            await write(record())
-        except Exception:
-            log.exception("request %s: could not write the usage ledger", stream.client_request_id)
-
     async def _account(self, stream: _Stream) -> None:
         tenant = stream.tenant.name
         if stream.status_code == "OK" or stream.finish_reason is FinishReason.CANCELLED:
@@ -385,8 +409,8 @@ class Gateway:
         log.info("request %s tenant=%s model=%s prompt_tokens=%d completion_tokens=%d finish=%s",
                  stream.client_request_id, tenant, stream.model, stream.prompt_tokens, stream.completion_tokens,
                  finish)
-        await self._ledger_write(self.ledger.finish_async if self.ledger else None,
-                                 stream, lambda: self._record(stream, finish, stream.status_code))
+        if self.ledger is not None:  # (a failed write is logged and counted by the ledger, never raised)
+            await self.ledger.finish_async(self._record(stream, finish, stream.status_code))
 
 
 _INTERRUPTED = object()  # sentinel: the server's grace period ended, or the stream's key was revoked

@@ -9,6 +9,10 @@ Every request goes through coordinator/gateway.py, the path gRPC takes: the same
 coordinator/openai_protocol.py. A client that disconnects ends its request (the gateway frees the
 sequence's KV slots): for streams Starlette cancels the response, for plain requests a watcher on the
 connection does.
+
+A generation request is authenticated and charged to its tenant's requests/min from its headers
+alone; only then is its body read, refused with 413 as soon as it passes
+server.max_request_body_bytes (the rest is never held: uvicorn discards it), and parsed.
 """
 
 from __future__ import annotations
@@ -74,16 +78,23 @@ def create_app(gateway: Gateway, is_serving: Callable[[], bool]):
             return error_response(exc)
         return JSONResponse(oai.model_list(gateway.visible_models(caller)))
 
-    async def generate(request: Request, *, chat: bool) -> Response:
-        naming = {"chat": chat, "max_tokens_field": "max_tokens"}
+    async def parse(request: Request, caller: Caller, chat: bool, naming: dict):
+        """(GenerateRequest, stream, include_usage) from the body; a GatewayError counted as refused."""
         try:
-            caller = caller_of(request)
-            body = oai.parse_body(await request.body())
+            body = oai.parse_body(await _read_body(request, gateway.settings.max_request_body_bytes))
             if chat and body.get("max_completion_tokens") is not None:
                 naming["max_tokens_field"] = "max_completion_tokens"
             client_id = request.headers.get("x-request-id", "")
             req = oai.chat_request(body, client_id) if chat else oai.completion_request(body, client_id)
-            stream, include_usage = oai.stream_options(body)
+            return (req, *oai.stream_options(body))
+        except GatewayError as exc:
+            raise gateway.refuse(caller, exc) from None
+
+    async def generate(request: Request, *, chat: bool) -> Response:
+        naming = {"chat": chat, "max_tokens_field": "max_tokens"}
+        try:
+            caller = gateway.accept(request.headers.get("authorization"))
+            req, stream, include_usage = await parse(request, caller, chat, naming)
             deltas = gateway.generate(caller, req)
             try:
                 # Errors before the first token are plain HTTP errors; a client that leaves while its
@@ -143,6 +154,20 @@ class _LogprobShape:
         shaped = oai.completion_logprobs(self.tokenizer, logprobs, self.offset)
         self.offset += sum(len(t) for t in shaped["tokens"])
         return shaped
+
+
+async def _read_body(request, limit: int) -> bytes:
+    """The body, or BodyTooLarge as soon as it is known to pass `limit` bytes: at once from a declared
+    Content-Length, else at the chunk that crosses it. Nothing past the limit is kept."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
+        raise oai.BodyTooLarge(limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise oai.BodyTooLarge(limit)
+    return bytes(body)
 
 
 async def _collect(deltas, first):

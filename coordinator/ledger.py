@@ -11,18 +11,32 @@ client's request id is kept as `request_id` (clients may reuse theirs).
 A row still RUNNING when a server opens the ledger was cut off by a crash: it is closed then as
 finish_reason `interrupted`, status UNAVAILABLE, keeping the tokens it had delivered. One server
 writes one ledger file. Readers (`duospec usage`) never block the writer.
+
+Writes run on the ledger's own thread (`start_async`, `finish_async`), never on the executor that
+tokenizes prompts: a slow disk delays usage rows, not requests. Rows finished more than
+`retention_days` ago are deleted once an hour, in small batches. A failed write never fails a request:
+it is logged and reported to `on_failure(operation)` (the server counts it in
+`duospec:ledger_write_failures`), so an operator can alert on it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import pathlib
 import sqlite3
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import astuple, dataclass, fields
+from typing import Callable
+
+log = logging.getLogger("duospec.ledger")
 
 RUNNING = "RUNNING"  # status_code of a row whose request is still streaming
 FLUSH_INTERVAL_S = 1.0
+RETENTION_INTERVAL_S = 3600.0  # how often rows past the retention are deleted
+_RETENTION_BATCH = 5000  # rows per delete: a short transaction, so writes in between never wait long
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (
@@ -42,6 +56,7 @@ CREATE TABLE IF NOT EXISTS usage (
     finished_at          REAL NOT NULL    -- while RUNNING: the last update
 );
 CREATE INDEX IF NOT EXISTS usage_tenant_time ON usage (tenant, finished_at);
+CREATE INDEX IF NOT EXISTS usage_finished ON usage (finished_at);
 """
 
 
@@ -68,11 +83,19 @@ _INSERT = f"INSERT INTO usage ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * l
 _UPDATE = f"UPDATE usage SET {', '.join(f'{c} = ?' for c in _COLUMNS[1:])} WHERE id = ?"
 # Progress never overwrites a finished row (a flush racing the request's end).
 _PROGRESS = _UPDATE + f" AND status_code = '{RUNNING}'"
+_EXPIRE = (f"DELETE FROM usage WHERE rowid IN (SELECT rowid FROM usage WHERE finished_at < ? "
+           f"AND status_code != '{RUNNING}' LIMIT {_RETENTION_BATCH})")
 
 
 class UsageLedger:
-    def __init__(self, path: str | pathlib.Path, flush_interval_s: float = FLUSH_INTERVAL_S):
+    """`retention_days`: rows finished longer ago are deleted (None or 0: kept). `on_failure(operation)`:
+    told of every failed write ("start", "finish", "progress" or "retention") after it is logged."""
+
+    def __init__(self, path: str | pathlib.Path, flush_interval_s: float = FLUSH_INTERVAL_S, *,
+                 retention_days: float | None = None, on_failure: Callable[[str], None] | None = None):
         self.path = pathlib.Path(path)
+        self.retention_days = retention_days or None
+        self.on_failure = on_failure
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()  # guards the connection (held across a commit's fsync)
         self._pending_lock = threading.Lock()  # guards _pending only: progress() never waits for an fsync
@@ -89,6 +112,8 @@ class UsageLedger:
         self._pending: dict[str, UsageRecord] = {}
         self._closed = threading.Event()
         self._flush_interval_s = flush_interval_s
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duospec-ledger-writer")
+        self._expired_at = -float("inf")  # monotonic time of the last retention pass
         self._flusher = threading.Thread(target=self._flush_loop, name="duospec-ledger", daemon=True)
         self._flusher.start()
 
@@ -118,12 +143,26 @@ class UsageLedger:
             if self._conn.execute(_UPDATE, _update_args(rec)).rowcount == 0:
                 self._conn.execute(_INSERT, astuple(rec))
 
-    # Off the event loop: an fsync must not stall every other stream.
+    # Off the event loop (an fsync must not stall every other stream), on the ledger's own thread. They
+    # never raise: a lost row is logged and counted, and the request goes on.
     async def start_async(self, rec: UsageRecord) -> None:
-        await asyncio.to_thread(self.start, rec)
+        await self._write_async("start", self.start, rec)
 
     async def finish_async(self, rec: UsageRecord) -> None:
-        await asyncio.to_thread(self.finish, rec)
+        await self._write_async("finish", self.finish, rec)
+
+    async def _write_async(self, operation: str, write: Callable[[UsageRecord], None], rec: UsageRecord) -> None:
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._writer, write, rec)
+        except Exception as exc:
+            self._failed(operation, exc, rec.id)
+
+    def _failed(self, operation: str, exc: Exception, row: str | None = None) -> None:
+        which = f" of row {row}" if row else ""
+        log.error("usage ledger %s: the %s write%s failed (%s: %s); usage is missing until a write succeeds",
+                  self.path, operation, which, type(exc).__name__, exc)
+        if self.on_failure is not None:
+            self.on_failure(operation)
 
     def flush(self) -> None:
         with self._pending_lock:
@@ -133,16 +172,38 @@ class UsageLedger:
                 self._conn.execute("BEGIN")
                 self._conn.executemany(_PROGRESS, [_update_args(r) for r in pending.values()])
 
+    def expire(self, now: float | None = None) -> int:
+        """Deletes the rows finished more than retention_days before `now` (unix seconds); returns how
+        many. Batch by batch, so the writer never waits behind one long transaction."""
+        if self.retention_days is None:
+            return 0
+        cutoff = (time.time() if now is None else now) - self.retention_days * 86400.0
+        deleted = 0
+        while True:
+            with self._lock:
+                n = self._conn.execute(_EXPIRE, (cutoff,)).rowcount
+            deleted += n
+            if n < _RETENTION_BATCH:
+                break
+        return deleted
+
     def _flush_loop(self) -> None:
         while not self._closed.wait(self._flush_interval_s):
-            try:
+            try:  # a full disk or a locked file: keep the server up, retry next tick
                 self.flush()
-            except sqlite3.Error:  # a full disk or a locked file: keep the server up, retry next tick
-                pass
+            except sqlite3.Error as exc:
+                self._failed("progress", exc)
+            if time.monotonic() - self._expired_at >= RETENTION_INTERVAL_S:
+                self._expired_at = time.monotonic()
+                try:
+                    self.expire()
+                except sqlite3.Error as exc:
+                    self._failed("retention", exc)
 
     def close(self) -> None:
         self._closed.set()
         self._flusher.join(timeout=5)
+        self._writer.shutdown(wait=True)
         self.flush()
         with self._lock:
             self._conn.close()

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from duospec.coordinator.api import FinishReason, SpecStats
 
+UNAUTHENTICATED_TENANT = "(unauthenticated)"  # not a valid tenant name, so it cannot collide with one
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     10.0, 20.0, 40.0, 80.0)
 
@@ -64,6 +65,14 @@ class ServerMetrics:
             "duospec:request_success", "Finished requests by finish reason", ["tenant", "finish_reason"], registry=r)
         self.request_failure = Counter(
             "duospec:request_failure", "Requests that ended with an error status", ["tenant", "code"], registry=r)
+        self.request_refused = Counter(
+            "duospec:request_refused",
+            f"Requests refused before admission (bad key, over quota, invalid, too large) by gRPC status; "
+            f"tenant {UNAUTHENTICATED_TENANT!r} for a missing or unknown key", ["tenant", "code"], registry=r)
+        self.ledger_write_failures = Counter(
+            "duospec:ledger_write_failures",
+            "Usage-ledger writes that failed (rows missing or stale until a later write succeeds); alert on any",
+            ["operation"], registry=r)
         self.ttft = Histogram("duospec:time_to_first_token_seconds", "Time to first token", t,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("duospec:inter_token_latency_seconds", "Time between committed tokens", t,
@@ -117,6 +126,13 @@ class ServerMetrics:
 
     def observe_failure(self, tenant: str, code: str) -> None:
         self.request_failure.labels(tenant, code).inc()
+
+    def observe_refusal(self, tenant: str | None, code: str) -> None:
+        """A request refused before admission; `tenant` None: its key was missing or unknown."""
+        self.request_refused.labels(tenant or UNAUTHENTICATED_TENANT, code).inc()
+
+    def observe_ledger_failure(self, operation: str) -> None:
+        self.ledger_write_failures.labels(operation).inc()
 
     def update_from_coordinator(self, stats: Any) -> None:
         """Copies what it recognizes from `coordinator.stats()`; unknown shapes are skipped."""

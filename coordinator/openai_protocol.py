@@ -45,11 +45,24 @@ HTTP_STATUS = {
     "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504, "UNIMPLEMENTED": 501,
 }
 _ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+               404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               503: "service_unavailable", 504: "timeout"}
 
 
 def bad(field: str, problem: str) -> GatewayError:
     return GatewayError("INVALID_ARGUMENT", f"{field}: {problem}", field=field)
+
+
+class BodyTooLarge(GatewayError):
+    """A request body past server.max_request_body_bytes: HTTP 413 (RESOURCE_EXHAUSTED, as gRPC says of
+    a message past its limit, in metrics and logs; not 429, which would invite a retry)."""
+
+    http_status = 413
+    http_code = "request_too_large"
+
+    def __init__(self, limit: int):
+        super().__init__("RESOURCE_EXHAUSTED", f"the request body is larger than the server's limit of {limit} "
+                         "bytes (server.max_request_body_bytes); send a shorter prompt")
 
 
 # ---- requests --------------------------------------------------------------------------------------
@@ -57,7 +70,10 @@ def bad(field: str, problem: str) -> GatewayError:
 def parse_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw or b"null")
-    except (ValueError, UnicodeDecodeError) as exc:
+    except RecursionError:  # the decoder's nesting limit: a 500 if it got out
+        raise GatewayError("INVALID_ARGUMENT", "the request body nests JSON arrays or objects too deeply; "
+                           "send an OpenAI request object") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # (incl. integers past Python's 4300 digits)
         raise GatewayError("INVALID_ARGUMENT", f"the request body is not valid JSON ({exc})") from None
     if not isinstance(body, dict):
         raise GatewayError("INVALID_ARGUMENT", "the request body must be a JSON object")
@@ -229,9 +245,15 @@ def _number(body: dict, name: str, default: float) -> float:
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise bad(name, f"{v!r}; use a number")
-    return float(v)
+    try:
+        number = float(v)
+    except OverflowError:  # an integer past a float's range (JSON allows any number of digits)
+        raise bad(name, "an integer too large for a number; use a number") from None
+    if not math.isfinite(number):
+        raise bad(name, f"{v!r}; use a number")
+    return number
 
 
 _UINT32_END = 1 << 32
@@ -292,7 +314,7 @@ def field_name(grpc_field: str, *, chat: bool, max_tokens_field: str = "max_toke
 
 def as_http_error(exc: GatewayError, *, chat: bool = False, max_tokens_field: str = "max_tokens"):
     """(status, body, headers) in OpenAI's error shape; the message names the JSON field."""
-    status = HTTP_STATUS.get(exc.code, 500)
+    status = getattr(exc, "http_status", None) or HTTP_STATUS.get(exc.code, 500)
     message, param = str(exc), None
     if exc.field:
         param = field_name(exc.field, chat=chat, max_tokens_field=max_tokens_field)
@@ -303,7 +325,7 @@ def as_http_error(exc: GatewayError, *, chat: bool = False, max_tokens_field: st
     if exc.retry_after_s:
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
     body = {"error": {"message": message, "type": _ERROR_TYPE.get(status, "server_error"), "param": param,
-                      "code": exc.code.lower()}}
+                      "code": getattr(exc, "http_code", None) or exc.code.lower()}}
     return status, body, headers
 
 

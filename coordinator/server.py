@@ -91,6 +91,7 @@ class DuospecServer:
         tenants: list[Tenant] | None = None,
         insecure_no_auth: bool = False,
         ledger_path: str | None = None,
+        ledger_retention_days: float | None = None,
         metrics: ServerMetrics | None = None,
         tokenizers: dict[str, Any] | None = None,
         default_modes: dict[str, SpeculationMode] | None = None,
@@ -106,7 +107,9 @@ class DuospecServer:
         self.admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests,
                                    model_slots={m.name: m.max_num_seqs for m in coordinator.models()},
                                    tenants=tenants or ())
-        self.ledger = UsageLedger(ledger_path) if ledger_path else None
+        # (retention: the serve config's ledger_retention_days; None keeps every row)
+        self.ledger = UsageLedger(ledger_path, retention_days=ledger_retention_days,
+                                  on_failure=self.metrics.observe_ledger_failure) if ledger_path else None
         self.health = health.aio.HealthServicer()
         self.gateway = Gateway(
             coordinator, settings, tokenizers if tokenizers is not None else load_tokenizers(coordinator),

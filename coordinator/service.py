@@ -45,7 +45,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         try:
-            caller = self.gateway.authenticate(_authorization(context))
+            caller = self.gateway.accept(_authorization(context))
             async with contextlib.aclosing(self.gateway.generate(caller, request)) as deltas:
                 async for delta in deltas:
                     await context.write(_response(delta))

@@ -117,9 +117,11 @@ class TenantRegistry:
         return tenant is not None and key_hash in tenant.key_hashes
 
 
-def authorize_model(tenant: Tenant, model: str) -> None:
+def authorize_model(tenant: Tenant, model: str, usable: list[str] = ()) -> None:
+    """`usable`: the served models this tenant may use, named in the error (and no others)."""
     if not tenant.may_use(model):
-        raise AuthError("PERMISSION_DENIED", f"tenant {tenant.name!r} may not use model {model!r}")
+        raise AuthError("PERMISSION_DENIED", f"tenant {tenant.name!r} may not use model {model!r}; "
+                        f"yours: {', '.join(usable) or 'none'}")
 
 
 def load_tenants(path: str | pathlib.Path) -> list[Tenant]:

@@ -50,13 +50,27 @@ class ValidatedRequest:
     client_request_id: str  # echoed back to the client
 
 
-def resolve_model(model: str, models: dict[str, ModelInfo], default_model: str) -> ModelInfo:
+def resolve_model(model: str, models: dict[str, ModelInfo], default_model: str, usable: list[str]) -> ModelInfo:
+    """`usable`: the served models the caller may use, the only ones the error names."""
     name = model or default_model
     info = models.get(name)
     if info is None:
-        raise RequestError("NOT_FOUND", f"model: {name!r} is not served here; available: {', '.join(models)}",
-                           "model")
+        raise RequestError("NOT_FOUND", f"model: {name!r} is not served here; available to you: "
+                           f"{', '.join(usable) or 'none'}", "model")
     return info
+
+
+def max_prompt_chars(info: ModelInfo, tokenizer: Any) -> int | None:
+    """The most characters a prompt that fits the model's context can have, so that a longer one is
+    refused before the tokenizer spends time on it. No token covers more characters than the longest
+    vocabulary entry (byte-level entries have a character per byte, sentencepiece ones their own), so
+    a text past context x longest needs more tokens than fit. None when the tokenizer has no vocabulary
+    to measure."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return None
+    longest = max((len(token) for token in get_vocab()), default=1)
+    return info.max_context * max(1, longest)
 
 
 def validate_request(
@@ -66,13 +80,16 @@ def validate_request(
     settings: ServerSettings,
     default_mode: SpeculationMode,
     internal_request_id: str,
+    *,
+    max_prompt_chars: int | None = None,
 ) -> ValidatedRequest:
+    """`max_prompt_chars`: the bound `max_prompt_chars()` worked out for the model (None: none)."""
     if len(req.request_id) > MAX_REQUEST_ID_CHARS:
         raise invalid("request_id", f"{len(req.request_id)} characters; use at most {MAX_REQUEST_ID_CHARS}")
     if not (req.request_id.isascii() and req.request_id.isprintable()):
         # It goes into log lines and the ledger: no control characters, no line breaks.
         raise invalid("request_id", "use printable ASCII characters only (no control characters or line breaks)")
-    prompt_ids = _prompt_token_ids(req, info, tokenizer)
+    prompt_ids = _prompt_token_ids(req, info, tokenizer, max_prompt_chars)
     max_new = _max_new_tokens(req.stopping, len(prompt_ids), info, settings)
     stops = _stop_strings(req.stopping)
     stop_ids = _stop_token_ids(req.stopping, info)
@@ -100,26 +117,41 @@ def with_tenant(v: ValidatedRequest, tenant: str, weight: float) -> GenerationRe
     return replace(v.request, tenant=tenant, priority_weight=weight)
 
 
-def _prompt_token_ids(req: pb.GenerateRequest, info: ModelInfo, tokenizer: Any) -> list[int]:
+def _prompt_token_ids(req: pb.GenerateRequest, info: ModelInfo, tokenizer: Any, max_chars: int | None) -> list[int]:
     which = req.WhichOneof("input")
     if which is None:
         raise invalid("prompt", "empty; set one of prompt, prompt_token_ids or messages")
     if which == "prompt":
         if not req.prompt:
             raise invalid("prompt", "empty; send at least one character")
+        _check_prompt_chars("prompt", len(req.prompt), max_chars, info)
         ids = list(tokenizer.encode(req.prompt, add_special_tokens=True))
     elif which == "prompt_token_ids":
         ids = list(req.prompt_token_ids.ids)
         if not ids:
             raise invalid("prompt_token_ids.ids", "empty; send at least one token id")
+        if len(ids) >= info.max_context:  # before looking at each id
+            raise _no_room(len(ids), info)
         for i, tok in enumerate(ids):
             if tok >= info.vocab_size:
                 raise invalid(f"prompt_token_ids.ids[{i}]", f"{tok} is not below the vocabulary size {info.vocab_size}")
     else:
+        _check_prompt_chars("messages", sum(len(m.content) for m in req.messages.messages), max_chars, info)
         ids = _chat_token_ids(req.messages, info, tokenizer)
     if not ids:
         raise invalid(which, "tokenizes to no tokens; send more text")
     return ids
+
+
+def _check_prompt_chars(field: str, n_chars: int, max_chars: int | None, info: ModelInfo) -> None:
+    if max_chars is not None and n_chars > max_chars:
+        raise invalid(field, f"{n_chars} characters cannot fit the model's context of {info.max_context} tokens "
+                      f"(at most {max_chars} characters could); shorten the prompt")
+
+
+def _no_room(n_prompt: int, info: ModelInfo) -> RequestError:
+    return invalid("prompt", f"{n_prompt} tokens leave no room in the model's context of {info.max_context}; "
+                   "shorten the prompt")
 
 
 def _chat_token_ids(messages: pb.ChatMessages, info: ModelInfo, tokenizer: Any) -> list[int]:
@@ -145,8 +177,7 @@ def _chat_token_ids(messages: pb.ChatMessages, info: ModelInfo, tokenizer: Any) 
 def _max_new_tokens(stopping: pb.StoppingCriteria, n_prompt: int, info: ModelInfo, s: ServerSettings) -> int:
     room = info.max_context - n_prompt
     if room < 1:
-        raise invalid("prompt", f"{n_prompt} tokens leave no room in the model's context of {info.max_context}; "
-                      "shorten the prompt")
+        raise _no_room(n_prompt, info)
     requested = stopping.max_new_tokens
     if requested == 0:
         return min(s.default_max_new_tokens, room)

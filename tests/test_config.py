@@ -84,11 +84,23 @@ def test_yaml_and_toml_load_the_same_config(tmp_path):
     ({"server": {"http_port": -1}, "models": [{"name": "m", "target": "t"}]}, "server.http_port"),
     ({"models": [{"name": "m", "target": "t", "max_num_seqs": 0}]}, "models[0].max_num_seqs"),
     ({"models": [{"name": "m", "target": "t", "restart_timeout_s": 0}]}, "models[0].restart_timeout_s"),
+    ({"server": {"max_request_body_bytes": 0}, "models": [{"name": "m", "target": "t"}]},
+     "server.max_request_body_bytes"),
+    ({"ledger_retention_days": -1, "models": [{"name": "m", "target": "t"}]}, "ledger_retention_days"),
+    ({"ledger_retention_days": "forever", "models": [{"name": "m", "target": "t"}]}, "ledger_retention_days"),
 ])
 def test_bad_config_names_the_field(raw, where):
     with pytest.raises(ConfigError) as info:
         parse_serve_config(raw, source="c.yaml")
     assert f"c.yaml: {where}" in str(info.value)
+
+
+def test_the_http_body_limit_and_the_ledger_retention():
+    default = parse_serve_config({"models": [{"name": "m", "target": "t"}]})
+    assert default.server.max_request_body_bytes == 4 << 20 and default.ledger_retention_days == 90.0
+    set_ = parse_serve_config({"server": {"max_request_body_bytes": 65536}, "ledger_retention_days": 0,
+                               "models": [{"name": "m", "target": "t"}]})
+    assert set_.server.max_request_body_bytes == 65536 and set_.ledger_retention_days == 0.0  # 0: keep all
 
 
 def test_placement_defaults_to_auto_and_takes_colocated():

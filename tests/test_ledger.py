@@ -101,6 +101,85 @@ def test_a_ledger_from_before_row_ids_is_migrated(tmp_path):
     assert [(r.id, r.request_id) for r in query_usage(tmp_path / "old.db")] == [(None, "old-1"), ("id1", "r1")]
 
 
+def test_rows_past_the_retention_are_deleted_in_batches_and_running_rows_are_kept(tmp_path):
+    import sqlite3
+
+    from duospec.coordinator import ledger as ledger_module
+
+    now = time.time()
+    ledger = UsageLedger(tmp_path / "u.db", flush_interval_s=3600, retention_days=30)
+    ledger.finish(record(1, finished_at=now - 40 * 86400))
+    ledger.finish(record(2, finished_at=now - 10 * 86400))
+    ledger.start(record(3, status=RUNNING, finish="running", finished_at=now - 40 * 86400))  # a long stream
+    n_old = ledger_module._RETENTION_BATCH * 2 + 7  # more than one delete's worth
+    with sqlite3.connect(tmp_path / "u.db") as conn:  # one transaction: the ledger would fsync each row
+        conn.executemany(f"INSERT INTO usage VALUES ({', '.join('?' * 14)})",
+                         [tuple(vars(record(100 + i, finished_at=now - 31 * 86400)).values()) for i in range(n_old)])
+    assert ledger.expire(now) == n_old + 1
+    assert sorted(r.id for r in query_usage(tmp_path / "u.db")) == ["id2", "id3"]
+    ledger.close()
+
+
+def test_the_retention_runs_on_its_own_once_the_ledger_is_open(tmp_path):
+    ledger = UsageLedger(tmp_path / "u.db")  # no retention: kept
+    ledger.finish(record(1, finished_at=time.time() - 400 * 86400))
+    ledger.close()
+    assert len(query_usage(tmp_path / "u.db")) == 1
+    ledger = UsageLedger(tmp_path / "u.db", flush_interval_s=0.02, retention_days=365)
+    try:
+        deadline = time.monotonic() + 30
+        while query_usage(tmp_path / "u.db"):
+            assert time.monotonic() < deadline, "the year-old row is still there"
+            time.sleep(0.02)
+    finally:
+        ledger.close()
+
+
+async def test_ledger_writes_do_not_wait_for_the_executor_that_tokenizes(tmp_path):
+    """Tokenizing runs on asyncio's default executor (asyncio.to_thread); with it fully busy, usage rows
+    are still written."""
+    import asyncio
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    loop = asyncio.get_running_loop()
+    busy = ThreadPoolExecutor(max_workers=1)
+    loop.set_default_executor(busy)
+    release = threading.Event()
+    blocker = asyncio.ensure_future(asyncio.to_thread(release.wait))
+    ledger = UsageLedger(tmp_path / "u.db")
+    try:
+        await asyncio.wait_for(ledger.start_async(record(1, status=RUNNING, finish="running")), 30)
+        await asyncio.wait_for(ledger.finish_async(record(1)), 30)
+        assert not blocker.done() and query_usage(tmp_path / "u.db")[0].status_code == "OK"
+    finally:
+        release.set()
+        await blocker
+        ledger.close()
+
+
+async def test_a_failing_ledger_write_is_logged_and_counted_and_the_request_served(tiny_pair, tmp_path,  # noqa: F811
+                                                                                 caplog):
+    import sqlite3
+
+    from test_server_support import TargetOnlyCoordinator, collect, request, running_server
+
+    path = tmp_path / "u.db"
+    async with running_server(TargetOnlyCoordinator(*tiny_pair), ledger_path=str(path)) as h:
+        with sqlite3.connect(path) as conn:  # what a full disk looks like to the ledger: every write fails
+            for event in ("INSERT", "UPDATE"):
+                conn.execute(f"CREATE TRIGGER full_{event} BEFORE {event} ON usage "
+                             "BEGIN SELECT RAISE(FAIL, 'database or disk is full'); END")
+        messages = await collect(h.stub, request("def f():", 3))
+        assert messages[-1].usage.completion_tokens == 3 and messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        failures = {op: h.server.metrics.registry.get_sample_value("duospec:ledger_write_failures_total",
+                                                                   {"operation": op}) for op in ("start", "finish")}
+    assert failures == {"start": 1.0, "finish": 1.0}
+    lines = [r.getMessage() for r in caplog.records if r.name == "duospec.ledger"]
+    assert any("the start write" in line and "disk is full" in line for line in lines), lines
+    assert any("the finish write" in line for line in lines), lines
+
+
 def cli_main(argv: list[str]) -> int:
     """Runs the admin commands alone, independent of the other CLI modules."""
     parser = argparse.ArgumentParser(prog="duospec")

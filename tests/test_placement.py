@@ -100,3 +100,15 @@ def test_plan_model_free_drafter_needs_only_the_targets_gpu():
     assert plan.uses_gpu and target["GPU"] == 1 and "GPU" not in draft
     with pytest.raises(PlacementError, match="the target needs a GPU"):
         plan_placement([_node(0)], use_gpu=True, draft_needs_gpu=False)
+
+
+def test_a_worker_pairs_repr_hides_the_deployment_secret_and_the_tls_key():
+    """A pair printed in a log line or an error names its model and endpoints, never its secrets."""
+    from duospec.cluster.actors import WorkerPair
+    from duospec.cluster.secret import InternalTls, new_deployment_secret
+
+    secret = new_deployment_secret()
+    tls = InternalTls(b"CERT", b"-----BEGIN PRIVATE KEY-----", b"CA")
+    pair = WorkerPair("m", None, None, None, {"endpoint": "10.0.0.1:7001"}, None, secret, tls)
+    text = repr(pair)
+    assert "10.0.0.1:7001" in text and secret not in text and "PRIVATE" not in text

@@ -65,6 +65,53 @@ async def test_model_not_allowed_is_permission_denied_and_hidden_from_listing(ha
     assert list(reply.models) == []
 
 
+async def test_not_found_and_permission_denied_name_only_the_callers_models(tiny_pair):  # noqa: F811
+    import dataclasses
+
+    from test_server_support import TargetOnlyCoordinator
+
+    class TwoModels(TargetOnlyCoordinator):
+        def models(self):
+            return [self.info, dataclasses.replace(self.info, name="secret-model")]
+
+    tenants = [tenant("alpha", allowed_models=(MODEL,)), tenant("ops")]
+    async with running_server(TwoModels(*tiny_pair), tenants=tenants) as h:
+        err = await rpc_error(h.stub, request(model="nope"), api_key=KEYS["alpha"])
+        assert err.code() == grpc.StatusCode.NOT_FOUND
+        assert err.details().endswith(f"available to you: {MODEL}") and "secret-model" not in err.details()
+        err = await rpc_error(h.stub, request(model="secret-model"), api_key=KEYS["alpha"])
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED and err.details().endswith(f"yours: {MODEL}")
+        err = await rpc_error(h.stub, request(model="nope"), api_key=KEYS["ops"])
+        assert err.details().endswith(f"available to you: {MODEL}, secret-model")
+
+
+async def test_requests_refused_before_admission_are_logged_and_counted_per_tenant(harness, caplog):
+    caplog.set_level(logging.INFO, logger="duospec.server")
+    secret_prompt = request("my secret prompt")
+    await rpc_error(harness.stub, secret_prompt, api_key="ds_wrong")  # UNAUTHENTICATED
+    await rpc_error(harness.stub, secret_prompt)  # no key: UNAUTHENTICATED
+    await rpc_error(harness.stub, secret_prompt, api_key=KEYS["nomodels"])  # PERMISSION_DENIED
+    await rpc_error(harness.stub, request("my secret prompt", model="secret-name"), api_key=KEYS["alpha"])
+    await rpc_error(harness.stub, request("my secret prompt", 100), api_key=KEYS["tight"])  # over tokens/min
+    bad = request("my secret prompt", sampling=pb.SamplingParams(temperature=-1))
+    await rpc_error(harness.stub, bad, api_key=KEYS["beta"])  # INVALID_ARGUMENT
+
+    def refused(tenant_label: str, code: str) -> float | None:
+        return harness.server.metrics.registry.get_sample_value(
+            "duospec:request_refused_total", {"tenant": tenant_label, "code": code})
+
+    assert refused("(unauthenticated)", "UNAUTHENTICATED") == 2
+    assert refused("nomodels", "PERMISSION_DENIED") == 1 and refused("alpha", "NOT_FOUND") == 1
+    assert refused("tight", "RESOURCE_EXHAUSTED") == 1 and refused("beta", "INVALID_ARGUMENT") == 1
+    lines = [r.getMessage() for r in caplog.records if "refused before admission" in r.getMessage()]
+    assert len(lines) == 6, lines
+    assert "tenant=tight code=RESOURCE_EXHAUSTED reason: " in "\n".join(lines)
+    assert "request refused before admission: tenant=beta code=INVALID_ARGUMENT field=sampling.temperature" in lines
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    for never in ("my secret prompt", "secret-name", "ds_wrong", *KEYS.values()):
+        assert never not in logged
+
+
 async def test_tenants_cannot_touch_each_others_requests(harness):
     """Same client request_id from two tenants at the same time: two independent sequences, under
     ids the server made, each tenant's stream getting only its own tokens."""
@@ -187,7 +234,8 @@ def _count_target_rows(scheduler, rows: dict, window_open: asyncio.Event) -> Non
             for item in batch.items:
                 seq = scheduler.sequences.get(item.seq_id)
                 if seq is not None:
-                    rows[seq.request.tenant] = rows.get(seq.request.tenant, 0) + len(item.context) + len(item.draft_tokens)
+                    tenant_rows = len(item.context) + len(item.draft_tokens)
+                    rows[seq.request.tenant] = rows.get(seq.request.tenant, 0) + tenant_rows
         send(batch)
 
     scheduler.target.send = counting_send

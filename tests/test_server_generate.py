@@ -284,3 +284,40 @@ def test_a_chat_template_that_refuses_the_messages_is_invalid_argument():
     with pytest.raises(RequestError) as info_:
         _chat_token_ids(messages, info, Strict())
     assert info_.value.code == "INVALID_ARGUMENT" and "roles must alternate" in str(info_.value)
+
+
+def test_a_prompt_longer_than_the_context_can_hold_is_refused_before_tokenizing(tiny_pair):  # noqa: F811
+    """No token covers more characters than the vocabulary's longest entry: a text longer than context
+    x that cannot fit, and is refused without running the tokenizer; a text of that many tokens that
+    does fit is not."""
+    from transformers import AutoTokenizer
+
+    from duospec.coordinator.api import ModelInfo, SpeculationMode
+    from duospec.coordinator.config import ServerSettings
+    from duospec.coordinator.validation import RequestError, max_prompt_chars, validate_request
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
+    info = ModelInfo(MODEL, "t", None, len(tok), MAX_CONTEXT, None)
+    bound = max_prompt_chars(info, tok)
+    longest = max(tok.get_vocab(), key=len)
+    assert bound == MAX_CONTEXT * len(longest)
+
+    class Untouchable:
+        def encode(self, *args, **kwargs):
+            raise AssertionError("tokenized a prompt its length already rules out")
+
+    def validate(req, tokenizer):
+        return validate_request(req, info, tokenizer, ServerSettings(), SpeculationMode.OFF, "id",
+                                max_prompt_chars=bound)
+
+    for req, field in ((pb.GenerateRequest(prompt="x" * (bound + 1)), "prompt"),
+                       (pb.GenerateRequest(messages=pb.ChatMessages(messages=[
+                           pb.ChatMessage(role="user", content="x" * bound),
+                           pb.ChatMessage(role="user", content="y")])), "messages")):
+        with pytest.raises(RequestError) as refused:
+            validate(req, Untouchable())
+        assert str(refused.value).startswith(f"{field}: ") and "characters cannot fit" in str(refused.value)
+    text = tok.decode(tok.convert_tokens_to_ids([longest]))
+    fits = text * (MAX_CONTEXT - 1)  # as many characters per token as there can be, and still room for one
+    assert len(tok.encode(fits)) < MAX_CONTEXT
+    assert validate(pb.GenerateRequest(prompt=fits), tok).request.max_new_tokens >= 1

@@ -149,8 +149,8 @@ async def _serve(config, args: argparse.Namespace) -> int:
     coordinator = await _maybe_await(make_coordinator(config, args))
     server = DuospecServer(
         coordinator, config.server, tenants=tenants, insecure_no_auth=args.insecure_no_auth,
-        ledger_path=config.ledger, default_modes={m.name: m.speculation.mode for m in config.models},
-        tenants_path=config.tenants,
+        ledger_path=config.ledger, ledger_retention_days=config.ledger_retention_days,
+        default_modes={m.name: m.speculation.mode for m in config.models}, tenants_path=config.tenants,
     )
     port = await server.start()
     loop = asyncio.get_running_loop()
