@@ -28,7 +28,9 @@ class GrpcModelWorker:
     role = "worker"
 
     def __init__(self, model_path: str, *, deployment_secret: str, device: str = "auto", dtype: str = "auto",
-                 max_slots: int = 16, max_context: int | None = None, internal_tls: InternalTls | None = None):
+                 max_slots: int = 16, max_context: int | None = None, internal_tls: InternalTls | None = None,
+                 kv=None):
+        """`kv`: the model's KV pool (a duospec.engine.loader.KVOptions; None = the engine's default)."""
         self.started_at = time.time()  # wall clock, comparable across the pair's processes (info())
         import torch
 
@@ -36,7 +38,7 @@ class GrpcModelWorker:
         self.model_path = model_path
         self.device = resolve_device(device)
         self.runner = self._load(model_path, device=self.device, dtype=dtype, max_slots=max_slots,
-                                 max_context=max_context)
+                                 max_context=max_context, kv=kv)
         self.loaded_at = time.time()  # weights and KV cache allocated
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"duospec-{self.role}"),

@@ -67,6 +67,10 @@ class SpecStats:
     hedge_tokens_kept: int = 0  # tokens a hedge drafted past its key that the target kept (hit or branch)
     lookup_tokens: int = 0  # tokens found in the sequence's own text, verified in empty rounds
     lookup_accepted: int = 0  # ... and kept
+    # Not a speculation count, carried here to every front: prompt tokens the target read from its
+    # prefix cache instead of computing them (gRPC usage.cached_prompt_tokens, OpenAI's
+    # usage.prompt_tokens_details.cached_tokens)
+    cached_prompt_tokens: int = 0
     # accepted_per_pos[i]: how often the draft token at offset i of a verified chunk was accepted
     accepted_per_pos: list[int] = field(default_factory=list)
 
@@ -132,6 +136,8 @@ class ModelInfo:
     # the most drafts per verify a request may ask for (models[].speculation: the larger of
     # max_draft_tokens and gamma); a request above it is refused, naming it
     max_draft_tokens: int = MAX_DRAFT_TOKENS
+    # whose cached prompt blocks a request may reuse (models[].prefix_cache; coordinator/kv_budget.py)
+    prefix_cache: str = "tenant"
 
     @property
     def has_draft(self) -> bool:

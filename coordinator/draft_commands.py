@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from duospec.coordinator.kv_budget import cache_salt
 from duospec.coordinator.sequence import Sequence
 from duospec.internal.sampling_wire import sampling_to_proto
 from duospec.internal.v1 import pearl_pb2 as pb
@@ -31,6 +32,7 @@ class DraftCommands:
                 draft_until=seq.draft_until(),
                 sampling=sampling_to_proto(seq.request.sampling),
                 pool=seq.request.tenant,
+                cache_salt=cache_salt(self.info.prefix_cache, seq.request.tenant),
                 committed_len=len(seq.committed),
                 max_hedges=self._max_hedges(seq),
             )

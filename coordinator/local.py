@@ -7,7 +7,7 @@ gRPC streams. Used by tests, benchmarks (the "in-process" column) and `duospec s
 from __future__ import annotations
 
 from duospec.coordinator.links import LocalDraftLink, LocalTargetLink
-from duospec.coordinator.models import model_info
+from duospec.coordinator.models import model_info, worker_kv
 from duospec.coordinator.router import ModelEntry, ModelRouter, scheduler_config
 from duospec.coordinator.scheduler import Scheduler
 from duospec.cluster.worker import resolve_device
@@ -26,6 +26,7 @@ def load_runner(path: str, model_config, max_slots: int, max_context: int | None
         dtype=getattr(model_config, "dtype", "auto"),
         max_slots=max_slots,
         max_context=max_context,
+        kv=worker_kv(model_config, "target"),
     )
 
 
@@ -44,7 +45,8 @@ class LocalCoordinator(ModelRouter):
                 if spec is not None:
                     proposer = build_proposer(spec, info.target_path, device=resolve_device(config.device),
                                               dtype=config.dtype, max_slots=max_slots, max_context=info.max_context,
-                                              prefill_chunk_tokens=config.prefill_chunk_tokens)
+                                              prefill_chunk_tokens=config.prefill_chunk_tokens,
+                                              kv=worker_kv(config, "draft"))
                 preloaded = (load_runner(info.target_path, config, max_slots, info.max_context), proposer)
             else:
                 target_runner, draft = preloaded

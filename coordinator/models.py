@@ -1,5 +1,5 @@
 """Reading a model pair's facts (vocabulary, context, EOS) and checking the pair can work together,
-before any worker is started."""
+before any worker is started; what KV memory each worker gets."""
 
 from __future__ import annotations
 
@@ -110,4 +110,21 @@ def model_info(model_config, max_context: int | None = None) -> ModelInfo:
         eos_token_ids=end_ids or ((eos,) if eos is not None else ()),
         max_num_seqs=int(getattr(model_config, "max_num_seqs", 16)),
         max_draft_tokens=model_config.speculation.request_cap,
+        prefix_cache=getattr(model_config, "prefix_cache", ModelInfo.prefix_cache),
     )
+
+
+def worker_kv(model_config, role: str):
+    """The KV pool of a model's `role` ("target" or "draft") worker (a duospec.engine.loader.KVOptions):
+    models[].kv_cache_memory_bytes, or the draft's own draft.kv_cache_memory_bytes; without a byte
+    count, gpu_memory_utilization on CUDA (cluster/actors.py drops it for a draft that shares the
+    target's GPU); prefix caching unless models[].prefix_cache is off."""
+    from duospec.engine.loader import KVOptions
+
+    spec = getattr(model_config, "draft", None)
+    memory = getattr(model_config, "kv_cache_memory_bytes", None)
+    if role == "draft" and spec is not None and spec.kv_cache_memory_bytes is not None:
+        memory = spec.kv_cache_memory_bytes
+    utilization = getattr(model_config, "gpu_memory_utilization", None)
+    return KVOptions(kv_cache_memory_bytes=memory, gpu_memory_utilization=utilization,
+                     prefix_caching=getattr(model_config, "prefix_cache", ModelInfo.prefix_cache) != "off")

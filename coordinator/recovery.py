@@ -114,7 +114,7 @@ class WorkerRecovery:
                 if self.inflight is not None else set()
             waiting = self._draft_up and self._target_up and any(
                 seq.finish_reason is None and seq.draft_alive and not seq.draft_paused and not seq.draft_exhausted
-                and not seq.drafts and seq.seq_id not in busy
+                and not seq.drafts and seq.seq_id not in busy and seq.preempted_at is None
                 # a head drafter rightly waits for the prompt's features until the target has read it
                 and not (seq.needs_features and seq.target_len < len(seq.committed) - 1)
                 for seq in self.sequences.values())

@@ -47,6 +47,7 @@ from duospec.coordinator.api import (
 )
 from duospec.coordinator.draft_commands import DraftCommands
 from duospec.coordinator.guard import GoodputGuard
+from duospec.coordinator.kv_budget import KVPreemption
 from duospec.coordinator.config import ModelConfig
 from duospec.coordinator.links import LinkLoss, verify_error
 from duospec.coordinator.patience import Patience
@@ -113,7 +114,7 @@ class SchedulerConfig:
     stats_window: list = field(default_factory=list)
 
 
-class Scheduler(WorkerRecovery, VerifyItems, DraftCommands):
+class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
     def __init__(
         self,
         info: ModelInfo,
@@ -382,6 +383,8 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands):
         return k
 
     def _ready(self, seq: Sequence) -> bool:
+        if seq.preempted_at is not None:
+            return False
         if seq.uses_draft and (seq.draft_paused or seq.draft_exhausted or self._draft_limit(seq) == 0):
             return True  # backed off to target-only under load, or the drafter has nothing more for now
         if seq.needs_features and seq.prefill_pending and not seq.drafts:
@@ -461,9 +464,12 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands):
             self.patience.round_overhead_s.observe(max(0.0, self._idle_since - inflight.sent_at - batch.forward_seconds))
         self._deferring = True
         try:
+            kv_full = []
             for error in batch.errors:
                 seq = self.sequences.get(error.seq_id)
-                if seq is not None:
+                if seq is not None and error.kind == pb.VERIFY_ERROR_KIND_KV_CACHE_FULL:
+                    kv_full.append(seq)
+                elif seq is not None:
                     self._fail(seq, verify_error(error))
             answered = {v.seq_id for v in batch.verdicts} | {e.seq_id for e in batch.errors}
             guarded = [s for s in self.sequences.values() if self._guarded(s)]
@@ -487,6 +493,7 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands):
             for seq_id in set(inflight.seq_ids) - answered:
                 if (seq := self.sequences.get(seq_id)) is not None:
                     seq.forget_verify()
+            self._on_kv_full(kv_full)  # after the verdicts: a sequence preempted now has its own applied
             self._adapt_draft_length()
         except Exception:  # a bug here must not look like a lost target: fail this batch's sequences
             log.exception("applying verdict batch %d failed", batch.batch_id)
@@ -505,6 +512,8 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands):
             self.lookup_acceptance.observe(min(verdict.n_accepted, looked_up), int(verdict.n_accepted < looked_up))
         if seq.needs_features and seq.draft_started and seq.draft_alive:
             self._forward_features(seq, verdict)
+        if len(seq.committed) == seq.prompt_len:  # the prompt's first prefill (not a recompute's)
+            seq.stats.cached_prompt_tokens += verdict.cached_tokens
         next_token = verdict.next_token if verdict.kind != pb.NEXT_TOKEN_KIND_NONE else None
         kept, action, branch = seq.apply_verdict(verdict.n_accepted, next_token,
                                                  verdict.kind == pb.NEXT_TOKEN_KIND_RECOVERED, verdict.path)
@@ -547,6 +556,7 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands):
         if seq.draft_started and seq.draft_alive and self._draft_up:
             self._release_draft(seq)
         seq.drop_drafts()
+        self._resume_preempted()
         if not self.closed:
             self._dispatch()
 
@@ -571,6 +581,8 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands):
     def stats(self) -> dict:
         return {
             "live_sequences": len(self.sequences),
+            "preempted_sequences": len(self.preempted),
+            "num_preemptions": self.num_preemptions,
             "verify_in_flight": self.inflight is not None,
             "target": {
                 "busy_s": self.target_times.busy_s,

@@ -97,6 +97,8 @@ class Sequence:
     # hold (its chunk for it has not come, or came short): what it holds there is its own guess, so it
     # is told only the positions before as verified (drafter_verified_len).
     unconfirmed_from: int | None = None
+    # set (monotonic time): preempted, its KV freed on both workers, until it resumes (coordinator/kv_budget.py)
+    preempted_at: float | None = None
 
     # -- facts ------------------------------------------------------------------------------------
     @property

@@ -8,6 +8,7 @@ Mixed into `Scheduler` (coordinator/scheduler.py), whose state these methods rea
 from __future__ import annotations
 
 from duospec.coordinator.api import SpeculationMode
+from duospec.coordinator.kv_budget import cache_salt
 from duospec.coordinator.sequence import Sequence
 from duospec.internal.sampling_wire import sampling_to_proto
 from duospec.internal.v1 import pearl_pb2 as pb
@@ -37,7 +38,7 @@ class VerifyItems:
             return pb.VerifyItem(seq_id=seq.seq_id, epoch=seq.epoch, start_pos=seq.target_len,
                                  context=seq.committed[seq.target_len: seq.verify_context_end],
                                  sampling=sampling_to_proto(seq.request.sampling), bonus=pb.BONUS_POLICY_SKIP,
-                                 features=self._wants_features(seq))
+                                 features=self._wants_features(seq), cache_salt=self._item_salt(seq))
         seq.verify_context_end = None
         k = min(seq.policy.verify_count(len(seq.drafts), seq.remaining), self._draft_limit(seq)) if seq.uses_draft else 0
         # Past an exhausted chunk no draft will come: the bonus is the only way on. Which positions
@@ -71,7 +72,12 @@ class VerifyItems:
             logprobs=seq.request.logprobs is not None,
             top_logprobs=seq.request.logprobs or 0,
             features=self._wants_features(seq),
+            cache_salt=self._item_salt(seq),
         )
+
+    def _item_salt(self, seq: Sequence) -> str:
+        """The prefix-cache salt, on the item that opens the sequence on the target (start_pos 0)."""
+        return cache_salt(self.info.prefix_cache, seq.request.tenant) if seq.target_len == 0 else ""
 
     @staticmethod
     def _wants_features(seq: Sequence) -> bool:

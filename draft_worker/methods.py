@@ -7,8 +7,9 @@ from duospec.draft_worker.proposer import DraftMethod, DraftSpec, Proposer
 
 def build_proposer(spec: DraftSpec, target_path: str, *, device: str = "cpu", dtype: str = "auto",
                    max_slots: int = 16, max_context: int | None = None, runner=None,
-                   prefill_chunk_tokens: int | None = None) -> Proposer:
-    """Loads what the method needs. `runner`: an already loaded draft ModelRunner (tests, benchmarks)."""
+                   prefill_chunk_tokens: int | None = None, kv=None) -> Proposer:
+    """Loads what the method needs. `runner`: an already loaded draft ModelRunner (tests, benchmarks);
+    `kv`: its KV pool (a duospec.engine.loader.KVOptions)."""
     if spec.method is DraftMethod.NGRAM:
         from duospec.draft_worker.ngram_proposer import NgramProposer
 
@@ -24,7 +25,7 @@ def build_proposer(spec: DraftSpec, target_path: str, *, device: str = "cpu", dt
                                           dtype=resolve_dtype(dtype, torch_device)))
     if runner is None:
         runner = load_draft_runner(spec, target_path, device=device, dtype=dtype, max_slots=max_slots,
-                                   max_context=max_context)
+                                   max_context=max_context, kv=kv)
     chunking = {} if prefill_chunk_tokens is None else {"prefill_chunk_tokens": prefill_chunk_tokens}
     if spec.method is DraftMethod.EAGLE:
         from duospec.draft_worker.eagle_proposer import EagleProposer

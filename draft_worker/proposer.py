@@ -105,6 +105,8 @@ class DraftSpec:
     path: str | None = None
     layers: int | None = None  # layers: K, the target's first K layers
     ngram: NgramOptions = field(default_factory=NgramOptions)
+    # the draft worker's own KV memory (models[].draft.kv_cache_memory_bytes); None = the model's setting
+    kv_cache_memory_bytes: int | None = None
 
     def checkpoint(self, target_path: str) -> str | None:
         """The checkpoint the draft worker loads (None: no model); a head's directory for eagle/medusa."""

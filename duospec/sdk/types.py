@@ -21,6 +21,7 @@ _UINT32_MAX = 2**32 - 1
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    cached_prompt_tokens: int = 0  # of the prompt tokens, those the server read from its prefix cache
 
 
 @dataclass(frozen=True)
@@ -215,7 +216,8 @@ def chunk_from_proto(response: pb.GenerateResponse) -> GenerationChunk:
         finish = _enum_name(pb.FinishReason, response.finish_reason, "FINISH_REASON_")
     usage = stats = None
     if response.HasField("usage"):
-        usage = Usage(response.usage.prompt_tokens, response.usage.completion_tokens)
+        usage = Usage(response.usage.prompt_tokens, response.usage.completion_tokens,
+                      response.usage.cached_prompt_tokens)
     if response.HasField("stats"):
         s = response.stats
         stats = SpeculationStats(**{f.name: getattr(s, f.name) for f in fields(SpeculationStats)})
