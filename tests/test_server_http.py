@@ -162,6 +162,7 @@ async def test_models_and_health(harness):
     ({"max_tokens": 5_000_000_000}, 400, "max_tokens"),  # past uint32: a 400, not a 500
     ({"top_p": 0}, 400, "top_p"),
     ({"prompt": [1, 2, 1 << 40]}, 400, "prompt"),
+    ({"extra_body": {"speculation": {"max_draft_tokens": 9}}}, 400, "speculation.max_draft_tokens"),  # cap 8
 ])
 async def test_user_errors_are_openai_error_bodies_naming_the_field(harness, kwargs, status, param):
     args = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **kwargs}
