@@ -3,6 +3,7 @@
     server:   {host: 0.0.0.0, port: 50051, http_port: 8000 (OpenAI-compatible HTTP; 0 = off), metrics_port: 9400,
                metrics_host: 127.0.0.1, max_concurrent_requests: 64,
                max_queued_requests: 256, max_new_tokens_limit: 2048, grace_period_s: 10,
+               send_timeout_s: 30,   # a stream whose client reads nothing this long ends, freeing its slots
                max_request_body_bytes: 4194304,  # HTTP bodies past this get 413, checked while reading
                tls: {cert_file: ..., key_file: ..., client_ca_file: ...},
                internal_tls: {cert_file: ..., key_file: ..., ca_file: ..., server_name: duospec-worker}}
@@ -101,6 +102,10 @@ class ServerSettings:
     max_new_tokens_limit: int = 2048  # a request asking for more is INVALID_ARGUMENT
     default_max_new_tokens: int = 256  # used when a request leaves max_new_tokens at 0
     grace_period_s: float = 10.0  # SIGTERM: how long in-flight streams may finish before cancel
+    # How long a stream may wait for its client to take the next message (nginx's send_timeout): a
+    # client that stopped reading fills the connection's buffers, and past this its stream ends as a
+    # cancelled one does, giving its KV slots and admission ticket back instead of holding them forever.
+    send_timeout_s: float = 30.0
     # The largest HTTP request body accepted (bytes), as gRPC's default 4 MiB message limit: a longer
     # body gets 413 as soon as its Content-Length, or the bytes read so far, pass it (never read whole).
     max_request_body_bytes: int = 4 << 20
@@ -251,6 +256,7 @@ def _parse_server(f: "_Fields", base_dir: pathlib.Path) -> ServerSettings:
         max_new_tokens_limit=f.int_in("max_new_tokens_limit", 1, 1 << 24, default=d.max_new_tokens_limit),
         default_max_new_tokens=f.int_in("default_max_new_tokens", 1, 1 << 24, default=d.default_max_new_tokens),
         grace_period_s=f.float_in("grace_period_s", 0.0, MAX_GRACE_PERIOD_S, default=d.grace_period_s),
+        send_timeout_s=f.float_in("send_timeout_s", 1.0, 3600.0, default=d.send_timeout_s),
         max_request_body_bytes=f.int_in("max_request_body_bytes", 1024, 1 << 30, default=d.max_request_body_bytes),
         tls=tls,
         internal_tls=internal_tls,

@@ -32,19 +32,33 @@ from duospec.coordinator.gateway import Caller, Gateway, GatewayError
 log = logging.getLogger("duospec.http")
 
 
-def _closing_stream_class():
+class _SlowReader(Exception):
+    """The client took no event for the server's send_timeout_s."""
+
+
+def _closing_stream_class(send_timeout_s: float):
     from starlette.responses import StreamingResponse
 
     class ClosingStream(StreamingResponse):
         """Closes its event generator however the response ends: when the client disconnects while a
         chunk is being sent, Starlette cancels the send and leaves the generator suspended; closing it
-        here (shielded) frees the sequence at once instead of whenever the garbage collector runs."""
+        here (shielded) frees the sequence at once instead of whenever the garbage collector runs.
+        A client that reads nothing for `send_timeout_s` (the connection's buffers full, each send
+        waiting) ends the response the same way; uvicorn then closes the connection."""
 
         async def __call__(self, scope, receive, send):
             import anyio
 
+            async def send_within(message):
+                try:
+                    await asyncio.wait_for(send(message), send_timeout_s)
+                except asyncio.TimeoutError:
+                    raise _SlowReader from None
+
             try:
-                await super().__call__(scope, receive, send)
+                await super().__call__(scope, receive, send_within)
+            except _SlowReader:
+                log.warning("a streaming client read nothing for %.0f s; its stream is ended", send_timeout_s)
             finally:
                 with anyio.CancelScope(shield=True):
                     await self.body_iterator.aclose()
@@ -58,7 +72,7 @@ def create_app(gateway: Gateway, is_serving: Callable[[], bool]):
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
-    _ClosingStream = _closing_stream_class()
+    _ClosingStream = _closing_stream_class(gateway.settings.send_timeout_s)
 
     def error_response(exc: GatewayError, **naming) -> JSONResponse:
         status, body, headers = oai.as_http_error(exc, **naming)

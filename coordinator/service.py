@@ -4,12 +4,15 @@ It reads the `authorization` metadata, hands the request to the gateway, and wri
 `GenerateResponse` (the last carries finish_reason, usage and speculation stats). A GatewayError
 becomes the status of the same name with its message (and a `retry-after-s` trailer when the client
 should retry later). A client that cancels or passes its deadline closes the gateway's generator,
-which frees the sequence and finishes its ledger row.
+which frees the sequence and finishes its ledger row; so does one that stops reading for the server's
+send_timeout_s (its stream then ends CANCELLED, after the messages it has not read).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 
 import grpc
 
@@ -18,6 +21,7 @@ from duospec.coordinator.gateway import Delta, Gateway, GatewayError
 from duospec.v1 import generation_pb2 as pb
 from duospec.v1 import generation_pb2_grpc as pb_grpc
 
+log = logging.getLogger("duospec.server")
 _FINISH_TO_PB = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.STOP: pb.FINISH_REASON_STOP,
@@ -46,9 +50,19 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         try:
             caller = self.gateway.accept(_authorization(context))
+            timeout = self.gateway.settings.send_timeout_s
             async with contextlib.aclosing(self.gateway.generate(caller, request)) as deltas:
                 async for delta in deltas:
-                    await context.write(_response(delta))
+                    if not await _sent(context, _response(delta), timeout):
+                        break
+                else:
+                    return
+            # The client stopped reading: its request is closed now, as a cancelled one (KV slots and
+            # admission ticket free); the status waits behind the messages it has not read.
+            log.warning("request %s: its client read nothing for %.0f s; the stream is ended", delta.request_id,
+                        timeout)
+            raise GatewayError("CANCELLED", f"the client read nothing for {timeout:.0f} s (server.send_timeout_s); "
+                                            "the stream was ended to free its slot")
         except GatewayError as exc:
             await _abort(context, exc)
 
@@ -60,6 +74,15 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             card.target, card.draft = m.target_path, m.draft_path or ""
             card.target_node_id, card.draft_node_id = m.target_node_id, m.draft_node_id
         return card
+
+
+async def _sent(context, response: pb.GenerateResponse, timeout_s: float) -> bool:
+    """Writes `response`; False if the client leaves it unread (flow control full) for `timeout_s`."""
+    try:
+        await asyncio.wait_for(context.write(response), timeout_s)
+    except asyncio.TimeoutError:
+        return False
+    return True
 
 
 def _authorization(context) -> str | None:
