@@ -16,10 +16,12 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from duospec.coordinator.api import SpeculationMode
-from duospec.coordinator.config import ModelConfig, SpeculationDefaults
+from duospec.coordinator.config import ModelConfig, ServerSettings, SpeculationDefaults
 from duospec.sampling import SamplingParams
+from duospec.v1 import generation_pb2 as pb
 from exactness import assert_greedy_equal
 from pipeline_support import request, run_one
+from test_server_support import collect, running_server
 from tiny_models import make_tiny_checkpoint
 
 MAX_MODEL_LEN = 48
@@ -89,3 +91,26 @@ async def test_every_request_that_fills_the_context_completes_exactly_in_every_m
         await coordinator.close()
     # The cases did exercise what overflowed: trees verified (and taken), rejections, cache hits.
     assert all(totals.values()), totals
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+async def test_requests_that_fill_the_context_complete_through_the_server_on_ray_actors(pair, ray_session):
+    from duospec.coordinator.pipeline import start_pipeline
+
+    coordinator = start_pipeline([fill_config(pair, "fill-ray")])
+    hf = AutoModelForCausalLM.from_pretrained(str(pair[0])).eval()
+    settings = ServerSettings(host="127.0.0.1", port=0, metrics_port=0, http_port=0)
+    async with running_server(coordinator, settings) as h:  # (its shutdown closes the coordinator)
+        for prompt in random_cases(seed=380, n=2):
+            outputs = {}
+            for mode in (pb.SPECULATION_MODE_OFF, pb.SPECULATION_MODE_PEARL, pb.SPECULATION_MODE_VANILLA):
+                req = pb.GenerateRequest(
+                    model="fill-ray", prompt_token_ids=pb.TokenIds(ids=prompt),
+                    stopping=pb.StoppingCriteria(max_new_tokens=MAX_MODEL_LEN - len(prompt), ignore_eos=True),
+                    speculation=pb.SpeculationParams(mode=mode))
+                messages = await collect(h.stub, req, timeout=120)
+                assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
+                outputs[mode] = [t for m in messages for t in m.token_ids]
+            for mode in (pb.SPECULATION_MODE_PEARL, pb.SPECULATION_MODE_VANILLA):
+                assert_greedy_equal(hf, prompt, outputs[mode], outputs[pb.SPECULATION_MODE_OFF])
