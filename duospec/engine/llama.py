@@ -27,6 +27,7 @@ from duospec.engine.blocks import BlockTables
 from duospec.engine.cpu_linear import CpuLinear
 from duospec.engine.errors import CheckpointError
 from duospec.engine.kv_memory import DEFAULT_BLOCK_SIZE, pool_blocks
+from duospec.engine.tensor_parallel import TensorParallel
 from duospec.engine.runner import ModelRunner, SlotChunk
 
 __all__ = ["LEAN_MODEL_TYPES", "LeanLlamaRunner", "lean_unsupported_reason"]
@@ -138,7 +139,7 @@ class LeanLlamaRunner(ModelRunner):
     def __init__(self, config, state_dict: dict[str, torch.Tensor], *, device: torch.device,
                  dtype: torch.dtype, max_slots: int, max_context: int, kv_cache_memory_bytes: int | None = None,
                  gpu_memory_utilization: float | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, tp: TensorParallel | None = None) -> None:
         """`max_slots`: sequences open at once (a slot costs nothing until it holds positions);
         `max_context`: positions of one sequence; the pool's size: kv_memory.pool_blocks."""
         super().__init__(max_slots, max_context)
@@ -146,6 +147,7 @@ class LeanLlamaRunner(ModelRunner):
         if reason is not None:
             raise CheckpointError(f"the lean backend cannot run this model: {reason}; use backend='hf'")
         self.config = config
+        self.tp = tp  # None: one process holds the whole model
         self.device = torch.device(device)
         self.dtype = dtype
         self.vocab_size = config.vocab_size
@@ -300,7 +302,7 @@ class LeanLlamaRunner(ModelRunner):
         # The LM head runs outside inference mode so the logits are ordinary tensors: callers
         # (temperature, top-k) may modify them in place without a copy.
         with torch.no_grad():
-            logits = self.lm_head(h).float()
+            logits = self._lm_head(h).float()
             if keep_rows is not None:
                 self._commit_lengths(chunks)
                 return logits, every.float() if hidden else None
@@ -390,6 +392,15 @@ class LeanLlamaRunner(ModelRunner):
             mask[b, n:, s : s + n] = seen[-1]
         return mask.unsqueeze(1).to(self.device, non_blocking=True)
 
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel layer's output: each rank holds a partial sum (tensor_parallel.py)."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
+
+    def _lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of the rows in `h`; under tensor parallelism each rank's vocabulary slice, gathered."""
+        logits = self.lm_head(h)
+        return logits if self.tp is None else self.tp.gather_vocab(logits, self.vocab_size)
+
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return F.rms_norm(x, weight.shape, weight, self.eps)
@@ -427,11 +438,11 @@ class LeanLlamaRunner(ModelRunner):
         out = out.transpose(1, 2).reshape(b * t, nh * hd)
         if batch.pad_index is not None:
             out = out.index_select(0, batch.pad_index)
-        return h + layer.o(out)
+        return h + self._reduce(layer.o(out))
 
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         gate, up = layer.gate_up(self._norm(h, layer.post_norm)).chunk(2, dim=-1)
-        return h + layer.down(F.silu(gate) * up)
+        return h + self._reduce(layer.down(F.silu(gate) * up))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from duospec.engine.errors import CheckpointError
+from duospec.engine.tensor_parallel import TensorParallel, check_tp_size, shard_config, shard_state_dict
 from duospec.engine.kv_memory import DEFAULT_BLOCK_SIZE
 from duospec.engine.replay import REPLAY_FILE, load_replay_runner
 from duospec.engine.runner import ModelRunner
@@ -125,7 +126,8 @@ def _max_context(ref: str, config, max_context: int | None) -> int:
 
 def load_model(path: str | pathlib.Path, *, device: str | torch.device = "cpu", dtype: str | torch.dtype = "auto",
                max_slots: int = 16, max_context: int | None = None, backend: str = "auto",
-               num_layers: int | None = None, kv: KVOptions | None = None) -> ModelRunner:
+               num_layers: int | None = None, kv: KVOptions | None = None,
+               tp: TensorParallel | None = None) -> ModelRunner:
     """Load a causal LM checkpoint into a ``ModelRunner``.
 
     backend: "lean" = duospec's paged-KV forward (Llama/Qwen2/Mistral; error otherwise), "hf" =
@@ -135,6 +137,7 @@ def load_model(path: str | pathlib.Path, *, device: str | torch.device = "cpu", 
     num_layers: keep only the first K decoder layers (plus the final norm and LM head): the
     shallow-layer draft of a target (only those layers' weights are loaded).
     A directory holding ``replay.json`` loads a ``ReplayRunner`` (benchmark simulation; see replay.py).
+    tp: this process's rank in a tensor-parallel group (tensor_parallel.py): it loads its shard only.
     """
     if backend not in BACKENDS:
         raise CheckpointError(f"backend={backend!r} is not one of {BACKENDS}")
@@ -156,12 +159,23 @@ def load_model(path: str | pathlib.Path, *, device: str | torch.device = "cpu", 
     if backend == "lean" and reason is not None:
         raise CheckpointError(f"{ref}: backend='lean' cannot run this model ({reason}); use backend='hf' or 'auto'")
     use_lean = backend == "lean" or (backend == "auto" and reason is None)
+    sharded = tp is not None and tp.world > 1
+    if sharded:
+        if not use_lean:
+            raise CheckpointError(f"{ref}: tensor_parallel_size={tp.world} needs duospec's own forward, which cannot "
+                                  f"run this model ({reason or 'backend=hf'}); the transformers fallback runs on one "
+                                  "device: set tensor_parallel_size: 1")
+        check_tp_size(config, tp.world, ref)  # before the weights are read
     if backend == "auto" and reason is not None:
         log.info("%s: using the transformers fallback backend (%s)", ref, reason)
     model = _load_hf_model(ref, torch_dtype, config if num_layers is not None else None)
     if use_lean:
-        runner: ModelRunner = LeanLlamaRunner(model.config, model.state_dict(), device=dev, dtype=torch_dtype,
-                                              max_slots=max_slots, max_context=context, **(kv or KVOptions()).kwargs())
+        config, state = model.config, model.state_dict()
+        if sharded:
+            config, state = shard_config(config, tp.world), shard_state_dict(config, state, tp.rank, tp.world)
+        runner: ModelRunner = LeanLlamaRunner(config, state, device=dev, dtype=torch_dtype, max_slots=max_slots,
+                                              max_context=context, tp=tp if sharded else None,
+                                              **(kv or KVOptions()).kwargs())
         del model
         return runner
     from duospec.engine.hf_runner import HFRunner
