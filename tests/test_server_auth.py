@@ -257,15 +257,28 @@ async def test_fair_share_at_the_default_config_and_a_flood_starves_no_one(tiny_
     """Default settings (64 streams, 16 sequences per model): tenants weighted 3:1 each keep 32 streams
     busy while a third floods the queue with 150. The weighted queue is the only place requests wait:
     committed tokens split 3:1 (±15 %), and the flood is refused on its own share of the queue,
-    never the other two."""
+    never the other two.
+
+    The requests are target-only and the target a little slower than the CPU makes it (5 ms a forward),
+    so the target stays the bottleneck on a loaded machine: every request then costs the target the
+    same rows per committed token, and the split measures the queue and fair share alone. With
+    speculation, a tenant's rows per token depend on its drafts' luck, and with the 214 client streams
+    in the server's own process competing for two busy cores the clients, not the target, were the
+    bottleneck: the split then wandered from 1.2 to 4."""
     tenants = [tenant("heavy", priority_weight=3.0), tenant("light", priority_weight=1.0),
                tenant("flood", priority_weight=1.0)]
     settings = ServerSettings(host="127.0.0.1", port=0, metrics_port=0, http_port=0)  # the defaults
     assert (settings.max_concurrent_requests, settings.max_queued_requests) == (64, 256)
-    async with running_server(server_coordinator(tiny_pair), settings, tenants=tenants) as h:
+    def target_only() -> pb.GenerateRequest:
+        req = request("def f():", 6, speculation=pb.SpeculationParams(mode=pb.SPECULATION_MODE_OFF))
+        req.stopping.ignore_eos = True
+        return req
+
+    async with running_server(server_coordinator(tiny_pair, step_delay_s=0.005), settings, tenants=tenants) as h:
         assert h.server.admission.model_slots == {MODEL: 16}
         committed, refused = await _share_of_tokens(h, {"heavy": 32, "light": 32, "flood": 150}, 1.5, 5.0,
-                                                   min_tokens=1500)
+                                                   min_tokens=1500, requests=dict.fromkeys(
+                                                       ("heavy", "light", "flood"), target_only))
     ratio = committed["heavy"] / max(1, committed["light"])
     assert refused["heavy"] == refused["light"] == 0, refused
     assert refused["flood"] > 0 and committed["flood"] > 0, (refused, committed)
