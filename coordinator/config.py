@@ -35,6 +35,11 @@
                                              # keepalive pings) counts as hung: Ray kills and restarts it
         prefill_chunk_tokens: 512            # prompt tokens per forward (both workers): long prompts are
                                              # prefilled in chunks that share rounds with others' decode
+        kv_cache_memory_bytes: 4294967296    # optional; KV memory of each worker (a pool of 16-position
+                                             # blocks); the draft may get its own: draft: {..., kv_cache_memory_bytes}
+        gpu_memory_utilization: 0.9          # on CUDA without kv_cache_memory_bytes: the fraction of the GPU
+                                             # a worker may fill (weights, activations, KV blocks)
+        prefix_cache: tenant                 # tenant|shared|off: whose cached prompt blocks a request reuses
         max_model_len: 8192                  # optional; positions per sequence (default: the model's
                                              # max_position_embeddings); KV memory is sized from it
         speculation: {mode: pearl, max_draft_tokens: 8, gamma: 4, max_lookahead: 9, adaptive: true,
@@ -59,6 +64,7 @@ from typing import Any
 
 from duospec.cluster.placement import PLACEMENTS
 from duospec.coordinator.api import MAX_DRAFT_TOKENS, SpeculationMode
+from duospec.coordinator.kv_budget import PREFIX_CACHE_SCOPES
 from duospec.draft_worker.proposer import POOL_SCOPES, DraftMethod, DraftSpec, NgramOptions
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -157,7 +163,7 @@ class ModelConfig:
     placement: str = "auto"  # auto | separate | colocated (cluster/placement.py)
     dtype: str = "auto"
     max_batch_size: int = 8
-    max_num_seqs: int = 16  # live sequences at once (vLLM's name); KV slots on each worker
+    max_num_seqs: int = 16  # live sequences at once (vLLM's name); past what the KV pools hold, some are preempted
     # How long live requests wait for a killed worker to come back (Ray restarts it) before they fail
     # with UNAVAILABLE; the coordinator keeps reconnecting after that, and serves again once it is back.
     restart_timeout_s: float = 600.0
@@ -174,6 +180,18 @@ class ModelConfig:
     # Positions per sequence (prompt + output), on every layer alike: request validation, the
     # coordinator, the drafter and the target. None = the model's max_position_embeddings.
     max_model_len: int | None = None
+    # Each worker's KV memory, in bytes of 16-position blocks from one pool (duospec/engine/kv_memory.py);
+    # None: gpu_memory_utilization on CUDA, else max_num_seqs sequences of max_model_len positions. The
+    # pool must hold one request of max_model_len; past what it holds, sequences are preempted and
+    # resumed by recompute (coordinator/kv_budget.py). draft.kv_cache_memory_bytes: the draft's own.
+    kv_cache_memory_bytes: int | None = None
+    # On CUDA without kv_cache_memory_bytes: the fraction of the GPU's memory a worker may fill in all
+    # (vLLM's meaning); its KV blocks get what its weights and everything else leave of it. A draft
+    # placed on its target's GPU holds max_num_seqs x max_model_len positions instead.
+    gpu_memory_utilization: float = 0.9
+    # Whose cached prompt blocks a request reuses (coordinator/kv_budget.py): its own tenant's
+    # (tenant), every request's of the model (shared), or none (off).
+    prefix_cache: str = "tenant"
 
     def __post_init__(self) -> None:
         if isinstance(self.draft, str):
@@ -319,18 +337,29 @@ def _parse_model(f: "_Fields", base_dir: pathlib.Path) -> ModelConfig:
         prefill_chunk_tokens=f.int_in("prefill_chunk_tokens", 16, 1 << 20, default=512),
         speculation=spec,
         max_model_len=f.int_in("max_model_len", 2, 1 << 24, default=2) if f.raw.get("max_model_len") is not None else None,
+        kv_cache_memory_bytes=_memory_bytes(f),
+        gpu_memory_utilization=f.float_in("gpu_memory_utilization", 0.01, 1.0,
+                                          default=ModelConfig.gpu_memory_utilization),
+        prefix_cache=f.choice("prefix_cache", PREFIX_CACHE_SCOPES, default=ModelConfig.prefix_cache),
     )
     f.reject_unknown()
     return model
 
 
 _DRAFT_KEYS = {
-    DraftMethod.MODEL: ("path",),
-    DraftMethod.LAYERS: ("layers", "path"),
+    DraftMethod.MODEL: ("path", "kv_cache_memory_bytes"),
+    DraftMethod.LAYERS: ("layers", "path", "kv_cache_memory_bytes"),
     DraftMethod.NGRAM: ("min_ngram", "max_ngram", "max_proposal", "pool", "pool_tokens", "max_pools"),
-    DraftMethod.EAGLE: ("path",),
+    DraftMethod.EAGLE: ("path", "kv_cache_memory_bytes"),
     DraftMethod.MEDUSA: ("path",),
 }
+
+
+def _memory_bytes(f: "_Fields") -> int | None:
+    """An optional `kv_cache_memory_bytes` (at least one 16-position block of a tiny model)."""
+    if f.raw.get("kv_cache_memory_bytes") is None:
+        return None
+    return f.int_in("kv_cache_memory_bytes", 1 << 10, 1 << 50, default=1 << 10)
 
 
 def _parse_draft(f: "_Fields", base_dir: pathlib.Path, target: str) -> DraftSpec | None:
@@ -356,8 +385,10 @@ def _parse_draft(f: "_Fields", base_dir: pathlib.Path, target: str) -> DraftSpec
     path = d.get("path", str, default=None)
     if path == "":
         raise ConfigError(f"{d.where('path')}: empty; give the draft checkpoint's directory or remove the key")
+    memory = _memory_bytes(d)
     if method in (DraftMethod.MODEL, DraftMethod.EAGLE, DraftMethod.MEDUSA):
-        return DraftSpec(method, path=_resolve_model_path(d.get("path", str, required=True), base_dir))
+        return DraftSpec(method, path=_resolve_model_path(d.get("path", str, required=True), base_dir),
+                         kv_cache_memory_bytes=memory)
     if method is DraftMethod.LAYERS:
         layers = d.int_in("layers", 1, 1 << 16, default=0) if "layers" in d.raw else None
         if layers is None:
@@ -368,7 +399,8 @@ def _parse_draft(f: "_Fields", base_dir: pathlib.Path, target: str) -> DraftSpec
                 f"{d.where('layers')}: {layers}, but the target has {total} layers; a shallow draft uses fewer "
                 f"(e.g. layers: {max(1, total // 2)})"
             )
-        return DraftSpec(method, path=_resolve_model_path(path, base_dir) if path else None, layers=layers)
+        return DraftSpec(method, path=_resolve_model_path(path, base_dir) if path else None, layers=layers,
+                         kv_cache_memory_bytes=memory)
     n = NgramOptions()
     options = NgramOptions(
         min_ngram=d.int_in("min_ngram", 1, 64, default=n.min_ngram),

@@ -41,6 +41,9 @@ class KVPreemption:
     """
 
     num_preemptions = 0
+    # the workers' KV pools as their latest batches reported them (pearl.proto KVUsage; None: not yet)
+    target_kv = None
+    draft_kv = None
 
     @property
     def preempted(self) -> list:

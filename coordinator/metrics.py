@@ -8,9 +8,13 @@ verified chunk, how often the draft token there was accepted (from SpecStats.acc
 Gauges about the actors come from `await coordinator.stats()`, sampled by the server on a timer
 (collection runs on the HTTP thread, which cannot await); keys are read defensively because the
 stats dict belongs to the coordinator:
-    {model: {"live_sequences": int, "target": {"busy_s": float, "idle_s": float, "slots_in_use": int,
-                                               "free_slots": int}, "draft": {...}}}
-or the same without the model level; an optional top-level "ready": bool drives health.
+    {model: {"live_sequences": int, "num_preemptions": int,
+             "target": {"busy_s": float, "idle_s": float, "slots_in_use": int, "free_slots": int,
+                        "kv_cache_usage": float, "prefix_cache_queries": int, "prefix_cache_hits": int},
+             "draft": {...}}}
+or the same without the model level; an optional top-level "ready": bool drives health. Cumulative
+counts there (preemptions, prefix-cache queries and hits) advance the counters by what they grew since
+the last sample (from 0 again after a worker restart).
 """
 
 from __future__ import annotations
@@ -89,6 +93,19 @@ class ServerMetrics:
                                   ["model", "actor"], registry=r)
         self.idle_seconds = Gauge("duospec:actor_idle_seconds", "Seconds the actor waited for work",
                                   ["model", "actor"], registry=r)
+        self.kv_cache_usage = Gauge("duospec:kv_cache_usage_perc",
+                                    "Fraction of the worker's KV blocks held by sequences (1 = full)",
+                                    ["model", "actor"], registry=r)
+        self.prefix_cache_queries = Counter("duospec:prefix_cache_queries",
+                                            "Prompt positions looked up in the worker's prefix cache",
+                                            ["model", "actor"], registry=r)
+        self.prefix_cache_hits = Counter("duospec:prefix_cache_hits",
+                                         "Prompt positions read from the worker's prefix cache instead of computed",
+                                         ["model", "actor"], registry=r)
+        self.num_preemptions = Counter("duospec:num_preemptions",
+                                       "Sequences preempted (KV freed, resumed later by recompute) when the "
+                                       "target's KV cache ran out", ["model"], registry=r)
+        self._totals: dict[tuple, float] = {}  # (id of a counter, labels) -> the cumulative value last sampled
 
     def observe_first_token(self, tenant: str, seconds: float) -> None:
         self.ttft.labels(tenant).observe(seconds)
@@ -140,12 +157,26 @@ class ServerMetrics:
             live = _number(entry.get("live_sequences"))
             if live is not None:
                 self.live_sequences.labels(model).set(live)
+            self._advance(self.num_preemptions, entry.get("num_preemptions"), model)
             for actor, values in _actor_stats(entry).items():
                 for key, gauge in (("slots_in_use", self.slots_in_use), ("free_slots", self.free_slots),
-                                   ("busy_s", self.busy_seconds), ("idle_s", self.idle_seconds)):
+                                   ("busy_s", self.busy_seconds), ("idle_s", self.idle_seconds),
+                                   ("kv_cache_usage", self.kv_cache_usage)):
                     value = _number(values.get(key))
                     if value is not None:
                         gauge.labels(model, actor).set(value)
+                self._advance(self.prefix_cache_queries, values.get("prefix_cache_queries"), model, actor)
+                self._advance(self.prefix_cache_hits, values.get("prefix_cache_hits"), model, actor)
+
+    def _advance(self, counter: Counter, total: Any, *labels: str) -> None:
+        """Moves `counter` on by what the sampled cumulative `total` grew (all of it after a restart)."""
+        value = _number(total)
+        if value is None:
+            return
+        key = (id(counter), labels)
+        last = self._totals.get(key, 0.0)
+        counter.labels(*labels).inc(value - last if value >= last else value)
+        self._totals[key] = value
 
     def serve(self, port: int, host: str = "127.0.0.1"):
         """Starts the /metrics HTTP endpoint on its own thread; returns (server, thread)."""

@@ -340,6 +340,7 @@ def usage(prompt_tokens: int, completion_tokens: int, stats: SpecStats | None) -
     return {
         "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": s.cached_prompt_tokens},
         "speculation": {
             "drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
             "target_forwards": s.target_forwards, "mean_accepted_length": round(s.mean_accepted_length, 4),

@@ -56,6 +56,7 @@ from duospec.coordinator.verify_items import VerifyItems
 from duospec.coordinator.policies import SpeculationPolicy, fair_share
 from duospec.coordinator.sequence import DraftAction, Sequence
 from duospec.draft_worker.proposer import DraftMethod
+from duospec.internal.kv_wire import kv_usage_report
 from duospec.internal.v1 import pearl_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -245,6 +246,8 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
         self.draft_times.busy_s += batch.busy_seconds
         self.draft_times.idle_s += batch.idle_seconds
         self.draft_times.messages += 1
+        if batch.HasField("kv"):
+            self.draft_kv = batch.kv
         self._deferring = True
         try:
             self._apply_draft_chunks(batch)
@@ -458,6 +461,8 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
         self.inflight = None
         self.target_times.busy_s += batch.forward_seconds
         self.target_times.messages += 1
+        if batch.HasField("kv"):
+            self.target_kv = batch.kv
         self._idle_since = time.monotonic()
         if batch.verdicts and inflight.decode_only:
             self.verify_cost.observe(inflight.n_tokens, batch.forward_seconds)
@@ -592,6 +597,7 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
                 "restarts": self.target_restarts,
                 "verify_cost_s": dict(zip(("fixed", "per_token"), self.verify_cost.coefficients())),
                 "verdict_handling_s": self.verdict_handling_s,
+                **kv_usage_report(self.target_kv),
             },
             "pearl_draft_length": self.pearl_draft_length,
             "guard": self.guard.stats(),
@@ -604,6 +610,7 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
                 "batches": self.draft_times.messages,
                 "connected": self._draft_up,
                 "restarts": self.draft_restarts,
+                **kv_usage_report(self.draft_kv),
             },
         }
 

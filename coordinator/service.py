@@ -107,7 +107,8 @@ def _response(delta: Delta) -> pb.GenerateResponse:
         return response
     s = delta.stats
     response.finish_reason = _FINISH_TO_PB[delta.finish_reason]
-    response.usage.CopyFrom(pb.Usage(prompt_tokens=delta.prompt_tokens, completion_tokens=delta.completion_tokens))
+    response.usage.CopyFrom(pb.Usage(prompt_tokens=delta.prompt_tokens, completion_tokens=delta.completion_tokens,
+                                     cached_prompt_tokens=s.cached_prompt_tokens))
     # every public count under its SpecStats name (a new one needs only the proto field)
     response.stats.CopyFrom(pb.SpeculationStats(
         **{field.name: getattr(s, field.name) for field in pb.SpeculationStats.DESCRIPTOR.fields}))

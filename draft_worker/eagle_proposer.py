@@ -158,3 +158,6 @@ class EagleProposer(Proposer):
     def stats(self) -> dict:
         return {"free_slots": self.runner.free_slots, "head_rows_fed": self.rows_fed,
                 "head_rows_refed": self.rows_refed, **self.runner.kv_stats()}
+
+    def cache_stats(self):
+        return self.runner.cache_stats()

@@ -113,3 +113,6 @@ class ModelProposer(Proposer):
 
     def stats(self) -> dict:
         return {"free_slots": self.runner.free_slots, **self.runner.kv_stats()}
+
+    def cache_stats(self):
+        return self.runner.cache_stats()

@@ -261,3 +261,7 @@ class Proposer(abc.ABC):
 
     def stats(self) -> dict:
         return {}
+
+    def cache_stats(self):
+        """Its KV pool's counters (a duospec.engine.blocks.CacheStats), None without a paged KV cache."""
+        return None

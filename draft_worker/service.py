@@ -19,6 +19,7 @@ import grpc
 from duospec.draft_worker.drafter import Drafter
 from duospec.draft_worker.proposer import DraftDeclined
 from duospec.engine import SlotsExhausted
+from duospec.internal.kv_wire import kv_usage_to_proto
 from duospec.internal.v1 import pearl_pb2 as pb
 from duospec.internal.v1 import pearl_pb2_grpc as pb_grpc
 
@@ -109,9 +110,8 @@ class DraftLoop:
             if chunks or failed or stepped:
                 self.busy_s += busy
                 self.idle_s += idle
-                self.emit(
-                    pb.DraftChunkBatch(chunks=chunks, busy_seconds=busy, idle_seconds=idle, failed_seq_ids=failed)
-                )
+                self.emit(pb.DraftChunkBatch(chunks=chunks, busy_seconds=busy, idle_seconds=idle, failed_seq_ids=failed,
+                                             kv=kv_usage_to_proto(self.drafter.proposer.cache_stats())))
                 busy = idle = 0.0
 
 
@@ -133,6 +133,8 @@ def merge_batches(batches: list[pb.DraftChunkBatch],
         merged.busy_seconds += batch.busy_seconds
         merged.idle_seconds += batch.idle_seconds
         merged.failed_seq_ids.extend(batch.failed_seq_ids)
+        if batch.HasField("kv"):  # the latest state of the pool
+            merged.kv.CopyFrom(batch.kv)
         for chunk in batch.chunks:
             chunk_size = chunk.ByteSize()
             if size and size + chunk_size > budget_bytes:  # full: what follows goes in the next message

@@ -22,4 +22,5 @@ class TargetWorker(GrpcModelWorker):
             "free_slots": self.runner.free_slots,
             "forwards": self.verifier.forwards,
             "tokens_verified": self.verifier.tokens_verified,
+            **self.runner.kv_stats(),
         }

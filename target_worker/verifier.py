@@ -33,6 +33,7 @@ import torch
 
 from duospec.engine import BlocksExhausted, ModelRunner, SlotChunk, SlotsExhausted
 from duospec.internal.features_wire import features_to_proto
+from duospec.internal.kv_wire import kv_usage_to_proto
 from duospec.internal.sampling_wire import sampling_from_proto
 from duospec.internal.v1 import pearl_pb2 as pb
 from duospec.qcodec import DraftProbs
@@ -118,6 +119,8 @@ class Verifier:
                     out.errors.append(_error(item, pb.VERIFY_ERROR_KIND_BAD_REQUEST, f"verify failed: {exc}"))
                 self.tokens_verified += len(item.draft_tokens)
         out.forward_seconds = time.perf_counter() - started
+        if (kv := kv_usage_to_proto(self.runner.cache_stats())) is not None:
+            out.kv.CopyFrom(kv)
         return out
 
     def _cached_prefix(self, item: pb.VerifyItem) -> int:

@@ -225,3 +225,27 @@ def test_vanilla_takes_gamma_and_pearl_its_cap_unless_the_request_asks():
 
     assert (drafts(SpeculationMode.VANILLA), drafts(SpeculationMode.PEARL), drafts(None)) == (3, 6, 6)
     assert (drafts(SpeculationMode.VANILLA, 5), drafts(SpeculationMode.PEARL, 2)) == (5, 2)
+
+
+def test_kv_memory_and_prefix_cache_per_model_and_draft():
+    from duospec.coordinator.models import worker_kv
+
+    base = {"name": "m", "target": "/opt/m/target"}
+    default = parse_serve_config({"models": [base]}).models[0]
+    assert (default.kv_cache_memory_bytes, default.gpu_memory_utilization, default.prefix_cache) == \
+        (ModelConfig.kv_cache_memory_bytes, ModelConfig.gpu_memory_utilization, "tenant")
+    model = parse_serve_config({"models": [{
+        **base, "kv_cache_memory_bytes": 1 << 30, "gpu_memory_utilization": 0.5, "prefix_cache": "shared",
+        "draft": {"method": "model", "path": "/opt/m/draft", "kv_cache_memory_bytes": 1 << 20}}]}).models[0]
+    target, draft = worker_kv(model, "target"), worker_kv(model, "draft")
+    assert (target.kv_cache_memory_bytes, target.gpu_memory_utilization, target.prefix_caching) == (1 << 30, 0.5, True)
+    assert draft.kv_cache_memory_bytes == 1 << 20  # the draft's own
+    off = parse_serve_config({"models": [{**base, "prefix_cache": "off"}]}).models[0]
+    assert not worker_kv(off, "target").prefix_caching
+    for raw, message in [({"prefix_cache": "everyone"}, r"models\[0\]\.prefix_cache: 'everyone' is not one of tenant, shared, off"),
+                         ({"gpu_memory_utilization": 1.5}, r"models\[0\]\.gpu_memory_utilization: 1.5 is out of range"),
+                         ({"kv_cache_memory_bytes": 12}, r"models\[0\]\.kv_cache_memory_bytes: 12 is out of range"),
+                         ({"draft": {"method": "ngram", "kv_cache_memory_bytes": 1 << 20}},
+                          r"draft\.kv_cache_memory_bytes: not an option of method ngram")]:
+        with pytest.raises(ConfigError, match=message):
+            parse_serve_config({"models": [{**base, **raw}]})

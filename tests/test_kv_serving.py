@@ -1,7 +1,7 @@
 """The paged KV cache through a real gRPC server (in-process coordinator): more concurrent requests than
 the target's pool holds at their full length are preempted and resumed by recompute, and every one
-finishes with the target's own greedy output; after a soak of finished, cancelled, failed and preempted requests both workers' pools
-hold nothing again."""
+finishes with the target's own greedy output; a cached prompt costs neither worker its prefill; after
+a soak of finished, cancelled, failed and preempted requests both workers' pools hold nothing again."""
 
 from __future__ import annotations
 
@@ -96,6 +96,19 @@ async def test_more_requests_than_the_pool_holds_all_finish_exactly(pair):
         assert scheduler.num_preemptions > 0
         await wait_until_nothing_held(h.server, coord, MODEL)
         assert target.cache_stats().free_blocks == 40
+
+
+async def test_cached_prompt_tokens_are_reported(pair):
+    coord = coordinator(pair, target_blocks=64, draft_blocks=64)
+    system = prompts(1, 70, seed=3)[0]
+    async with running_server(coord) as h:
+        first = await collect(h.stub, greedy_request(system + [5, 6, 7], 8))
+        second = await collect(h.stub, greedy_request(system + [8, 9], 8))
+        assert first[-1].usage.cached_prompt_tokens == 0
+        assert second[-1].usage.cached_prompt_tokens == 64  # the system prompt's 4 full blocks
+        assert tokens(second) == hf_greedy(pair[0], system + [8, 9], 8)
+        _, target, draft = await pools(coord)
+        assert draft.cache_stats().hits == 64  # the drafter skipped the same prefill
 
 
 @pytest.mark.slow

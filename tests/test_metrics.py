@@ -44,6 +44,23 @@ def test_coordinator_stats_become_gauges_and_odd_shapes_are_ignored():
     assert get("duospec:actor_busy_seconds", {"model": "tiny", "actor": "target"}) == 4.0
 
 
+def test_kv_pools_and_preemptions_become_gauges_and_counters():
+    """Cumulative counts (preemptions, prefix-cache queries and hits) advance the counters by what
+    they grew between samples, and by all of it after a worker restarted from 0."""
+    m = ServerMetrics()
+    get = m.registry.get_sample_value
+    for preemptions, queries, hits in ((2, 100, 40), (5, 160, 64), (1, 30, 16)):  # the last: a restart
+        m.update_from_coordinator({"tiny": {
+            "live_sequences": 4, "num_preemptions": preemptions,
+            "target": {"kv_cache_usage": 0.75, "prefix_cache_queries": queries, "prefix_cache_hits": hits},
+            "draft": {"kv_cache_usage": 0.25}}})
+    assert get("duospec:kv_cache_usage_perc", {"model": "tiny", "actor": "target"}) == 0.75
+    assert get("duospec:kv_cache_usage_perc", {"model": "tiny", "actor": "draft"}) == 0.25
+    assert get("duospec:num_preemptions_total", {"model": "tiny"}) == 5 + 1
+    assert get("duospec:prefix_cache_queries_total", {"model": "tiny", "actor": "target"}) == 160 + 30
+    assert get("duospec:prefix_cache_hits_total", {"model": "tiny", "actor": "target"}) == 64 + 16
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

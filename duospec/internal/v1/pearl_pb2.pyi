@@ -151,16 +151,30 @@ class DraftChunk(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., start_pos: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[bytes]] = ..., outlook: _Optional[_Union[DraftOutlook, str]] = ..., hedge: _Optional[_Union[HedgeKey, _Mapping]] = ..., alternatives: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftChunkBatch(_message.Message):
-    __slots__ = ("chunks", "busy_seconds", "idle_seconds", "failed_seq_ids")
+    __slots__ = ("chunks", "busy_seconds", "idle_seconds", "failed_seq_ids", "kv")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FAILED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
     chunks: _containers.RepeatedCompositeFieldContainer[DraftChunk]
     busy_seconds: float
     idle_seconds: float
     failed_seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, chunks: _Optional[_Iterable[_Union[DraftChunk, _Mapping]]] = ..., busy_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., failed_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv: KVUsage
+    def __init__(self, chunks: _Optional[_Iterable[_Union[DraftChunk, _Mapping]]] = ..., busy_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., failed_seq_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ...) -> None: ...
+
+class KVUsage(_message.Message):
+    __slots__ = ("num_blocks", "free_blocks", "prefix_cache_queries", "prefix_cache_hits")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    def __init__(self, num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
     __slots__ = ("seq_id", "epoch", "start_pos", "context", "draft_tokens", "draft_probs", "sampling", "bonus", "draft_parents", "logprobs", "top_logprobs", "features", "cache_salt")
@@ -245,13 +259,15 @@ class VerifyError(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., kind: _Optional[_Union[VerifyErrorKind, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class VerdictBatch(_message.Message):
-    __slots__ = ("batch_id", "verdicts", "errors", "forward_seconds")
+    __slots__ = ("batch_id", "verdicts", "errors", "forward_seconds", "kv")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     VERDICTS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     verdicts: _containers.RepeatedCompositeFieldContainer[Verdict]
     errors: _containers.RepeatedCompositeFieldContainer[VerifyError]
     forward_seconds: float
-    def __init__(self, batch_id: _Optional[int] = ..., verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[VerifyError, _Mapping]]] = ..., forward_seconds: _Optional[float] = ...) -> None: ...
+    kv: KVUsage
+    def __init__(self, batch_id: _Optional[int] = ..., verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[VerifyError, _Mapping]]] = ..., forward_seconds: _Optional[float] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ...) -> None: ...
