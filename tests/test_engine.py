@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from duospec.engine import SlotChunk, SlotsExhausted, load_checkpoint, load_model
+from duospec.engine import CheckpointError, SlotChunk, SlotsExhausted, load_checkpoint, load_model
 from tiny_models import make_tiny_checkpoint, tiny_tokenizer
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -29,6 +29,16 @@ CONFIGS = {
     "qwen2-bias": ("qwen2", {}),
     "qwen2-tied": ("qwen2", {"tie_embeddings": True, "num_kv_heads": 1}),
     "mistral-window": ("mistral", {"config_overrides": {"sliding_window": 8}}),
+    "qwen3": ("qwen3", {}),
+    "qwen3-bias-tied": ("qwen3", {"attention_bias": True, "tie_embeddings": True,
+                                  "config_overrides": {"head_dim": 24}}),
+    # Gemma: weights large enough (init_std) that its tanh GELU and an exact one differ past TOL; local
+    # layers with a window SEQ_LEN crosses, a query scale that is not 1/sqrt(head_dim).
+    "gemma3-window": ("gemma3", {"init_std": 0.05, "config_overrides": {"sliding_window": 8,
+                                                                         "query_pre_attn_scalar": 10}}),
+    "gemma3-softcap-tied": ("gemma3", {"init_std": 0.05, "tie_embeddings": True, "num_kv_heads": 1,
+                                       "config_overrides": {"head_dim": 24, "final_logit_softcapping": 1.0,
+                                                            "sliding_window": 16}}),
 }
 
 
@@ -109,7 +119,7 @@ def test_lean_matches_transformers(name, ckpt_dirs, sequences, test_device):
     drive_scenario(runner, sequences, reference_logits(ckpt_dirs[name], sequences))
 
 
-@pytest.mark.parametrize("name", ["llama3-scaling", "qwen2-bias", "mistral-window"])
+@pytest.mark.parametrize("name", ["llama3-scaling", "qwen2-bias", "mistral-window", "gemma3-window"])
 def test_hf_fallback_matches_transformers(name, ckpt_dirs, sequences):
     runner = load_model(ckpt_dirs[name], max_slots=4, max_context=64, backend="hf")
     assert runner.backend == "hf"
@@ -126,21 +136,40 @@ def test_other_architecture_falls_back_to_hf(tmp_path, sequences):
     drive_scenario(runner, sequences, reference_logits(tmp_path, sequences))
 
 
-def test_sliding_window_changes_logits_beyond_the_window(ckpt_dirs, sequences, tmp_path):
-    # Same seed and shapes as "mistral-window", no window: identical weights, so any logit
-    # difference comes from the window (guards against a mask that silently ignores it).
-    plain = make_tiny_checkpoint(tmp_path / "plain", "mistral", seed=3)
-    windowed = load_model(ckpt_dirs["mistral-window"], max_context=64)
+@pytest.mark.parametrize("family, kw, reason", [
+    ("gemma3", {"config_overrides": {"attn_logit_softcapping": 50.0}}, "attn_logit_softcapping is set"),
+    ("gemma3", {"config_overrides": {"hidden_activation": "gelu"}}, "MLP activation 'gelu'"),
+    ("qwen3", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope type 'dynamic'"),
+])
+def test_what_the_lean_forward_does_not_implement_runs_on_transformers(tmp_path, sequences, family, kw, reason):
+    path = make_tiny_checkpoint(tmp_path / "m", family, seed=3, **kw)
+    with pytest.raises(CheckpointError, match=f"backend='lean' cannot run this model .*{reason}"):
+        load_model(path, backend="lean", max_slots=4, max_context=64)
+    runner = load_model(path, max_slots=4, max_context=64)
+    assert runner.backend == "hf"
+    drive_scenario(runner, sequences, reference_logits(path, sequences))
+
+
+@pytest.mark.parametrize("name", ["mistral-window", "gemma3-window"])
+def test_sliding_window_changes_logits_beyond_the_window(name, ckpt_dirs, sequences, tmp_path):
+    # Same seed and shapes as `name`, no window: identical weights, so any logit difference comes
+    # from the window (guards against a mask that silently ignores it; Gemma: on its local layers).
+    family, kw = CONFIGS[name]
+    overrides = dict(kw["config_overrides"])
+    window = overrides.pop("sliding_window")
+    plain = make_tiny_checkpoint(tmp_path / "plain", family, seed=3, **{**kw, "config_overrides": overrides})
+    windowed = load_model(ckpt_dirs[name], max_context=64)
     full = load_model(plain, max_context=64)
     chunks = [SlotChunk(r.allocate_slot(), 0, sequences[0].tolist()) for r in (windowed, full)]
     got_w, got_f = windowed.forward(chunks[:1])[0], full.forward(chunks[1:])[0]
-    assert_close(got_w[:8], got_f[:8], "inside the window")
-    assert (got_w[8:] - got_f[8:]).abs().max() > 1e-3
+    assert_close(got_w[:window], got_f[:window], "inside the window")
+    assert (got_w[window:] - got_f[window:]).abs().max() > 1e-3
 
 
-def test_decode_one_token_at_a_time_matches(ckpt_dirs, sequences):
-    runner = load_model(ckpt_dirs["llama"], max_slots=2, max_context=64)
-    ref = reference_logits(ckpt_dirs["llama"], sequences)
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3-window"])
+def test_decode_one_token_at_a_time_matches(name, ckpt_dirs, sequences):
+    runner = load_model(ckpt_dirs[name], max_slots=2, max_context=64)
+    ref = reference_logits(ckpt_dirs[name], sequences)
     slots = [runner.allocate_slot(), runner.allocate_slot()]
     runner.forward([chunk(slots[0], sequences[0], 0, 5), chunk(slots[1], sequences[1], 0, 9)])
     for step in range(12):
@@ -165,6 +194,24 @@ def test_bfloat16_runs_close_to_float32(ckpt_dirs, sequences):
     a, b = fp32.forward(chunks[:1])[0], bf16.forward(chunks[1:])[0]
     assert b.dtype == torch.float32
     assert (a - b).abs().max() < 0.05 * a.abs().max()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3-window"])
+def test_bfloat16_rounds_where_transformers_does(name, ckpt_dirs, sequences):
+    """In bfloat16 a whole-sequence prefill lands within two bf16 steps of transformers' own bf16
+    logits (bit-equal on the machine this was written on). float32 parity cannot see the order of rounding:
+    Gemma's norms scale by float32 (1 + w) before the cast, Llama's after it; Gemma's tiny model in
+    Llama's order lands 7 steps off."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(ckpt_dirs[name], dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        want = reference(sequences[:2]).logits.float()
+    runner = load_model(ckpt_dirs[name], max_slots=2, max_context=64, dtype="bfloat16")
+    got = torch.stack(runner.forward([SlotChunk(runner.allocate_slot(), 0, s.tolist()) for s in sequences[:2]]))
+    step = 2.0 ** (torch.floor(torch.log2(want.abs().max())).item() - 7)  # bf16's spacing at the largest logit
+    diff = (got - want).abs().max().item()
+    assert diff <= 2 * step, f"max abs diff {diff:.3g} > two bf16 steps ({2 * step:.3g})"
 
 
 def test_slots_allocate_free_exhaust(ckpt_dirs):
@@ -346,7 +393,7 @@ def test_packed_linear_can_be_switched_off(monkeypatch):
         cpu_linear.packed_linear_works.cache_clear()
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2-tied", "mistral-window"])
+@pytest.mark.parametrize("name", ["llama", "qwen2-tied", "mistral-window", "qwen3", "gemma3-window"])
 def test_shallow_layers_match_transformers_truncated(ckpt_dirs, sequences, name):
     """`num_layers=K` (the `layers` drafter) = the target's first K layers + its final norm and head."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -14,6 +14,10 @@ CONFIGS = {
     "llama": ("llama", {}),
     "qwen2-gqa": ("qwen2", {"num_kv_heads": 1}),
     "mistral-window": ("mistral", {"config_overrides": {"sliding_window": 24}}),
+    "qwen3": ("qwen3", {}),
+    # the 30-token prefix crosses the local layers' window; a tree fits inside it
+    "gemma3-window": ("gemma3", {"init_std": 0.05, "config_overrides": {"sliding_window": 24,
+                                                                         "query_pre_attn_scalar": 10}}),
 }
 # A tree below a prefix: node i's parent is PARENTS[i] (-1: the prefix's last token).
 #   0 ─ 1 ─ 2          (the main chain)

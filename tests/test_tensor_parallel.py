@@ -91,7 +91,8 @@ def run_group(path, world: int) -> list[torch.Tensor]:
     return [torch.from_numpy(x) for x in got]
 
 
-@pytest.mark.parametrize("family, world, kv_heads", [("llama", 2, 2), ("qwen2", 2, 2), ("llama", 4, 4)])
+@pytest.mark.parametrize("family, world, kv_heads", [("llama", 2, 2), ("qwen2", 2, 2), ("llama", 4, 4),
+                                                     ("gemma3", 2, 2)])  # gemma3: q/k norms, norms after o and down
 def test_tensor_parallel_forward_matches_one_process(tmp_path_factory, family, world, kv_heads):
     # An odd vocabulary, so the LM head's slices are padded.
     path = make_tiny_checkpoint(tmp_path_factory.mktemp(f"tp-{family}-{world}"), family, num_kv_heads=kv_heads,

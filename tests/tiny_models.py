@@ -24,7 +24,7 @@ from typing import Any
 __all__ = ["FAMILIES", "BOS_TOKEN", "EOS_TOKEN", "PAD_TOKEN", "UNK_TOKEN", "make_tiny_checkpoint", "scattered_runner",
            "tiny_tokenizer"]
 
-FAMILIES = ("llama", "llama3", "qwen2", "mistral")
+FAMILIES = ("llama", "llama3", "qwen2", "mistral", "qwen3", "gemma3")
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "</s>"
 PAD_TOKEN = "<pad>"
@@ -113,7 +113,7 @@ def tiny_tokenizer(out_dir: str | pathlib.Path) -> pathlib.Path:
 
 
 def _family_config(family: str, common: dict[str, Any], rope_scaling, attention_bias):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10000.0}
     if family == "llama3":
@@ -124,7 +124,16 @@ def _family_config(family: str, common: dict[str, Any], rope_scaling, attention_
     if rope_scaling is not None:
         rope = {"rope_theta": 10000.0, **rope_scaling}
         rope.setdefault("rope_type", rope.pop("type", "default"))
+    if family == "gemma3":
+        if rope_scaling is not None:
+            raise ValueError("family='gemma3': its rope is per layer type; leave rope_scaling=None")
+        # Gemma 3's own layout: local layers at one RoPE base, global layers at another with linear
+        # scaling (as its 4B+ checkpoints), so a forward that used one rope for both would not match.
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}
     common = {**common, "rope_parameters": rope}
+    if family in ("qwen3", "gemma3"):  # their configs default to head_dim 128/256; keep tests tiny
+        common = {"head_dim": common["hidden_size"] // common["num_attention_heads"], **common}
     if family in ("llama", "llama3"):
         return LlamaConfig(**common, attention_bias=bool(attention_bias))
     if family == "qwen2":
@@ -136,6 +145,14 @@ def _family_config(family: str, common: dict[str, Any], rope_scaling, attention_
             raise ValueError("family='mistral': Mistral has no attention bias; leave attention_bias=None")
         # No window by default (contexts in tests stay short); config_overrides can set one.
         return MistralConfig(**{"sliding_window": None, **common})
+    if family == "qwen3":
+        return Qwen3Config(**common, attention_bias=bool(attention_bias))
+    if family == "gemma3":
+        # Every second layer global, the rest sliding (Gemma 3 ships 5 local : 1 global); the window
+        # is transformers' default unless config_overrides sets one a test's context crosses.
+        layer_types = ["full_attention" if i % 2 else "sliding_attention" for i in range(common["num_hidden_layers"])]
+        return Gemma3TextConfig(**{"layer_types": layer_types, "query_pre_attn_scalar": common["head_dim"], **common},
+                                attention_bias=bool(attention_bias))
     raise ValueError(f"family={family!r} is not one of {FAMILIES}")
 
 
@@ -165,7 +182,8 @@ def make_tiny_checkpoint(
 ) -> pathlib.Path:
     """Write a random-weight causal LM checkpoint of ``family`` to ``out_dir`` and return the path.
 
-    family: "llama" | "llama3" (llama3 rope scaling) | "qwen2" (q/k/v bias) | "mistral".
+    family: "llama" | "llama3" (llama3 rope scaling) | "qwen2" (q/k/v bias) | "mistral" | "qwen3" (q/k norm)
+        | "gemma3" (Gemma 3 text: sandwich norms, GeGLU, local/global layers with their own RoPE).
     vocab_size: defaults to the tokenizer's length; pass more to pad like real models do, or less
         to build a deliberately broken checkpoint (tokenizer larger than the model).
     rope_scaling: a rope parameter dict (e.g. {"rope_type": "linear", "factor": 2.0}) replacing the

@@ -5,9 +5,9 @@
     logits = ckpt.runner.forward([SlotChunk(slot, 0, prompt_ids)])[0]   # [n, vocab] float32, CPU
     ckpt.runner.truncate(slot, n_accepted)                               # rollback
 
-Files: runner.py (interface + slot bookkeeping), llama.py (lean Llama/Qwen2/Mistral forward over a
-paged KV cache), blocks.py (its block tables and prefix cache), kv_memory.py (the pool's size),
-cpu_linear.py (its float32 CPU projections, through the GEMM kernel measured fastest here), heads.py
+Files: runner.py (interface + slot bookkeeping), llama.py (lean Llama/Qwen2/Mistral/Qwen3/Gemma 3
+forward over a paged KV cache), blocks.py (its block tables and prefix cache), kv_memory.py (the pool's
+size), cpu_linear.py (its float32 CPU projections, through the GEMM kernel measured fastest here), heads.py
 (EAGLE/Medusa heads), replay.py (bench --simulate), hf_runner.py (transformers fallback), loader.py
 (paths, options, backend choice), errors.py.
 """

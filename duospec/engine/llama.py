@@ -1,5 +1,5 @@
-"""duospec's own forward for the Llama family (Llama incl. llama3 rope scaling, Qwen2, Mistral) over a
-paged KV cache.
+"""duospec's own forward for the Llama family (Llama incl. llama3 rope scaling, Qwen2, Mistral, Qwen3,
+Gemma 3 text) over a paged KV cache.
 
 KV cache: per layer ``k_cache``/``v_cache`` of shape ``[n_kv_heads, num_blocks * block_size, head_dim]``,
 one pool preallocated at load (sized by duospec/engine/kv_memory.py); ``self.kv`` (blocks.py) maps
@@ -11,13 +11,19 @@ cache had, so attention computes exactly what it did. Rollback is the slot lengt
 One forward = one ragged batch: projections and MLPs run on the ``N`` flattened tokens; attention is
 one SDPA call per layer over ``[B, heads, T, K]`` (``T`` = longest chunk, ``K`` = longest context)
 with a boolean mask for causality, ragged lengths and sliding windows. Math follows transformers'
-modeling_llama / modeling_qwen2 / modeling_mistral so the logits match on the same weights.
+modeling_llama / modeling_qwen2 / modeling_mistral / modeling_qwen3 / modeling_gemma3 so the logits match
+on the same weights. What the families add to Llama's layer: Qwen3 and Gemma 3 an RMSNorm over each
+query and key head before rope; Gemma 3 besides: its (1 + w) RMSNorm computed in float32, norms after
+attention and after the MLP (before each residual add), a GeGLU MLP, embeddings scaled by
+sqrt(hidden_size), an attention scale from ``query_pre_attn_scalar``, local and global layers each with
+its own rope, and optional final-logit softcapping.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import accumulate, chain
 
 import torch
@@ -32,52 +38,80 @@ from duospec.engine.runner import ModelRunner, SlotChunk
 
 __all__ = ["LEAN_MODEL_TYPES", "LeanLlamaRunner", "lean_unsupported_reason"]
 
-LEAN_MODEL_TYPES = ("llama", "qwen2", "mistral")
+LEAN_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma3_text")
+# MLP activations by transformers' name (ACT2FN): gelu_pytorch_tanh is Gemma's GeGLU.
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 # Rope variants whose frequencies are fixed at load time; "dynamic"/"longrope" depend on the
 # sequence length at run time and go to the HF fallback.
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def _rope_params(config) -> dict:
-    # transformers 5 keeps everything in `rope_parameters`; 4.x had `rope_scaling` + `rope_theta`.
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+def _rope_kinds(config) -> list[str | None]:
+    """Per layer, the key of its rope parameters: the layer type where each type has its own (Gemma 3:
+    local and global layers), else None (one rope for every layer)."""
+    params = getattr(config, "rope_parameters", None) or {}
     if "sliding_attention" in params or "full_attention" in params:
-        return {"rope_type": "per-layer"}
-    return dict(params)
+        return list(config.layer_types)
+    return [None] * config.num_hidden_layers
 
 
-def _rope_type(config) -> str:
-    params = _rope_params(config)
+def _rope_params(config, kind: str | None = None) -> dict:
+    if kind is not None:
+        return dict(config.rope_parameters.get(kind) or {})
+    # transformers 5 keeps everything in `rope_parameters`; 4.x had `rope_scaling` + `rope_theta`.
+    return dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+
+
+def _rope_type(config, kind: str | None = None) -> str:
+    params = _rope_params(config, kind)
     return params.get("rope_type", params.get("type", "default"))
+
+
+def _activation_name(config) -> str:
+    # Gemma's MLP reads `hidden_activation`; the others `hidden_act`.
+    if config.model_type == "gemma3_text":
+        return config.hidden_activation
+    return getattr(config, "hidden_act", "silu")
 
 
 def lean_unsupported_reason(config) -> str | None:
     """Why the lean forward cannot run this config (None = it can)."""
     if config.model_type not in LEAN_MODEL_TYPES:
         return f"model_type {config.model_type!r} is not one of {LEAN_MODEL_TYPES}"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"hidden_act {config.hidden_act!r} (only 'silu')"
+    if _activation_name(config) not in _ACTIVATIONS:
+        return f"MLP activation {_activation_name(config)!r} (supported: {tuple(_ACTIVATIONS)})"
     if getattr(config, "mlp_bias", False):
         return "mlp_bias=True"
-    rope_type = _rope_type(config)
-    if rope_type not in _STATIC_ROPE_TYPES:
-        return f"rope type {rope_type!r} (supported: {_STATIC_ROPE_TYPES})"
-    if _rope_params(config).get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) != 1.0:
-        return "partial_rotary_factor != 1"
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if not layer_types <= {"sliding_attention", "full_attention"}:
+        return f"layer types {sorted(layer_types)} (supported: sliding_attention, full_attention)"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "attn_logit_softcapping is set"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "use_bidirectional_attention=True"
+    for kind in dict.fromkeys(_rope_kinds(config)):
+        where = f" for {kind} layers" if kind else ""
+        rope_type = _rope_type(config, kind)
+        if rope_type not in _STATIC_ROPE_TYPES:
+            return f"rope type {rope_type!r}{where} (supported: {_STATIC_ROPE_TYPES})"
+        if _rope_params(config, kind).get("partial_rotary_factor",
+                                          getattr(config, "partial_rotary_factor", 1.0)) != 1.0:
+            return f"partial_rotary_factor != 1{where}"
     return None
 
 
-def _inv_freq(config) -> tuple[torch.Tensor, float]:
-    """Rotary inverse frequencies and the cos/sin scale, computed by transformers' own functions so
-    every scaling variant matches it exactly."""
+def _inv_freq(config, kind: str | None = None) -> tuple[torch.Tensor, float]:
+    """Rotary inverse frequencies and the cos/sin scale of the layers whose rope is `kind`
+    (`_rope_kinds`), computed by transformers' own functions so every scaling variant matches it."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    rope_type = _rope_type(config)
+    rope_type = _rope_type(config, kind)
     if rope_type in ROPE_INIT_FUNCTIONS:
-        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        extra = {"layer_type": kind} if kind is not None else {}
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **extra)
         return inv_freq.float(), float(scale)
     # transformers 5 moved "default" into each model's rotary class; this is its formula.
-    params = _rope_params(config)
+    params = _rope_params(config, kind)
     base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
@@ -88,7 +122,7 @@ def _layer_windows(config) -> list[int | None]:
     n = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
-    if config.model_type == "qwen2":
+    if config.model_type in ("qwen2", "qwen3"):
         if not getattr(config, "use_sliding_window", False):
             return [None] * n
         if layer_types is None:  # transformers 4.x: layers from max_window_layers on slide
@@ -104,12 +138,17 @@ class _Layer:
     input_norm: torch.Tensor  # [hidden]
     qkv: CpuLinear  # [(n_heads + 2 * n_kv_heads) * head_dim, hidden]
     o: CpuLinear  # [hidden, n_heads * head_dim]
-    post_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor  # [hidden] before the MLP (Gemma: pre_feedforward_layernorm)
     gate_up: CpuLinear  # [2 * intermediate, hidden]
     down: CpuLinear  # [hidden, intermediate]
     window: int | None
     k_cache: torch.Tensor  # [n_kv_heads, num_blocks * block_size, head_dim]
     v_cache: torch.Tensor
+    rope: str | None = None  # which of the runner's ropes (`_rope_kinds`)
+    q_norm: torch.Tensor | None = None  # [head_dim] Qwen3, Gemma 3: over each query head, before rope
+    k_norm: torch.Tensor | None = None  # [head_dim] ... and each key head
+    attn_out_norm: torch.Tensor | None = None  # [hidden] Gemma 3: the attention's output, before the residual add
+    mlp_out_norm: torch.Tensor | None = None  # [hidden] Gemma 3: the MLP's output, before the residual add
 
 
 @dataclass
@@ -156,6 +195,11 @@ class LeanLlamaRunner(ModelRunner):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
         self.eps = config.rms_norm_eps
         self.block_size = block_size
+        gemma = config.model_type == "gemma3_text"
+        self.gemma_norm = gemma  # RMSNorm by (1 + w), both in float32 (`_norm`; weights stored so at load)
+        self.act = _ACTIVATIONS[_activation_name(config)]
+        self.attn_scale = config.query_pre_attn_scalar ** -0.5 if gemma else None  # None: 1/sqrt(head_dim)
+        self.logit_softcap = getattr(config, "final_logit_softcapping", None)
         with torch.no_grad():
             self._load_weights(config, state_dict)
             self._build_rope(config)
@@ -172,7 +216,14 @@ class LeanLlamaRunner(ModelRunner):
         def maybe(name: str) -> torch.Tensor | None:
             return take(name) if name in sd else None
 
+        def norm(name: str) -> torch.Tensor:
+            # Gemma's norms multiply by 1 + w in float32 (transformers' Gemma3RMSNorm): kept that way.
+            return 1.0 + take(name).float() if self.gemma_norm else take(name)
+
+        gemma, qk_norm = config.model_type == "gemma3_text", config.model_type in ("qwen3", "gemma3_text")
         self.embed = take("model.embed_tokens.weight")
+        # Gemma multiplies the embeddings by sqrt(hidden_size) rounded to the model dtype, as transformers does.
+        self.embed_scale = torch.tensor(config.hidden_size ** 0.5).to(self.device, self.dtype) if gemma else None
         tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in sd
         head = self.embed if tied else take("lm_head.weight")
         measure = self.device.type == "cpu" and self.dtype == torch.float32
@@ -185,22 +236,27 @@ class LeanLlamaRunner(ModelRunner):
             return CpuLinear(weight, bias, measure=measure, model_weight_bytes=weight_bytes)
 
         self.lm_head = linear(head)
-        self.final_norm = take("model.norm.weight")
+        self.final_norm = norm("model.norm.weight")
         self.layers: list[_Layer] = []
-        for i, window in enumerate(_layer_windows(config)):
+        for i, (window, rope) in enumerate(zip(_layer_windows(config), _rope_kinds(config))):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             biases = [maybe(a + f"{x}_proj.bias") for x in "qkv"]
             self.layers.append(_Layer(
-                input_norm=take(p + "input_layernorm.weight"),
+                input_norm=norm(p + "input_layernorm.weight"),
                 qkv=linear(torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"]),
                            torch.cat(biases) if all(b is not None for b in biases) else None),
                 o=linear(take(a + "o_proj.weight"), maybe(a + "o_proj.bias")),
-                post_norm=take(p + "post_attention_layernorm.weight"),
+                post_norm=norm(p + ("pre_feedforward" if gemma else "post_attention") + "_layernorm.weight"),
                 gate_up=linear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
                 down=linear(take(p + "mlp.down_proj.weight")),
                 window=window if window is not None and window < self.max_context else None,
                 k_cache=torch.empty(0), v_cache=torch.empty(0),  # _allocate_pool, once the weights are in
+                rope=rope,
+                q_norm=norm(a + "q_norm.weight") if qk_norm else None,
+                k_norm=norm(a + "k_norm.weight") if qk_norm else None,
+                attn_out_norm=norm(p + "post_attention_layernorm.weight") if gemma else None,
+                mlp_out_norm=norm(p + "post_feedforward_layernorm.weight") if gemma else None,
             ))
         self._windows = sorted({layer.window for layer in self.layers}, key=lambda w: w or 0)
 
@@ -211,6 +267,8 @@ class LeanLlamaRunner(ModelRunner):
                                  max_slots=self.max_slots, max_context=self.max_context, device=self.device,
                                  kv_cache_memory_bytes=kv_cache_memory_bytes,
                                  gpu_memory_utilization=gpu_memory_utilization)
+        if self.tp is not None:  # each rank sized its own pool: all take the smallest, so block tables agree
+            num_blocks = self.tp.agree_min(num_blocks)
         per_sequence = -(-self.max_context // self.block_size)
         # A pool sized like a slot cache is laid out like one (BlockTables: homes); a smaller one pages.
         homes = per_sequence if num_blocks >= self.max_slots * per_sequence else 0
@@ -222,14 +280,17 @@ class LeanLlamaRunner(ModelRunner):
             layer.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
 
     def _build_rope(self, config) -> None:
-        inv_freq, scale = _inv_freq(config)
-        if inv_freq.numel() * 2 != self.head_dim:
-            raise CheckpointError(f"rotary dim {inv_freq.numel() * 2} != head_dim {self.head_dim}")
-        # Same arithmetic as transformers' rotary embedding: fp32 angles, then cast to the model dtype.
-        freqs = torch.arange(self.max_context, dtype=torch.float)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * scale).to(device=self.device, dtype=self.dtype)  # [max_context, head_dim]
-        self.sin = (emb.sin() * scale).to(device=self.device, dtype=self.dtype)
+        """``self.rope``: per rope kind the layers use (`_rope_kinds`), cos and sin [max_context, head_dim]."""
+        self.rope: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
+        for kind in dict.fromkeys(layer.rope for layer in self.layers):
+            inv_freq, scale = _inv_freq(config, kind)
+            if inv_freq.numel() * 2 != self.head_dim:
+                raise CheckpointError(f"rotary dim {inv_freq.numel() * 2} != head_dim {self.head_dim}")
+            # Same arithmetic as transformers' rotary embedding: fp32 angles, then cast to the model dtype.
+            freqs = torch.arange(self.max_context, dtype=torch.float)[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.rope[kind] = ((emb.cos() * scale).to(device=self.device, dtype=self.dtype),
+                               (emb.sin() * scale).to(device=self.device, dtype=self.dtype))
 
     def _rows(self, blocks: list[int], cache_indices) -> list[int]:
         """Pool rows of a slot's cache indices."""
@@ -272,7 +333,8 @@ class LeanLlamaRunner(ModelRunner):
 
     def _inputs(self, batch: _Batch, features: torch.Tensor | None) -> torch.Tensor:
         """[N, hidden] the first layer's input rows (the EAGLE head mixes in features here)."""
-        return F.embedding(batch.tokens, self.embed)
+        rows = F.embedding(batch.tokens, self.embed)
+        return rows if self.embed_scale is None else rows * self.embed_scale
 
     def _run(self, chunks: Sequence[SlotChunk], *, last_only: bool, to_cpu: bool, hidden: bool = False,
              features: torch.Tensor | None = None, all_hidden: bool = False, keep_rows: list[int] | None = None):
@@ -286,10 +348,10 @@ class LeanLlamaRunner(ModelRunner):
         with torch.inference_mode():
             batch = self._prepare(chunks)
             h = self._inputs(batch, features)  # [N, hidden]
-            cos = self.cos[batch.positions].unsqueeze(1)  # [N, 1, head_dim]
-            sin = self.sin[batch.positions].unsqueeze(1)
+            ropes = {kind: (cos[batch.positions].unsqueeze(1), sin[batch.positions].unsqueeze(1))  # [N, 1, head_dim]
+                     for kind, (cos, sin) in self.rope.items()}
             for layer in self.layers:
-                h = self._attention(layer, h, cos, sin, batch)
+                h = self._attention(layer, h, *ropes[layer.rope], batch)
                 h = self._mlp(layer, h)
             every = self._norm(h, self.final_norm) if all_hidden else None
             keep = batch.last_rows if last_only else None
@@ -399,21 +461,27 @@ class LeanLlamaRunner(ModelRunner):
     def _lm_head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of the rows in `h`; under tensor parallelism each rank's vocabulary slice, gathered."""
         logits = self.lm_head(h)
-        return logits if self.tp is None else self.tp.gather_vocab(logits, self.vocab_size)
+        logits = logits if self.tp is None else self.tp.gather_vocab(logits, self.vocab_size)
+        if self.logit_softcap is not None:  # Gemma: c * tanh(logits / c), in the model dtype as transformers
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return F.rms_norm(x, weight.shape, weight, self.eps)
-        # transformers' order for half types: normalise in fp32, cast back, then scale.
+        # transformers' order for half types: normalise in fp32, cast back, then scale; Gemma scales by
+        # its float32 (1 + w) before the cast.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * xf.to(x.dtype)
+        return (xf * weight).to(x.dtype) if self.gemma_norm else weight * xf.to(x.dtype)
 
     def _attention(self, layer: _Layer, h: torch.Tensor, cos, sin, batch: _Batch) -> torch.Tensor:
         n_tok = h.shape[0]
         nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = layer.qkv(self._norm(h, layer.input_norm))
         qk = qkv[:, : (nh + nkv) * hd].view(n_tok, nh + nkv, hd)
+        if layer.q_norm is not None:
+            qk = torch.cat((self._norm(qk[:, :nh], layer.q_norm), self._norm(qk[:, nh:], layer.k_norm)), dim=1)
         qk = qk * cos + _rotate_half(qk) * sin  # rope on queries and keys in one go
         q, k = qk[:, :nh], qk[:, nh:]
         v = qkv[:, (nh + nkv) * hd:].view(n_tok, nkv, hd)
@@ -433,16 +501,22 @@ class LeanLlamaRunner(ModelRunner):
         else:
             q_pad = q.new_zeros(b * t, nh, hd).index_copy_(0, batch.pad_index, q).view(b, t, nh, hd)
         out = F.scaled_dot_product_attention(
-            q_pad.transpose(1, 2), keys, values, attn_mask=batch.masks[layer.window], enable_gqa=nh != nkv
+            q_pad.transpose(1, 2), keys, values, attn_mask=batch.masks[layer.window], enable_gqa=nh != nkv,
+            scale=self.attn_scale,
         )  # [B, nh, T, hd]
         out = out.transpose(1, 2).reshape(b * t, nh * hd)
         if batch.pad_index is not None:
             out = out.index_select(0, batch.pad_index)
-        return h + self._reduce(layer.o(out))
+        return h + self._out_norm(self._reduce(layer.o(out)), layer.attn_out_norm)
 
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         gate, up = layer.gate_up(self._norm(h, layer.post_norm)).chunk(2, dim=-1)
-        return h + self._reduce(layer.down(F.silu(gate) * up))
+        return h + self._out_norm(self._reduce(layer.down(self.act(gate) * up)), layer.mlp_out_norm)
+
+    def _out_norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """A block's output as the residual adds it: Gemma normalises it first (after the all-reduce:
+        the norm needs the whole sum)."""
+        return x if weight is None else self._norm(x, weight)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -130,8 +130,9 @@ def load_model(path: str | pathlib.Path, *, device: str | torch.device = "cpu", 
                tp: TensorParallel | None = None) -> ModelRunner:
     """Load a causal LM checkpoint into a ``ModelRunner``.
 
-    backend: "lean" = duospec's paged-KV forward (Llama/Qwen2/Mistral; error otherwise), "hf" =
-    the transformers model one sequence at a time, "auto" = lean where supported, else hf.
+    backend: "lean" = duospec's paged-KV forward (Llama/Qwen2/Mistral/Qwen3/Gemma 3 text; error
+    otherwise), "hf" = the transformers model one sequence at a time, "auto" = lean where supported,
+    else hf.
     max_slots: sequences open at once; max_context: positions of one sequence, default
     min(max_position_embeddings, 4096); kv: the lean backend's KV pool (kv_memory.py).
     num_layers: keep only the first K decoder layers (plus the final norm and LM head): the
