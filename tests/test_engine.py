@@ -150,6 +150,18 @@ def test_what_the_lean_forward_does_not_implement_runs_on_transformers(tmp_path,
     drive_scenario(runner, sequences, reference_logits(path, sequences))
 
 
+def test_rope_per_layer_type_needs_layer_types():
+    # What a Llama-shaped layer copied from a Gemma 3 config gets (the EAGLE head's, heads.py): a
+    # reason, not an AttributeError at load.
+    from transformers import LlamaConfig
+
+    from duospec.engine.llama import lean_unsupported_reason
+
+    config = LlamaConfig(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                          "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
+    assert "no layer_types" in lean_unsupported_reason(config)
+
+
 @pytest.mark.parametrize("name", ["mistral-window", "gemma3-window"])
 def test_sliding_window_changes_logits_beyond_the_window(name, ckpt_dirs, sequences, tmp_path):
     # Same seed and shapes as `name`, no window: identical weights, so any logit difference comes

@@ -46,11 +46,15 @@ _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
+def _rope_per_layer_type(config) -> bool:
+    params = getattr(config, "rope_parameters", None) or {}
+    return "sliding_attention" in params or "full_attention" in params
+
+
 def _rope_kinds(config) -> list[str | None]:
     """Per layer, the key of its rope parameters: the layer type where each type has its own (Gemma 3:
     local and global layers), else None (one rope for every layer)."""
-    params = getattr(config, "rope_parameters", None) or {}
-    if "sliding_attention" in params or "full_attention" in params:
+    if _rope_per_layer_type(config):
         return list(config.layer_types)
     return [None] * config.num_hidden_layers
 
@@ -85,6 +89,8 @@ def lean_unsupported_reason(config) -> str | None:
     layer_types = set(getattr(config, "layer_types", None) or ())
     if not layer_types <= {"sliding_attention", "full_attention"}:
         return f"layer types {sorted(layer_types)} (supported: sliding_attention, full_attention)"
+    if _rope_per_layer_type(config) and not layer_types:
+        return "rope parameters per layer type, but no layer_types say which layer is which"
     if getattr(config, "attn_logit_softcapping", None) is not None:
         return "attn_logit_softcapping is set"
     if getattr(config, "use_bidirectional_attention", False):
