@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -62,11 +63,13 @@ def launch_pair(
     internal_tls: InternalTls | None = None,
     prefill_chunk_tokens: int | None = None,
     placement: str = "auto",
+    kv: dict | None = None,
 ) -> WorkerPair:
     """Places and starts the pair; `deployment_secret` (default: a new one) authenticates the streams;
     `max_context`: positions per sequence on both workers (the serve config's max_model_len);
     `placement`: auto | separate | colocated (cluster/placement.py). `load_timeout_s` bounds each wait for
-    workers to load: one wait for a separate pair, two in a row for a colocated one (the draft first)."""
+    workers to load: one wait for a separate pair, two in a row for a colocated one (the draft first).
+    `kv`: {role: KVOptions} each worker's KV pool (default: the engine's)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -91,6 +94,11 @@ def launch_pair(
     log.info("placing %s: %s", model, plan.description)
     group = create_placement_group(plan, name=f"duospec-{model}", timeout_s=placement_timeout_s)
     pair = WorkerPair(model, None, None, group, {}, None, deployment_secret, internal_tls)
+    kv = dict(kv or {})
+    if plan.colocated and kv.get("draft") is not None:
+        # A GPU fraction is of everything in use: the draft, loading first, would take it all. It gets
+        # one slot's worth per sequence (or its own byte count); the target the fraction's rest.
+        kv["draft"] = dataclasses.replace(kv["draft"], gpu_memory_utilization=None)
     roles = (("draft", DraftWorker, (draft, target_path, prefill_chunk_tokens)), ("target", TargetWorker, (target_path,)))
     infos = {}
     try:
@@ -115,7 +123,7 @@ def launch_pair(
                         group, placement_group_bundle_index=plan.bundle_of[index]),
                 )
                 .remote(*args, deployment_secret=deployment_secret, internal_tls=internal_tls, device=device,
-                        dtype=dtype, max_slots=max_slots, max_context=max_context)
+                        dtype=dtype, max_slots=max_slots, max_context=max_context, kv=kv.get(role))
             )
             setattr(pair, role, handle)  # from here on a failure stops it too
         waiting = {role: h for role, h in (("draft", pair.draft), ("target", pair.target))

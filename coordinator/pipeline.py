@@ -16,7 +16,7 @@ from duospec.cluster.runtime import connect
 from duospec.cluster.secret import InternalTls, new_deployment_secret
 from duospec.coordinator.api import ModelInfo
 from duospec.coordinator.links import GrpcStreamLink, LinkLoss, wait_for_channel
-from duospec.coordinator.models import model_info
+from duospec.coordinator.models import model_info, worker_kv
 from duospec.coordinator.router import ModelEntry, ModelRouter, scheduler_config
 from duospec.coordinator.scheduler import Scheduler
 
@@ -158,6 +158,7 @@ def start_pipeline(models: list, *, ray_address: str | None = None, placement_ti
                 deployment_secret=secret,
                 internal_tls=internal_tls,
                 prefill_chunk_tokens=getattr(config, "prefill_chunk_tokens", None),
+                kv={role: worker_kv(config, role) for role in ("target", "draft")},
             )
             coordinator.add_pair(config, pair, info)
     except BaseException:
