@@ -208,3 +208,25 @@ def test_the_pool_never_leaks_through_a_random_soak():
     for slot in list(live):
         tables.close(slot)
     assert tables.pool.num_free == 40 and not any(tables.pool.refs)
+
+
+def test_a_sequence_keeps_its_home_blocks_when_a_branch_shares_them():
+    """A pool laid out like a slot cache (home regions of 4 blocks for slots 0-3): a branch into a slot
+    with a free home gets copies there; one into a slot without a home shares, and when the owner
+    writes into a shared block the branch moves to the copy, the owner's blocks staying in order."""
+    tables = BlockTables(16, BS, home_blocks=4)
+    for slot in (1, 2, 4):
+        tables.open(slot)
+    write(tables, 1, 0, list(range(10)))
+    assert tables.blocks(1) == [4, 5, 6]
+    tables.commit(1, 8)
+    assert tables.fork(1, 2, 10) == [(4, 8), (5, 9), (6, 10)] and tables.blocks(2) == [8, 9, 10]
+    assert tables.fork(1, 4, 10) == [] and tables.blocks(4) == [4, 5, 6]  # no home: shared
+    copies = write(tables, 1, 9, [99, 100])  # the owner rewrites position 9 in the shared block 6
+    assert tables.blocks(1) == [4, 5, 6] and copies == [(6, tables.blocks(4)[2])] and tables.blocks(4)[:2] == [4, 5]
+    assert tables.pool.refs[6] == 1 and tables.pool.refs[tables.blocks(4)[2]] == 1
+    tables.truncate(1, 4)
+    write(tables, 1, 4, [7, 7])  # a cached block shared by the branch: the cache entry moves with the copy
+    assert tables.blocks(1)[1] == 5 and tables.blocks(4)[1] != 5
+    tables.open(3)
+    assert tables.match(3, 0, list(range(10))) == 8 and tables.blocks(3)[:2] == [4, tables.blocks(4)[1]]

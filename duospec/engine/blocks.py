@@ -184,16 +184,24 @@ class BlockTables:
         del table.hashes[length // self.block_size:]
         del table.tokens[length:]
 
-    def fork(self, src: int, dst: int, length: int) -> None:
-        """`dst` holds `src`'s positions [0, length): the same blocks, shared (no copy until a write)."""
+    def fork(self, src: int, dst: int, length: int) -> list[tuple[int, int]]:
+        """`dst` holds `src`'s positions [0, length): the same blocks, shared (no copy until a write) —
+        or, where `dst` has a home region and the pool the blocks, copies in it (a batch of sequences
+        at home is read as a view, worth the copy while memory is plentiful). Returns the (source,
+        copy) block pairs whose contents the caller must copy."""
         source, old = self._tables[src], self._tables[dst]
         n = self.blocks_for(length)
-        for block in source.blocks[:n]:
-            self.pool.hold(block)
         for block in reversed(old.blocks):
             self.pool.release(block)
-        self._tables[dst] = _Table(source.root, source.blocks[:n], source.tokens[:length],
+        home = [self._home(dst, i) for i in range(n)]
+        free_homes = all(b is not None and self.pool.refs[b] == 0 and self.pool.hash_of[b] is None for b in home)
+        blocks = [self.pool.take(b) for b in home] if free_homes else source.blocks[:n]
+        if not free_homes:
+            for block in blocks:
+                self.pool.hold(block)
+        self._tables[dst] = _Table(source.root, blocks, source.tokens[:length],
                                    source.hashes[: length // self.block_size])
+        return list(zip(source.blocks[:n], blocks)) if free_homes else []
 
     # ---- writes ------------------------------------------------------------------------------
 
@@ -226,7 +234,9 @@ class BlockTables:
                     table.blocks.append(self.pool.take(self._placement(slot, table, i)))
                     continue
                 block = table.blocks[i]
-                if self.pool.refs[block] > 1:
+                if self.pool.refs[block] > 1 and block == self._home(slot, i):
+                    copies.append((block, self._move_other_holders(slot, i, block)))
+                elif self.pool.refs[block] > 1:
                     table.blocks[i] = self.pool.take(self._placement(slot, table, i))
                     self.pool.release(block)
                     copies.append((block, table.blocks[i]))
@@ -234,9 +244,31 @@ class BlockTables:
                     self.pool.unhash(block)
         return copies
 
-    def _placement(self, slot: int, table: _Table, i: int) -> int | None:
+    def _move_other_holders(self, slot: int, i: int, block: int) -> int:
+        """Copy-on-write the other way round: `slot` keeps its home block (its reads stay a view) and
+        the other tables holding it at index i move to the copy, which takes over its cached hash."""
+        copy = self.pool.take()
+        movers = [t for s, t in self._tables.items() if s != slot and i < len(t.blocks) and t.blocks[i] == block]
+        for table in movers:
+            table.blocks[i] = copy
+            self.pool.release(block)
+        for _ in movers[1:]:
+            self.pool.hold(copy)
+        block_hash = self.pool.hash_of[block]
+        self.pool.unhash(block)
+        if block_hash is not None:
+            self.pool.publish(copy, block_hash)
+        return copy
+
+    def _home(self, slot: int, i: int) -> int | None:
         if self.home_blocks and i < self.home_blocks and (slot + 1) * self.home_blocks <= self.pool.num_blocks:
             return slot * self.home_blocks + i
+        return None
+
+    def _placement(self, slot: int, table: _Table, i: int) -> int | None:
+        home = self._home(slot, i)
+        if home is not None:
+            return home
         return table.blocks[i - 1] + 1 if 0 < i <= len(table.blocks) else None
 
     def record(self, slot: int, start: int, token_ids: Sequence[int]) -> None:

@@ -134,11 +134,17 @@ class ModelRunner(abc.ABC):
         if src == dst or not 0 <= length <= src_len:
             raise ValueError(f"copy_prefix(src={src}, dst={dst}, length={length}): need src != dst and "
                              f"length in [0, {src_len}]")
-        if self.kv is not None:  # shares src's blocks; a later write copies the one it touches
-            self.kv.fork(src, dst, length)
+        if self.kv is not None:  # shares src's blocks (a later write copies the one it touches), or copies
+            copies = self.kv.fork(src, dst, length)
+            if copies:
+                self._copy_blocks(copies)
         else:
             self._copy_prefix(src, dst, length)
         self._lengths[dst] = length
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Paged backends: each (source, copy) block's contents into the copy."""
+        raise NotImplementedError(f"the {self.backend} backend has no KV blocks")
 
     def _copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Backend part of ``copy_prefix`` for slot backends (arguments validated)."""
