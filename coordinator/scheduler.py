@@ -52,7 +52,7 @@ from duospec.coordinator.config import ModelConfig
 from duospec.coordinator.links import LinkLoss, verify_error
 from duospec.coordinator.patience import Patience
 from duospec.coordinator.recovery import WorkerRecovery
-from duospec.coordinator.verify_items import VerifyItems
+from duospec.coordinator.verify_items import VerifyItems, item_rows
 from duospec.coordinator.policies import SpeculationPolicy, fair_share
 from duospec.coordinator.sequence import DraftAction, Sequence
 from duospec.draft_worker.proposer import DraftMethod
@@ -329,7 +329,7 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
         self._target_releases = []
         now = time.monotonic()
         self.target_times.idle_s += now - self._idle_since
-        n_tokens = sum(len(item.context) + len(item.draft_tokens) for item in items)
+        n_tokens = sum(item_rows(item) for item in items)
         decode_only = all(len(item.context) == 1 for item in items)
         self.inflight = InFlightVerify(batch.batch_id, [s.seq_id for s in chosen], now, n_tokens, decode_only)
         self.target.send(batch)
@@ -340,7 +340,7 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
         rejected pays for them instead of the other tenants in the batch."""
         for seq, item in zip(chosen, items):
             tenant = seq.request.tenant
-            rows = len(item.context) + len(item.draft_tokens)
+            rows = item_rows(item)
             self._vtime[tenant] = self._vtime.get(tenant, 0.0) + rows / seq.request.priority_weight
 
     def _draft_limit(self, seq: Sequence) -> int:
@@ -519,6 +519,7 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
             self._forward_features(seq, verdict)
         if len(seq.committed) == seq.prompt_len:  # the prompt's first prefill (not a recompute's)
             seq.stats.cached_prompt_tokens += verdict.cached_tokens
+        self._fed_to(seq, verdict)
         next_token = verdict.next_token if verdict.kind != pb.NEXT_TOKEN_KIND_NONE else None
         kept, action, branch = seq.apply_verdict(verdict.n_accepted, next_token,
                                                  verdict.kind == pb.NEXT_TOKEN_KIND_RECOVERED, verdict.path)

@@ -14,6 +14,10 @@ from duospec.internal.sampling_wire import sampling_to_proto
 from duospec.internal.v1 import pearl_pb2 as pb
 
 MIN_PREFILL_CHUNK = 16  # a smaller leftover of a batch's prompt budget waits for the next round
+# A prefill chunk also carries this many prompt tokens past its budget: the target feeds them only as
+# far as its prefix cache holds them (VerifyItem.max_compute), so a cached prompt takes a round, not one
+# per budget's worth; bounded, so a long uncached prompt does not travel whole with every chunk.
+CACHE_PROBE_TOKENS = 4096
 
 
 class VerifyItems:
@@ -28,15 +32,17 @@ class VerifyItems:
                 chosen.remove(seq)
                 continue
             items.append(self._verify_item(seq, context_limit=max(1, budget) if pending > 1 else pending))
-            budget -= len(items[-1].context) if pending > 1 else 0
+            budget -= item_rows(items[-1]) - len(items[-1].draft_tokens) if pending > 1 else 0
         return items
 
     def _verify_item(self, seq: Sequence, context_limit: int) -> pb.VerifyItem:
         if len(seq.committed) - seq.target_len > context_limit:  # a prefill chunk: no draft, no token
             seq.take_verify_chunk(0)
+            # where the chunk ends unless the target's prefix cache feeds more (Verdict.context_fed)
             seq.verify_context_end = seq.target_len + context_limit
             return pb.VerifyItem(seq_id=seq.seq_id, epoch=seq.epoch, start_pos=seq.target_len,
-                                 context=seq.committed[seq.target_len: seq.verify_context_end],
+                                 context=seq.committed[seq.target_len: seq.verify_context_end + CACHE_PROBE_TOKENS],
+                                 max_compute=context_limit,
                                  sampling=sampling_to_proto(seq.request.sampling), bonus=pb.BONUS_POLICY_SKIP,
                                  features=self._wants_features(seq), cache_salt=self._item_salt(seq))
         seq.verify_context_end = None
@@ -75,6 +81,12 @@ class VerifyItems:
             cache_salt=self._item_salt(seq),
         )
 
+    @staticmethod
+    def _fed_to(seq: Sequence, verdict: pb.Verdict) -> None:
+        """A prefill chunk the target fed past its budget from its prefix cache ends where it says."""
+        if verdict.context_fed:
+            seq.verify_context_end = seq.target_len + verdict.context_fed
+
     def _item_salt(self, seq: Sequence) -> str:
         """The prefix-cache salt, on the item that opens the sequence on the target (start_pos 0)."""
         return cache_salt(self.info.prefix_cache, seq.request.tenant) if seq.target_len == 0 else ""
@@ -95,3 +107,9 @@ class VerifyItems:
             and self._draft_limit(seq) > 0
             and seq.target_len < len(seq.committed) - 1
         )
+
+
+def item_rows(item: pb.VerifyItem) -> int:
+    """The target rows an item may cost: its drafts and the context it may compute (a prefill chunk's
+    budget, not the cache probe it carries past it)."""
+    return min(len(item.context), item.max_compute or len(item.context)) + len(item.draft_tokens)

@@ -21,6 +21,8 @@ KV blocks (a paged runner): after each verdict the slot's positions are all veri
 the prefix cache; an item whose context is longer than one token (a prompt, or a re-prefill) first
 takes what it can of it from the cache (`match_prefix`, under the sequence's `cache_salt`) and feeds
 only the rest — except items asking for features, whose cached positions would have no hidden states.
+A prefill chunk with `max_compute` carries more of the prompt than it may compute: it is fed as far as
+the cache supplies plus `max_compute` positions, and its verdict says how far (`context_fed`).
 When the pool cannot hold a batch, items are left out from the last one on, each answered with a
 KV_CACHE_FULL error (nothing of it changed), until the rest fits.
 """
@@ -82,6 +84,8 @@ class Verifier:
                 out.errors.append(error)
                 continue
             item = self._as_supported(item)
+            skip = self._cached_prefix(item)
+            item = _fed_part(item, skip)
             try:
                 tasks.append(_task(item, first_row))
             except ValueError as exc:  # a malformed q fails its own item only
@@ -90,9 +94,9 @@ class Verifier:
                 continue
             items.append(item)
             first_row += len(item.draft_tokens) + 1
-            cached.append(self._cached_prefix(item))
-            chunks.append(SlotChunk(self.slots[item.seq_id], item.start_pos + cached[-1],
-                                    [*item.context[cached[-1]:], *item.draft_tokens], _chunk_parents(item, cached[-1])))
+            cached.append(skip)
+            chunks.append(SlotChunk(self.slots[item.seq_id], item.start_pos + skip,
+                                    [*item.context[skip:], *item.draft_tokens], _chunk_parents(item, skip)))
         if chunks:
             want_hidden = any(item.features for item in items) and self.runner.supports_hidden
             try:
@@ -170,6 +174,8 @@ class Verifier:
         if item.draft_parents and (len(item.draft_parents) != len(item.draft_tokens) or item.draft_probs):
             return _error(item, pb.VERIFY_ERROR_KIND_BAD_REQUEST,
                           "a token tree needs one parent per draft token and a greedy request")
+        if item.max_compute and item.draft_tokens:
+            return _error(item, pb.VERIFY_ERROR_KIND_BAD_REQUEST, "max_compute is for prefill chunks, without drafts")
         if item.seq_id not in self.slots:
             if item.start_pos != 0:
                 # A restarted target lost its cache: the coordinator must re-send from position 0.
@@ -203,6 +209,7 @@ class Verifier:
             next_token=result.next_token if result.next_token is not None else 0,
             path=path,
             cached_tokens=cached,
+            context_fed=n_ctx if item.max_compute else 0,
         )
         accepted = list(decision.path)  # a chain's path is 0 .. n_accepted - 1
         if item.features and hidden is not None:
@@ -246,6 +253,17 @@ def _logprobs(rows, accepted: list[int], parents: list[int], tokens: list[int], 
     values, ids = torch.topk(logp, min(top_n, logp.shape[1]), dim=-1)
     return [pb.TokenLogprob(logprob=lp, top_ids=i, top_logprobs=v)
             for lp, v, i in zip(chosen, values.tolist(), ids.tolist())]
+
+
+def _fed_part(item: pb.VerifyItem, cached: int) -> pb.VerifyItem:
+    """The item as far as its context is fed: with max_compute, `cached` positions and that many more."""
+    end = cached + item.max_compute
+    if not item.max_compute or len(item.context) <= end:
+        return item
+    part = pb.VerifyItem()
+    part.CopyFrom(item)
+    del part.context[end:]
+    return part
 
 
 def _chunk_parents(item: pb.VerifyItem, cached: int = 0) -> list[int] | None:

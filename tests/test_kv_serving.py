@@ -37,11 +37,11 @@ def pair(tmp_path_factory):
     return target, draft
 
 
-def coordinator(pair, target_blocks: int, draft_blocks: int) -> LocalCoordinator:
+def coordinator(pair, target_blocks: int, draft_blocks: int, **config) -> LocalCoordinator:
     """The tiny pair with KV pools of the given sizes (in 16-position blocks) and up to 8 live sequences."""
     target, draft = pair
     config = ModelConfig(name=MODEL, target=str(target), draft=str(draft), device="cpu", dtype="float32",
-                         max_num_seqs=8, max_batch_size=8)
+                         max_num_seqs=8, max_batch_size=8, **config)
     runners = [load_model(path, dtype="float32", max_slots=8, max_context=CONTEXT,
                           kv=KVOptions(kv_cache_memory_bytes=blocks * BLOCK * position))
                for path, blocks, position in ((target, target_blocks, TARGET_POSITION_BYTES),
@@ -109,6 +109,23 @@ async def test_cached_prompt_tokens_are_reported(pair):
         assert tokens(second) == hf_greedy(pair[0], system + [8, 9], 8)
         _, target, draft = await pools(coord)
         assert draft.cache_stats().hits == 64  # the drafter skipped the same prefill
+
+
+async def test_a_cached_prompt_longer_than_a_prefill_chunk_is_read_in_one_round(pair):
+    """Prefill chunks of 32 tokens: the second request's first chunk carries the rest of the prompt
+    too, and the target feeds all of it its cache holds (9 blocks) plus 32 computed positions."""
+    coord = coordinator(pair, target_blocks=64, draft_blocks=64, prefill_chunk_tokens=32)
+    system = prompts(1, 150, seed=4)[0]
+    async with running_server(coord) as h:
+        await collect(h.stub, greedy_request(system + [5, 6], 6, pb.SPECULATION_MODE_OFF))
+        scheduler, _, _ = await pools(coord)
+        rounds = scheduler.target_times.messages
+        second = await collect(h.stub, greedy_request(system + [7, 8], 6, pb.SPECULATION_MODE_OFF))
+        assert second[-1].usage.cached_prompt_tokens == 144
+        assert tokens(second) == hf_greedy(pair[0], system + [7, 8], 6)
+        # one prefill round (the cache and the rest of the prompt), one per token, and maybe the batch
+        # that released the first request (chunk by chunk, the prefill alone would take five)
+        assert scheduler.target_times.messages - rounds <= 1 + 6 + 1
 
 
 @pytest.mark.slow

@@ -154,3 +154,22 @@ def test_a_drafter_short_of_blocks_drops_hedges_then_its_newest_sequence(path):
     assert set(drafter.sequences) == {1, 2} and drafter.dropped == [3] and len(tokens[1]) == 10
     drafter.release_all()
     assert drafter.proposer.runner.cache_stats().free_blocks == 16
+
+
+def test_a_prefill_chunk_with_max_compute_is_fed_as_far_as_the_cache_allows(path):
+    verifier = Verifier(runner(path))
+    prompt = SYSTEM + SYSTEM[:30]  # 100 tokens
+    verify(verifier, item(1, prompt, [5]))
+    chunk = item(2, prompt, start_pos=0)
+    chunk.max_compute, chunk.bonus = 20, pb.BONUS_POLICY_SKIP
+    verdict = verify(verifier, chunk).verdicts[0]
+    assert (verdict.cached_tokens, verdict.context_fed) == (96, 100)  # 96 cached, the last 4 computed
+    assert verifier.runner.slot_length(verifier.slots[2]) == 99  # as after a prefill chunk of 100
+    cold = item(3, SYSTEM[::-1] + SYSTEM[:30], start_pos=0)
+    cold.max_compute, cold.bonus = 20, pb.BONUS_POLICY_SKIP
+    verdict = verify(verifier, cold).verdicts[0]
+    assert (verdict.cached_tokens, verdict.context_fed) == (0, 20)  # nothing cached: its budget only
+    drafted = item(4, prompt, [5])
+    drafted.max_compute = 20
+    [error] = verify(verifier, drafted).errors
+    assert error.kind == pb.VERIFY_ERROR_KIND_BAD_REQUEST and "without drafts" in error.message

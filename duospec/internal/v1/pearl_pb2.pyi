@@ -177,7 +177,7 @@ class KVUsage(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
-    __slots__ = ("seq_id", "epoch", "start_pos", "context", "draft_tokens", "draft_probs", "sampling", "bonus", "draft_parents", "logprobs", "top_logprobs", "features", "cache_salt")
+    __slots__ = ("seq_id", "epoch", "start_pos", "context", "draft_tokens", "draft_probs", "sampling", "bonus", "draft_parents", "logprobs", "top_logprobs", "features", "cache_salt", "max_compute")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +191,7 @@ class VerifyItem(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    MAX_COMPUTE_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     epoch: int
     start_pos: int
@@ -204,7 +205,8 @@ class VerifyItem(_message.Message):
     top_logprobs: int
     features: bool
     cache_salt: str
-    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., start_pos: _Optional[int] = ..., context: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[bytes]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., bonus: _Optional[_Union[BonusPolicy, str]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., features: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    max_compute: int
+    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., start_pos: _Optional[int] = ..., context: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[bytes]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., bonus: _Optional[_Union[BonusPolicy, str]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., features: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., max_compute: _Optional[int] = ...) -> None: ...
 
 class VerifyBatch(_message.Message):
     __slots__ = ("batch_id", "items", "release_seq_ids")
@@ -217,7 +219,7 @@ class VerifyBatch(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("seq_id", "epoch", "n_accepted", "kind", "next_token", "path", "logprobs", "features", "cached_tokens")
+    __slots__ = ("seq_id", "epoch", "n_accepted", "kind", "next_token", "path", "logprobs", "features", "cached_tokens", "context_fed")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     N_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +229,7 @@ class Verdict(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FED_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     epoch: int
     n_accepted: int
@@ -236,7 +239,8 @@ class Verdict(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     features: Features
     cached_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., n_accepted: _Optional[int] = ..., kind: _Optional[_Union[NextTokenKind, str]] = ..., next_token: _Optional[int] = ..., path: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    context_fed: int
+    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., n_accepted: _Optional[int] = ..., kind: _Optional[_Union[NextTokenKind, str]] = ..., next_token: _Optional[int] = ..., path: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., context_fed: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_ids", "top_logprobs")
