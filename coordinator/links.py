@@ -13,6 +13,7 @@ import asyncio
 import enum
 import queue
 import threading
+from typing import AsyncIterator, Awaitable, Callable, Protocol
 
 import grpc
 
@@ -32,6 +33,19 @@ class LinkLoss(enum.Enum):
     CLOSED = "closed"  # its stream ended or broke: the process died and Ray restarts it; wait for that
     SILENT = "silent"  # open but silent while sequences wait (a stalled drafter): replace it unless it answers
     HUNG = "hung"  # a verify far past its predicted cost, or keepalive pings unanswered: replace it at once
+
+
+Reconnect = Callable[[LinkLoss], Awaitable["Link"]]  # opens a link to the (replaced, restarted) worker, or raises
+
+
+class Link(Protocol):
+    """A bidirectional message stream to a worker (gRPC or in-process)."""
+
+    def send(self, message) -> None: ...  # never blocks
+
+    def responses(self) -> AsyncIterator: ...
+
+    async def close(self) -> None: ...
 
 
 def loss_of(exc: BaseException) -> LinkLoss:

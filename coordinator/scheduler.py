@@ -23,8 +23,7 @@ import asyncio
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable, Protocol
+from dataclasses import dataclass
 
 from duospec.coordinator.adaptive import (
     AcceptanceTracker,
@@ -48,8 +47,8 @@ from duospec.coordinator.api import (
 from duospec.coordinator.draft_commands import DraftCommands
 from duospec.coordinator.guard import GoodputGuard
 from duospec.coordinator.kv_budget import KVPreemption
-from duospec.coordinator.config import ModelConfig
-from duospec.coordinator.links import LinkLoss, verify_error
+from duospec.coordinator.links import Link, LinkLoss, Reconnect, verify_error
+from duospec.coordinator.rounds import InFlightVerify, SchedulerConfig, WorkerTimes
 from duospec.coordinator.patience import Patience
 from duospec.coordinator.recovery import WorkerRecovery
 from duospec.coordinator.verify_items import VerifyItems, item_rows
@@ -65,54 +64,9 @@ LOOKUP_PROBE_EVERY = 16  # while looked-up tokens do not pay, every 16th empty r
 ACCEPTANCE_FLOOR = 0.5  # the lowest acceptance a new (or re-tried) sequence's estimate starts from
 
 
-Reconnect = Callable[[LinkLoss], Awaitable["Link"]]  # opens a link to the (replaced, restarted) worker, or raises
-
-
-class Link(Protocol):
-    """A bidirectional message stream to a worker (gRPC or in-process)."""
-
-    def send(self, message) -> None: ...  # never blocks
-
-    def responses(self) -> AsyncIterator: ...
-
-    async def close(self) -> None: ...
-
-
-@dataclass
-class InFlightVerify:
-    """The one verify batch the target is working on."""
-
-    batch_id: int
-    seq_ids: list[int]
-    sent_at: float
-    n_tokens: int  # tokens fed to the target in this batch (for the verify cost model)
-    # Every item feeds one committed token (plus drafts): a decode round, what the cost model is
-    # about. Prompts and re-prefills are left out: their hundreds of tokens would tilt the line
-    # fitted to 2-40-token rounds.
-    decode_only: bool = True
-
-
-@dataclass
-class WorkerTimes:
-    busy_s: float = 0.0
-    idle_s: float = 0.0
-    messages: int = 0
-
-
 @dataclass
 class _Failure:
     error: CoordinatorError
-
-
-@dataclass
-class SchedulerConfig:
-    max_batch_size: int = 8  # sequences per verify batch
-    max_num_seqs: int = 16  # live sequences (KV slots on each worker)
-    # Prompt tokens fed to the target per verify batch, over all its sequences: a long prompt is
-    # prefilled in chunks that share rounds with the others' decode instead of stalling them.
-    prefill_chunk_tokens: int = 512
-    hang_timeout_s: float = ModelConfig.hang_timeout_s  # when a silent worker counts as hung (recovery.py)
-    stats_window: list = field(default_factory=list)
 
 
 class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):

@@ -1,0 +1,39 @@
+"""The scheduler's sizes and what it tracks of each verify round (coordinator/scheduler.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from duospec.coordinator.config import ModelConfig
+
+
+@dataclass
+class InFlightVerify:
+    """The one verify batch the target is working on."""
+
+    batch_id: int
+    seq_ids: list[int]
+    sent_at: float
+    n_tokens: int  # tokens fed to the target in this batch (for the verify cost model)
+    # Every item feeds one committed token (plus drafts): a decode round, what the cost model is
+    # about. Prompts and re-prefills are left out: their hundreds of tokens would tilt the line
+    # fitted to 2-40-token rounds.
+    decode_only: bool = True
+
+
+@dataclass
+class WorkerTimes:
+    busy_s: float = 0.0
+    idle_s: float = 0.0
+    messages: int = 0
+
+
+@dataclass
+class SchedulerConfig:
+    max_batch_size: int = ModelConfig.max_batch_size  # sequences per verify batch
+    max_num_seqs: int = ModelConfig.max_num_seqs  # live sequences
+    # Prompt tokens fed to the target per verify batch, over all its sequences: a long prompt is
+    # prefilled in chunks that share rounds with the others' decode instead of stalling them.
+    prefill_chunk_tokens: int = ModelConfig.prefill_chunk_tokens
+    hang_timeout_s: float = ModelConfig.hang_timeout_s  # when a silent worker counts as hung (recovery.py)
+    stats_window: list = field(default_factory=list)
