@@ -1,4 +1,7 @@
-"""Launching the named, restartable draft and target actors of one model pair."""
+"""Launching the named, restartable draft and target actors of one model pair (one replica of a model:
+models[].replicas pairs are launched each with its own index, named apart). A worker whose model is
+split over several devices is rank 0 of a tensor-parallel group; it starts the other ranks itself
+(cluster/tp_group.py) in the bundles its plan reserves for them."""
 
 from __future__ import annotations
 
@@ -6,30 +9,38 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
-from duospec.cluster.placement import PlacementError, create_placement_group, plan_placement
+from duospec.cluster.placement import PlacementError, PlacementPlan, create_placement_groups, plan_placement
 from duospec.cluster.runtime import NAMESPACE
 from duospec.cluster.secret import InternalTls, new_deployment_secret
+from duospec.cluster.tp_group import GroupLayout
 from duospec.draft_worker.proposer import DraftMethod, DraftSpec
 
 log = logging.getLogger(__name__)
 
 
-def actor_name(role: str, model: str) -> str:
-    return f"duospec-{role}-{model}"
+def replica_label(model: str, replica: int = 0) -> str:
+    """How a replica is named apart (actors, placement groups, worker stats): replica 0 by the model's
+    name, as a model of one pair always was; '#' is no model name's character, so no collision."""
+    return f"{model}#{replica}" if replica else model
+
+
+def actor_name(role: str, model: str, replica: int = 0) -> str:
+    return f"duospec-{role}-{replica_label(model, replica)}"
 
 
 @dataclass
 class WorkerPair:
     model: str
-    target: object  # ray ActorHandle (TargetWorker)
-    draft: object | None  # ray ActorHandle (DraftWorker)
-    placement_group: object
+    target: object  # ray ActorHandle (TargetWorker; rank 0 of its group)
+    draft: object | None  # ray ActorHandle (DraftWorker; rank 0 of its group)
+    placement_groups: tuple  # Ray placement groups (one for the pair, or one per tensor-parallel group)
     target_info: dict
     draft_info: dict | None
     # what every internal stream to these workers must carry (cluster/secret.py); out of the repr, so
     # a log line or an error that prints the pair does not hand it out
     deployment_secret: str = field(repr=False)
     internal_tls: InternalTls | None = None  # mutual TLS on those streams, when the deployment has it
+    replica: int = 0  # which of the model's replicas
 
     def shutdown(self) -> None:
         import ray
@@ -41,10 +52,11 @@ class WorkerPair:
                     ray.kill(handle, no_restart=True)
                 except Exception:  # already gone
                     pass
-        try:
-            remove_placement_group(self.placement_group)
-        except Exception:
-            pass
+        for group in self.placement_groups or ():
+            try:
+                remove_placement_group(group)
+            except Exception:
+                pass
 
 
 def launch_pair(
@@ -63,12 +75,16 @@ def launch_pair(
     internal_tls: InternalTls | None = None,
     prefill_chunk_tokens: int | None = None,
     placement: str = "auto",
+    replica: int = 0,
+    target_tp: int = 1,
     kv: dict | None = None,
 ) -> WorkerPair:
     """Places and starts the pair; `deployment_secret` (default: a new one) authenticates the streams;
     `max_context`: positions per sequence on both workers (the serve config's max_model_len);
     `placement`: auto | separate | colocated (cluster/placement.py). `load_timeout_s` bounds each wait for
     workers to load: one wait for a separate pair, two in a row for a colocated one (the draft first).
+    `replica`: the pair's index among the model's replicas; `target_tp`: the target's tensor-parallel
+    size (the draft's is its spec's).
     `kv`: {role: KVOptions} each worker's KV pool (default: the engine's)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -78,11 +94,11 @@ def launch_pair(
 
     for role in ("draft", "target"):
         try:
-            ray.get_actor(actor_name(role, model), namespace=NAMESPACE)
+            ray.get_actor(actor_name(role, model, replica), namespace=NAMESPACE)
         except ValueError:
             continue
         raise PlacementError(
-            f"actor {actor_name(role, model)!r} already exists in Ray namespace {NAMESPACE!r}: another duospec "
+            f"actor {actor_name(role, model, replica)!r} already exists in Ray namespace {NAMESPACE!r}: another duospec "
             f"serve is running this model on the cluster; stop it or serve under another model name"
         )
     deployment_secret = deployment_secret or new_deployment_secret()
@@ -90,10 +106,12 @@ def launch_pair(
         draft = DraftSpec(DraftMethod.MODEL, path=draft)
     use_gpu = {"cpu": False, "cuda": True}.get(device)
     plan = plan_placement(ray.nodes(), use_gpu=use_gpu, draft_needs_gpu=draft is not None and draft.method.needs_model,
-                          placement=placement)
-    log.info("placing %s: %s", model, plan.description)
-    group = create_placement_group(plan, name=f"duospec-{model}", timeout_s=placement_timeout_s)
-    pair = WorkerPair(model, None, None, group, {}, None, deployment_secret, internal_tls)
+                          placement=placement, target_tp=target_tp,
+                          draft_tp=draft.tensor_parallel_size if draft is not None else 1)
+    label = f"duospec-{replica_label(model, replica)}"
+    log.info("placing %s: %s", label, plan.description)
+    groups = create_placement_groups(plan, name=label, timeout_s=placement_timeout_s)
+    pair = WorkerPair(model, None, None, groups, {}, None, deployment_secret, internal_tls, replica)
     kv = dict(kv or {})
     if plan.colocated and kv.get("draft") is not None:
         # A GPU fraction is of everything in use: the draft, loading first, would take it all. It gets
@@ -102,7 +120,7 @@ def launch_pair(
     roles = (("draft", DraftWorker, (draft, target_path, prefill_chunk_tokens)), ("target", TargetWorker, (target_path,)))
     infos = {}
     try:
-        for index, (role, cls, args) in enumerate(roles):
+        for role, cls, args in roles:
             if role == "draft" and draft is None:
                 continue
             if plan.colocated and pair.draft is not None:
@@ -110,20 +128,22 @@ def launch_pair(
                 # free, so the target loads only once the draft holds its weights and cache — started
                 # together, both would see the whole GPU free and could jointly overcommit it.
                 infos.update(_wait_loaded(model, {"draft": pair.draft}, load_timeout_s))
+            slots = getattr(plan, role)
             handle = (
                 ray.remote(cls)
                 .options(
-                    name=actor_name(role, model),
+                    name=actor_name(role, model, replica),
                     namespace=NAMESPACE,
-                    num_cpus=plan.resources(index).get("CPU", 1),
-                    num_gpus=plan.resources(index).get("GPU", 0),
+                    num_cpus=slots[0].resources.get("CPU", 1),
+                    num_gpus=slots[0].resources.get("GPU", 0),
                     max_restarts=max_restarts,
                     max_concurrency=4,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        group, placement_group_bundle_index=plan.bundle_of[index]),
+                        groups[slots[0].group], placement_group_bundle_index=slots[0].bundle),
                 )
                 .remote(*args, deployment_secret=deployment_secret, internal_tls=internal_tls, device=device,
-                        dtype=dtype, max_slots=max_slots, max_context=max_context, kv=kv.get(role))
+                        dtype=dtype, max_slots=max_slots, max_context=max_context, kv=kv.get(role),
+                        tensor_parallel=_layout(plan, role, groups, load_timeout_s))
             )
             setattr(pair, role, handle)  # from here on a failure stops it too
         waiting = {role: h for role, h in (("draft", pair.draft), ("target", pair.target))
@@ -135,6 +155,16 @@ def launch_pair(
     pair.target_info = infos["target"]
     pair.draft_info = infos.get("draft")
     return pair
+
+
+def _layout(plan: PlacementPlan, role: str, groups: tuple, timeout_s: float) -> GroupLayout | None:
+    """Where rank 0 of the role's worker starts its other ranks; None for a worker of one rank."""
+    slots = getattr(plan, role)
+    if len(slots) == 1:
+        return None
+    return GroupLayout(world=len(slots), placement_group=groups[slots[0].group],
+                       bundles=tuple(slot.bundle for slot in slots[1:]), resources=slots[1].resources,
+                       join_timeout_s=timeout_s)
 
 
 def _wait_loaded(model: str, handles: dict, timeout_s: float) -> dict[str, dict]:

@@ -130,8 +130,9 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...] = ()
     draft_node_id: str = ""  # Ray node of the draft actor ("" in-process / no draft)
     target_node_id: str = ""  # Ray node of the target actor
-    # live sequences the model's scheduler holds at once (models[].max_num_seqs): the server's
-    # weighted admission queue hands out exactly this many per model, so no request waits elsewhere
+    # live sequences the model's schedulers hold at once (models[].max_num_seqs on each of its
+    # replicas): the server's weighted admission queue hands out exactly this many per model, so no
+    # request waits elsewhere
     max_num_seqs: int = 16
     # the most drafts per verify a request may ask for (models[].speculation: the larger of
     # max_draft_tokens and gamma); a request above it is refused, naming it

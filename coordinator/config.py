@@ -15,7 +15,7 @@
       - name: python-tiny                    # first model = default
         target: /opt/duospec/models/target
         draft: /opt/duospec/models/draft     # optional; no draft -> only mode off. Or a mapping:
-                                             #   {method: model, path: DIR}
+                                             #   {method: model, path: DIR, tensor_parallel_size: 1}
                                              #   {method: layers, layers: K, path: DIR?}  target's first K layers
                                              #   {method: eagle, path: DIR} / {method: medusa, path: DIR}
                                              #     a head from `duospec train-heads` on the target's features
@@ -35,6 +35,10 @@
                                              # keepalive pings) counts as hung: Ray kills and restarts it
         prefill_chunk_tokens: 512            # prompt tokens per forward (both workers): long prompts are
                                              # prefilled in chunks that share rounds with others' decode
+        tensor_parallel_size: 1              # the target split over this many GPUs of one node (a Ray actor
+                                             # per rank); the model drafter's own: draft: {..., tensor_parallel_size}
+        replicas: 1                          # independent draft/target pairs of the model; each request goes
+                                             # to the one with the least outstanding work
         kv_cache_memory_bytes: 4294967296    # optional; KV memory of each worker (a pool of 16-position
                                              # blocks); the draft may get its own: draft: {..., kv_cache_memory_bytes}
         gpu_memory_utilization: 0.9          # on CUDA without kv_cache_memory_bytes: the fraction of the GPU
@@ -64,6 +68,7 @@ from typing import Any
 
 from duospec.cluster.placement import PLACEMENTS
 from duospec.coordinator.api import MAX_DRAFT_TOKENS, SpeculationMode
+from duospec.engine.errors import CheckpointError
 from duospec.coordinator.kv_budget import PREFIX_CACHE_SCOPES
 from duospec.draft_worker.proposer import POOL_SCOPES, DraftMethod, DraftSpec, NgramOptions
 
@@ -71,6 +76,8 @@ DEVICES = ("auto", "cpu", "cuda")
 MAX_GRACE_PERIOD_S = 3600.0  # server.grace_period_s and `duospec serve --grace-period`
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+MAX_TENSOR_PARALLEL = 64  # ranks of one worker: GPUs of one node
+MAX_REPLICAS = 256
 
 
 class ConfigError(ValueError):
@@ -176,6 +183,14 @@ class ModelConfig:
     hang_timeout_s: float = 10.0
     # Prompt tokens per forward, on the target (per verify batch) and the drafter (per sequence).
     prefill_chunk_tokens: int = 512
+    # The target split over this many devices of one node (Megatron-style, one Ray actor per rank,
+    # joined by torch.distributed; cluster/tp_group.py); must divide its attention and KV heads and MLP
+    # width. The model drafter's own size is draft.tensor_parallel_size (DraftSpec).
+    tensor_parallel_size: int = 1
+    # Independent draft/target pairs (or groups) of the model, placed across the cluster; each request
+    # goes to the one with the least outstanding work (coordinator/replicas.py). Tenancy, fair share,
+    # quotas and the ledger stay per model.
+    replicas: int = 1
     speculation: SpeculationDefaults = field(default_factory=SpeculationDefaults)
     # Positions per sequence (prompt + output), on every layer alike: request validation, the
     # coordinator, the drafter and the target. None = the model's max_position_embeddings.
@@ -299,7 +314,7 @@ def _parse_model(f: "_Fields", base_dir: pathlib.Path) -> ModelConfig:
             "(it names Ray actors duospec-target-<name>)"
         )
     target = f.get("target", str, required=True)
-    draft = _parse_draft(f, base_dir, _resolve_model_path(target, base_dir))
+    draft = _draft_tensor_parallel(f, _parse_draft(f, base_dir, _resolve_model_path(target, base_dir)))
     spec_fields = f.section("speculation", required=False)
     spec = SpeculationDefaults()
     if spec_fields is not None:
@@ -335,6 +350,8 @@ def _parse_model(f: "_Fields", base_dir: pathlib.Path) -> ModelConfig:
         restart_timeout_s=f.float_in("restart_timeout_s", 1.0, 86400.0, default=600.0),
         hang_timeout_s=f.float_in("hang_timeout_s", 1.0, 3600.0, default=ModelConfig.hang_timeout_s),
         prefill_chunk_tokens=f.int_in("prefill_chunk_tokens", 16, 1 << 20, default=512),
+        tensor_parallel_size=_tensor_parallel(f, _resolve_model_path(target, base_dir), ModelConfig.tensor_parallel_size),
+        replicas=f.int_in("replicas", 1, MAX_REPLICAS, default=ModelConfig.replicas),
         speculation=spec,
         max_model_len=f.int_in("max_model_len", 2, 1 << 24, default=2) if f.raw.get("max_model_len") is not None else None,
         kv_cache_memory_bytes=_memory_bytes(f),
@@ -347,7 +364,7 @@ def _parse_model(f: "_Fields", base_dir: pathlib.Path) -> ModelConfig:
 
 
 _DRAFT_KEYS = {
-    DraftMethod.MODEL: ("path", "kv_cache_memory_bytes"),
+    DraftMethod.MODEL: ("path", "kv_cache_memory_bytes", "tensor_parallel_size"),
     DraftMethod.LAYERS: ("layers", "path", "kv_cache_memory_bytes"),
     DraftMethod.NGRAM: ("min_ngram", "max_ngram", "max_proposal", "pool", "pool_tokens", "max_pools"),
     DraftMethod.EAGLE: ("path", "kv_cache_memory_bytes"),
@@ -360,6 +377,33 @@ def _memory_bytes(f: "_Fields") -> int | None:
     if f.raw.get("kv_cache_memory_bytes") is None:
         return None
     return f.int_in("kv_cache_memory_bytes", 1 << 10, 1 << 50, default=1 << 10)
+
+
+def _tensor_parallel(f: "_Fields", checkpoint: str | None, default: int) -> int:
+    """`tensor_parallel_size` of `f`'s worker, refused with the sizes that work when it does not divide
+    a local checkpoint's heads (a hub id is checked when its workers load)."""
+    size = f.int_in("tensor_parallel_size", 1, MAX_TENSOR_PARALLEL, default=default)
+    config = _local_config(checkpoint) if size > 1 and checkpoint else None
+    if config is not None and all(k in config for k in ("num_attention_heads", "intermediate_size")):
+        from types import SimpleNamespace
+
+        from duospec.engine.tensor_parallel import check_tp_size
+
+        try:
+            check_tp_size(SimpleNamespace(**config), size, checkpoint)
+        except CheckpointError as exc:
+            raise ConfigError(f"{f.where('tensor_parallel_size')}: {exc}") from None
+    return size
+
+
+def _draft_tensor_parallel(f: "_Fields", draft: DraftSpec | None) -> DraftSpec | None:
+    """The drafter with `draft.tensor_parallel_size` (_DRAFT_KEYS admits it for the model method only)."""
+    raw = f.raw.get("draft")
+    if draft is None or not isinstance(raw, dict) or raw.get("tensor_parallel_size") is None:
+        return draft
+    fields = _Fields(raw, f.source, f"{f.prefix}.draft")
+    return dataclasses.replace(draft, tensor_parallel_size=_tensor_parallel(fields, draft.path,
+                                                                            DraftSpec.tensor_parallel_size))
 
 
 def _parse_draft(f: "_Fields", base_dir: pathlib.Path, target: str) -> DraftSpec | None:
@@ -441,14 +485,19 @@ def draft_from_flag(value: str, path: str | None) -> DraftSpec:
 
 def _local_layer_count(target: str) -> int | None:
     """The target's num_hidden_layers when it is a local checkpoint (None for a hub id)."""
+    value = (_local_config(target) or {}).get("num_hidden_layers")
+    return value if isinstance(value, int) else None
+
+
+def _local_config(checkpoint: str) -> dict | None:
+    """A local checkpoint's config.json (None for a hub id or an unreadable file)."""
     import json
 
-    config = pathlib.Path(target) / "config.json"
     try:
-        value = json.loads(config.read_text()).get("num_hidden_layers")
+        config = json.loads((pathlib.Path(checkpoint) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    return value if isinstance(value, int) else None
+    return config if isinstance(config, dict) else None
 
 
 def _read_mapping(path: pathlib.Path) -> Any:

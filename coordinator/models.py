@@ -80,6 +80,11 @@ def model_info(model_config, max_context: int | None = None) -> ModelInfo:
             shallow_config(f"draft: layers {spec.layers} of target {target}", target_cfg, spec.layers)
         except CheckpointError as exc:
             raise ModelPairError(str(exc)) from None
+    _check_tensor_parallel("models[].tensor_parallel_size", target, target_cfg,
+                           int(getattr(model_config, "tensor_parallel_size", 1)))
+    if spec is not None and spec.tensor_parallel_size > 1:
+        _check_tensor_parallel("draft.tensor_parallel_size", draft, AutoConfig.from_pretrained(draft),
+                               spec.tensor_parallel_size)
     tokenizer = _tokenizer(target)
     context = _max_context(target_cfg)
     if draft is not None:
@@ -108,10 +113,30 @@ def model_info(model_config, max_context: int | None = None) -> ModelInfo:
         max_context=context,
         eos_token_id=eos,
         eos_token_ids=end_ids or ((eos,) if eos is not None else ()),
-        max_num_seqs=int(getattr(model_config, "max_num_seqs", 16)),
+        # every replica's scheduler holds max_num_seqs
+        max_num_seqs=int(getattr(model_config, "max_num_seqs", 16)) * int(getattr(model_config, "replicas", 1)),
         max_draft_tokens=model_config.speculation.request_cap,
         prefix_cache=getattr(model_config, "prefix_cache", ModelInfo.prefix_cache),
     )
+
+
+def _check_tensor_parallel(field: str, path: str, config, size: int) -> None:
+    """A group of `size` ranks needs duospec's own forward and a size that divides the model: refused
+    before any worker is placed, naming what works."""
+    if size == 1:
+        return
+    from duospec.engine import CheckpointError
+    from duospec.engine.llama import lean_unsupported_reason
+    from duospec.engine.tensor_parallel import check_tp_size
+
+    reason = lean_unsupported_reason(config)
+    if reason is not None:
+        raise ModelPairError(f"{field} {size}: tensor parallelism needs duospec's own forward, which cannot run "
+                             f"{path} ({reason}); the transformers fallback runs on one device: set it to 1")
+    try:
+        check_tp_size(config, size, path)
+    except CheckpointError as exc:
+        raise ModelPairError(f"{field}: {exc}") from None
 
 
 def worker_kv(model_config, role: str):

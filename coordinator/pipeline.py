@@ -1,4 +1,5 @@
-"""The distributed coordinator: draft and target in separate Ray actors, data over gRPC streams.
+"""The distributed coordinator: draft and target in separate Ray actors (each possibly a tensor-parallel
+group), data over gRPC streams; models[].replicas pairs of a model, routed by coordinator/replicas.py.
 
     coordinator = start_pipeline([ModelConfig(...)], ray_address=None)   # None: a local Ray
     async for event in coordinator.generate(request): ...
@@ -11,7 +12,7 @@ import asyncio
 import dataclasses
 import logging
 
-from duospec.cluster.actors import WorkerPair, launch_pair
+from duospec.cluster.actors import WorkerPair, launch_pair, replica_label
 from duospec.cluster.runtime import connect
 from duospec.cluster.secret import InternalTls, new_deployment_secret
 from duospec.coordinator.api import ModelInfo
@@ -26,16 +27,17 @@ log = logging.getLogger(__name__)
 class PipelineCoordinator(ModelRouter):
     def __init__(self) -> None:
         super().__init__()
-        self.pairs: dict[str, WorkerPair] = {}
+        self.pairs: dict[str, WorkerPair] = {}  # by replica_label: the model's name for its first replica
 
     def add_pair(self, config, pair: WorkerPair, info: ModelInfo | None = None) -> None:
-        """`info`: the model's facts when the caller has read them already (start_pipeline has)."""
+        """`info`: the model's facts when the caller has read them already (start_pipeline has). The
+        model's first pair (pair.replica 0) adds the model; each further one a replica of it."""
         info = dataclasses.replace(
             info or model_info(config),
             target_node_id=pair.target_info["node_id"],
             draft_node_id=(pair.draft_info or {}).get("node_id", ""),
         )
-        self.pairs[info.name] = pair
+        self.pairs[replica_label(info.name, pair.replica)] = pair
 
         async def open_scheduler() -> Scheduler:
             await wait_for_channel(pair.target_info["endpoint"], timeout=30, tls=pair.internal_tls)
@@ -57,10 +59,17 @@ class PipelineCoordinator(ModelRouter):
             await scheduler.start()
             return scheduler
 
-        self.add_model(ModelEntry(info, config, open_scheduler))
+        def nodes() -> tuple[str, str]:  # where its workers run now (a restarted one may have moved)
+            return pair.target_info.get("node_id", ""), (pair.draft_info or {}).get("node_id", "")
+
+        if pair.replica == 0:
+            self.add_model(ModelEntry(info, config, open_scheduler, nodes))
+        else:
+            self.entries[info.name].add_replica(open_scheduler, nodes)
 
     async def worker_stats(self) -> dict:
-        """What each worker actor itself holds (live sequences / free slots): {model: {role: stats}}."""
+        """What each worker actor itself holds (live sequences / free slots): {model: {role: stats}}, a
+        model's further replicas under their replica_label."""
         out = {}
         for name, pair in self.pairs.items():
             handles = {"target": pair.target, "draft": pair.draft}
@@ -136,7 +145,8 @@ async def _answers(handle, within_s: float) -> bool:
 
 def start_pipeline(models: list, *, ray_address: str | None = None, placement_timeout_s: float = 30.0,
                    internal_tls: InternalTls | None = None):
-    """Joins (or starts) Ray, places each model's draft and target on different GPUs, loads them.
+    """Joins (or starts) Ray, places each model's draft and target on different GPUs (each replica's,
+    each tensor-parallel rank on its own), loads them.
     `internal_tls`: mutual TLS on the coordinator-worker streams (cluster/secret.py).
     Raises ClusterUnavailable / PlacementError / CheckpointError with a clear message."""
     connect(ray_address)
@@ -145,24 +155,32 @@ def start_pipeline(models: list, *, ray_address: str | None = None, placement_ti
     try:
         for config in models:
             info = model_info(config)  # fail on a bad checkpoint or tokenizer mismatch before placing anything
-            pair = launch_pair(
-                config.name,
-                str(config.target),
-                getattr(config, "draft", None),
-                device=getattr(config, "device", "auto"),
-                placement=getattr(config, "placement", "auto"),
-                dtype=getattr(config, "dtype", "auto"),
-                max_slots=scheduler_config(config).max_num_seqs,
-                max_context=info.max_context,
-                placement_timeout_s=placement_timeout_s,
-                deployment_secret=secret,
-                internal_tls=internal_tls,
-                prefill_chunk_tokens=getattr(config, "prefill_chunk_tokens", None),
-                kv={role: worker_kv(config, role) for role in ("target", "draft")},
-            )
-            coordinator.add_pair(config, pair, info)
+            for replica in range(getattr(config, "replicas", 1)):
+                _launch_replica(coordinator, config, info, replica, secret, internal_tls, placement_timeout_s)
     except BaseException:
         for pair in coordinator.pairs.values():
             pair.shutdown()
         raise
     return coordinator
+
+
+def _launch_replica(coordinator: PipelineCoordinator, config, info: ModelInfo, replica: int, secret: str,
+                    internal_tls: InternalTls | None, placement_timeout_s: float) -> None:
+    pair = launch_pair(
+        config.name,
+        str(config.target),
+        getattr(config, "draft", None),
+        device=getattr(config, "device", "auto"),
+        placement=getattr(config, "placement", "auto"),
+        dtype=getattr(config, "dtype", "auto"),
+        max_slots=scheduler_config(config).max_num_seqs,
+        max_context=info.max_context,
+        replica=replica,
+        target_tp=getattr(config, "tensor_parallel_size", 1),
+        placement_timeout_s=placement_timeout_s,
+        deployment_secret=secret,
+        internal_tls=internal_tls,
+        prefill_chunk_tokens=getattr(config, "prefill_chunk_tokens", None),
+        kv={role: worker_kv(config, role) for role in ("target", "draft")},
+    )
+    coordinator.add_pair(config, pair, info)

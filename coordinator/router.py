@@ -1,4 +1,5 @@
-"""What both coordinators share: per-model schedulers, request validation, mode defaults.
+"""What both coordinators share: per-model schedulers (one per replica: coordinator/replicas.py),
+request validation, mode defaults.
 
 `LocalCoordinator` (coordinator/local.py) and `PipelineCoordinator` (coordinator/pipeline.py) differ
 only in how they open the links to the draft and target workers.
@@ -6,7 +7,7 @@ only in how they open the links to the draft and target workers.
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
@@ -21,6 +22,7 @@ from duospec.coordinator.api import (
 )
 from duospec.coordinator.config import SpeculationDefaults
 from duospec.coordinator.policies import SpeculationPolicy
+from duospec.coordinator.replicas import ReplicaSet, ReplicaStatus
 from duospec.coordinator.scheduler import Scheduler, SchedulerConfig
 
 
@@ -28,16 +30,24 @@ from duospec.coordinator.scheduler import Scheduler, SchedulerConfig
 class ModelEntry:
     info: ModelInfo
     config: object  # coordinator.config.ModelConfig
-    open_scheduler: Callable[[], Awaitable[Scheduler]]
-    scheduler: Scheduler | None = None
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    open_scheduler: Callable[[], Awaitable[Scheduler]]  # the first replica's
+    nodes: Callable[[], tuple[str, str]] | None = None  # the first replica's (target, draft) Ray nodes
+    replicas: ReplicaSet = field(default_factory=ReplicaSet)
+
+    def __post_init__(self) -> None:
+        self.replicas.add(self.open_scheduler, self.nodes)
+
+    def add_replica(self, open_scheduler: Callable[[], Awaitable[Scheduler]],
+                    nodes: Callable[[], tuple[str, str]] | None = None) -> None:
+        self.replicas.add(open_scheduler, nodes)
+
+    @property
+    def scheduler(self) -> Scheduler | None:
+        """The first replica's scheduler (the model's only one unless models[].replicas > 1)."""
+        return self.replicas.replicas[0].scheduler
 
     async def get_scheduler(self) -> Scheduler:
-        if self.scheduler is None:
-            async with self.lock:
-                if self.scheduler is None:
-                    self.scheduler = await self.open_scheduler()
-        return self.scheduler
+        return await self.replicas.replicas[0].get_scheduler()
 
 
 def scheduler_config(model_config) -> SchedulerConfig:
@@ -57,7 +67,7 @@ class ModelRouter:
         self.default_model: str | None = None
         self.closed = False
         self._variant: str | None = None  # use_speculation_choices: whose goodput guards are in place
-        self._guards: dict[tuple[str, str], object] = {}  # (variant, model) -> its GoodputGuard, when not in place
+        self._guards: dict[tuple, object] = {}  # (variant, model, replica) -> its GoodputGuard, when not in place
 
     def add_model(self, entry: ModelEntry) -> None:
         self.entries[entry.info.name] = entry
@@ -73,10 +83,12 @@ class ModelRouter:
         from duospec.coordinator.guard import GoodputGuard
 
         for name, entry in self.entries.items():
-            if entry.scheduler is not None:
-                if self._variant is not None:
-                    self._guards[(self._variant, name)] = entry.scheduler.guard
-                entry.scheduler.guard = self._guards.get((variant, name)) or GoodputGuard()
+            for replica in entry.replicas.replicas:
+                if replica.scheduler is not None:
+                    key = (name, replica.index)
+                    if self._variant is not None:
+                        self._guards[(self._variant, *key)] = replica.scheduler.guard
+                    replica.scheduler.guard = self._guards.get((variant, *key)) or GoodputGuard()
         self._variant = variant
 
     def models(self) -> list[ModelInfo]:
@@ -139,27 +151,28 @@ class ModelRouter:
         entry = self.resolve(request.model)
         self.validate(entry, request)
         policy = self.policy_for(entry, request)
-        scheduler = await entry.get_scheduler()
-        async for event in scheduler.generate(request, policy):
-            yield event
+
+        def run(scheduler: Scheduler):
+            return scheduler.generate(request, policy)
+
+        async with contextlib.aclosing(entry.replicas.generate(request, run)) as events:
+            async for event in events:
+                yield event
 
     def ready(self) -> bool:
-        """True once every model's workers are loaded and while every opened model's target is
-        connected (a target that is down or restarting makes the server NOT_SERVING)."""
-        return bool(self.entries) and not self.closed and all(
-            e.scheduler is None or e.scheduler.target_serving for e in self.entries.values())
+        """True once every model's workers are loaded and while each model has a replica whose target
+        is connected (a model whose every target is down or restarting makes the server NOT_SERVING)."""
+        return bool(self.entries) and not self.closed and all(e.replicas.serving for e in self.entries.values())
 
     async def stats(self) -> dict:
-        return {
-            "ready": self.ready(),
-            "models": {
-                name: (entry.scheduler.stats() if entry.scheduler is not None else {"live_sequences": 0})
-                for name, entry in self.entries.items()
-            },
-        }
+        return {"ready": self.ready(), "models": {name: entry.replicas.stats() for name, entry in self.entries.items()}}
+
+    def replica_status(self, name: str) -> list[ReplicaStatus]:
+        """Each replica of model `name`: its state, load and restarts (ListModels, for admins)."""
+        return [replica.status() for replica in self.resolve(name).replicas.replicas]
 
     async def close(self) -> None:
         self.closed = True
         for entry in self.entries.values():
-            if entry.scheduler is not None:
-                await entry.scheduler.close()
+            for scheduler in entry.replicas.open_schedulers:
+                await scheduler.close()

@@ -3,6 +3,8 @@ endpoint. Only the model methods load a checkpoint (and ask for a GPU); the n-gr
 
 from __future__ import annotations
 
+import functools
+
 from duospec.cluster.worker import GrpcModelWorker
 from duospec.draft_worker.drafter import Drafter
 from duospec.draft_worker.methods import build_proposer, load_draft_runner
@@ -20,10 +22,10 @@ class DraftWorker(GrpcModelWorker):
         self.prefill_chunk_tokens = prefill_chunk_tokens
         super().__init__(spec.checkpoint(target_path) or "", **kwargs)
 
-    def _load(self, model_path: str, **kwargs):
+    def _loader(self, model_path: str):
         if not self.spec.method.needs_model:
             return None
-        return load_draft_runner(self.spec, self.target_path, **kwargs)
+        return functools.partial(load_draft_runner, self.spec, self.target_path)
 
     def _serve(self, server) -> None:
         self.drafter = Drafter(build_proposer(self.spec, self.target_path, runner=self.runner, device=str(self.device),

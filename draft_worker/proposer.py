@@ -107,6 +107,8 @@ class DraftSpec:
     ngram: NgramOptions = field(default_factory=NgramOptions)
     # the draft worker's own KV memory (models[].draft.kv_cache_memory_bytes); None = the model's setting
     kv_cache_memory_bytes: int | None = None
+    # model: the draft's tensor-parallel group size (models[].draft.tensor_parallel_size), ranks on one node
+    tensor_parallel_size: int = 1
 
     def checkpoint(self, target_path: str) -> str | None:
         """The checkpoint the draft worker loads (None: no model); a head's directory for eagle/medusa."""

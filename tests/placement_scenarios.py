@@ -1,6 +1,9 @@
 """Run as a subprocess by tests/test_placement.py: a private multi-node Ray cluster on this machine
 (ray.cluster_utils.Cluster), so the test session's own Ray instance is left alone.
 
+    placement_scenarios.py TARGET DRAFT          the pair's placements
+    placement_scenarios.py TARGET DRAFT tp       tensor-parallel groups and replicas (TARGET: 4 KV heads)
+
 Prints one JSON line per scenario."""
 
 from __future__ import annotations
@@ -46,17 +49,48 @@ def main(target: str, draft: str) -> None:
                           "available_gpu": ray.available_resources().get("GPU", 0.0)}), flush=True)
         pair.shutdown()
         # ... and placement separate is a clear error at once, not a hang.
-        started = time.monotonic()
-        try:
-            launch_pair("short", target, draft, placement_timeout_s=60, placement="separate")
-            result = {"scenario": "one_gpu", "error": None}
-        except PlacementError as exc:
-            result = {"scenario": "one_gpu", "error": str(exc), "seconds": time.monotonic() - started}
-        print(json.dumps(result), flush=True)
+        refusal("one_gpu", "short", target, draft, placement="separate")
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def refusal(scenario: str, model: str, target: str, draft: str, **options) -> None:
+    """Prints the PlacementError a launch that cannot be placed raises, and how long it took."""
+    started = time.monotonic()
+    try:
+        launch_pair(model, target, draft, placement_timeout_s=60, **options)
+        result = {"scenario": scenario, "error": None}
+    except PlacementError as exc:
+        result = {"scenario": scenario, "error": str(exc), "seconds": time.monotonic() - started}
+    print(json.dumps(result), flush=True)
+
+
+def tensor_parallel(target: str, draft: str) -> None:
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
+    ray.init(address=cluster.address, namespace="duospec", log_to_driver=False)
+    try:
+        # 1. One 8-GPU node: a TP=4 target and a TP=1 draft, every rank on its own GPU of that node.
+        cluster.add_node(num_cpus=8, num_gpus=8)
+        cluster.wait_for_nodes()
+        first = launch_pair("big", target, draft, target_tp=4, placement_timeout_s=60, load_timeout_s=240)
+        print(json.dumps({"scenario": "tp4_one_node", "target": first.target_info, "draft": first.draft_info}),
+              flush=True)
+        # 2. A second replica of it: no room for its target's four ranks beside the first, so another node.
+        cluster.add_node(num_cpus=8, num_gpus=8)
+        cluster.wait_for_nodes()
+        second = launch_pair("big", target, draft, target_tp=4, replica=1, placement_timeout_s=60,
+                             load_timeout_s=240)
+        print(json.dumps({"scenario": "tp4_second_replica", "target": second.target_info,
+                          "draft": second.draft_info}), flush=True)
+        for pair in (first, second):
+            pair.shutdown()
+        # 3. A group no node holds: refused at once, naming the nodes' sizes.
+        refusal("tp16_refused", "huge", target, draft, target_tp=16)
     finally:
         ray.shutdown()
         cluster.shutdown()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    (tensor_parallel if sys.argv[3:] == ["tp"] else main)(sys.argv[1], sys.argv[2])

@@ -10,17 +10,20 @@ Megatron's split, on the checkpoint's own tensors (docs/design.md#engine):
 - embedding, norms (q/k norms included) and biases of row-parallel layers replicated (the latter on
   rank 0 only, so the all-reduce adds them once).
 
-Each rank holds its share of the KV cache (its KV heads). The runner on every rank sees the same
-calls in the same order (`TensorParallelRunner` sends rank 0's to the others), so block tables and
-lengths stay identical and the collectives inside a forward pair up.
+Each rank holds its share of the KV cache (its KV heads), in a pool of the same number of blocks
+(`agree_min` at load). The runner on every rank sees the same calls in the same order
+(`TensorParallelRunner` sends rank 0's to the others), so block tables and lengths stay identical and
+the collectives inside a forward pair up.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import copy
 import math
+import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -33,11 +36,26 @@ __all__ = ["TensorParallel", "TensorParallelRunner", "check_tp_size", "follow", 
 @dataclass(frozen=True)
 class TensorParallel:
     """This process's place in a tensor-parallel group (the default torch.distributed group unless
-    `group` says otherwise)."""
+    `group` says otherwise). `control_group`: where the runner calls and load-time agreements travel,
+    when not in `group` — a gloo group beside NCCL, since they are Python objects and CPU integers."""
 
     rank: int
     world: int
     group: Any = None
+    control_group: Any = None
+
+    @property
+    def control(self):
+        """The group the runner calls and load-time agreements travel in."""
+        return self.group if self.control_group is None else self.control_group
+
+    def agree_min(self, n: int) -> int:
+        """The smallest `n` over the ranks (every rank must call it)."""
+        import torch.distributed as dist
+
+        value = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.control)
+        return int(value.item())
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -133,6 +151,10 @@ def shard_state_dict(config, state_dict: dict[str, torch.Tensor], rank: int, wor
     return out
 
 
+# What a runner call raises on every rank alike, before any collective (a refused allocation, a bad
+# argument): the group stays in step. Anything else leaves it out of step.
+SAME_ON_EVERY_RANK = (ValueError, SlotsExhausted)
+
 # The runner calls that change a rank's state or run the model: every rank must make them, in order.
 MIRRORED_CALLS = frozenset({
     "allocate_slot", "free_slot", "truncate", "copy_prefix", "commit", "match_prefix", "keep_path",
@@ -144,13 +166,20 @@ class TensorParallelRunner:
     """Rank 0's view of a tensor-parallel runner: the worker uses it as its ModelRunner. Each call in
     MIRRORED_CALLS is broadcast to the other ranks (which run `follow`) before it runs here, so every
     rank's block tables and lengths stay the same and the collectives inside a forward pair up; what
-    only reads (sizes, free slots, stats) is answered by rank 0's runner alone."""
+    only reads (sizes, free slots, stats) is answered by rank 0's runner alone. Mirrored calls from
+    several threads go one at a time, so the order they are sent in is the order they run in.
 
-    def __init__(self, runner, tp: TensorParallel) -> None:
+    `on_broken(exc)`: called when a mirrored call fails otherwise than SAME_ON_EVERY_RANK (a rank died,
+    a collective failed): the ranks may be out of step, so the group must not serve on. A Ray group
+    ends rank 0's process there (cluster/tp_group.py); by default the error is raised."""
+
+    def __init__(self, runner, tp: TensorParallel, on_broken: Callable[[BaseException], None] | None = None) -> None:
         if tp.rank != 0:
             raise ValueError(f"rank {tp.rank}: only rank 0 drives the group; the others run follow()")
         self._runner = runner
         self._tp = tp
+        self._on_broken = on_broken
+        self._lock = threading.Lock()
 
     def __getattr__(self, name: str):
         attr = getattr(self._runner, name)
@@ -158,14 +187,24 @@ class TensorParallelRunner:
             return attr
 
         def mirrored(*args, **kwargs):
-            _broadcast(self._tp, (name, args, kwargs))
-            return attr(*args, **kwargs)
+            with self._lock:
+                try:
+                    _broadcast(self._tp, (name, tuple(map(_picklable, args)),
+                                          {k: _picklable(v) for k, v in kwargs.items()}))
+                    return attr(*args, **kwargs)
+                except SAME_ON_EVERY_RANK:
+                    raise
+                except BaseException as exc:
+                    if self._on_broken is not None:
+                        self._on_broken(exc)
+                    raise
 
         return mirrored
 
     def close(self) -> None:
         """Tell the other ranks to return from `follow`."""
-        _broadcast(self._tp, None)
+        with self._lock:
+            _broadcast(self._tp, None)
 
 
 def follow(runner, tp: TensorParallel) -> None:
@@ -178,13 +217,20 @@ def follow(runner, tp: TensorParallel) -> None:
         name, args, kwargs = message
         try:
             getattr(runner, name)(*args, **kwargs)
-        except (ValueError, SlotsExhausted):  # rank 0 raised the same and answered its caller
+        except SAME_ON_EVERY_RANK:  # rank 0 raised the same and answered its caller
             continue
+
+
+def _picklable(value):
+    """A sequence a caller passed as another container (a protobuf repeated field) as a list."""
+    if isinstance(value, collections.abc.Sequence) and not isinstance(value, (str, bytes, list, tuple)):
+        return list(value)
+    return value
 
 
 def _broadcast(tp: TensorParallel, message):
     import torch.distributed as dist
 
     box = [message]
-    dist.broadcast_object_list(box, src=0, group=tp.group)
+    dist.broadcast_object_list(box, src=0, group=tp.control)
     return box[0]
