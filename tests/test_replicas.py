@@ -93,3 +93,69 @@ def test_routing_prefers_the_least_outstanding_work_of_the_serving_replicas():
     assert not replicas.serving
     c.scheduler.target_serving = True
     assert replicas.serving and c.state is ReplicaState.SERVING and a.state is ReplicaState.DOWN
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+async def test_a_replicas_target_killed_mid_stream_leaves_the_other_streaming_and_health_serving(
+        ray_session, tiny_pair):  # noqa: F811
+    import os
+    import signal
+    import time
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from transformers import AutoModelForCausalLM
+
+    from duospec.coordinator.pipeline import start_pipeline
+    from exactness import assert_greedy_equal, hf_greedy
+
+    target, draft = tiny_pair
+    coordinator = start_pipeline([dataclasses.replace(model_config("tiny", target, draft), replicas=2)])
+    policy = coordinator.entries["tiny"].replicas.policy = RecordingPolicy()
+    hf = AutoModelForCausalLM.from_pretrained(str(target)).eval()
+    prompts, n_new = _prompts(16), 160
+    arrivals: dict[int, list[tuple[float, str]]] = collections.defaultdict(list)  # stream -> (time, request id)
+    tokens: dict[int, list[int]] = collections.defaultdict(list)
+    health: list[int] = []
+
+    async def stream(h, i):
+        async for message in h.stub.Generate(_request(prompts[i], n_new, MODES[i % 3]), timeout=240):
+            arrivals[i].append((time.monotonic(), message.request_id))
+            tokens[i].extend(message.token_ids)
+
+    async def watch_health(h):
+        stub = health_pb2_grpc.HealthStub(h.channel)
+        while True:
+            health.append((await stub.Check(health_pb2.HealthCheckRequest(service="duospec.v1.GenerationService"))).status)
+            await asyncio.sleep(0.05)
+
+    async with running_server(coordinator, SETTINGS) as h:  # (its shutdown closes the coordinator)
+        watcher = asyncio.ensure_future(watch_health(h))
+        streams = asyncio.gather(*(stream(h, i) for i in range(16)))
+        deadline = time.monotonic() + 120
+        while (await coordinator.stats())["models"]["tiny"]["replicas"]["1"].get("target", {}).get("batches", 0) < 5:
+            assert time.monotonic() < deadline, "generation did not start"
+            await asyncio.sleep(0.02)
+        os.kill(coordinator.pairs["tiny#1"].target_info["pid"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        while coordinator.replica_status("tiny")[1].state is not ReplicaState.DOWN:
+            await asyncio.sleep(0.01)
+        # a request arriving while replica 1 is down goes to replica 0, though replica 0 has more work
+        extra = await collect(h.stub, _request(prompts[0], 4, pb.SPECULATION_MODE_OFF))
+        assert policy.chosen[extra[0].request_id] == 0
+        while coordinator.replica_status("tiny")[1].target_restarts < 1:
+            await asyncio.sleep(0.05)
+        back_at = time.monotonic()
+        await streams
+        watcher.cancel()
+        status = coordinator.replica_status("tiny")
+    replica_of = {i: policy.chosen[arrivals[i][0][1]] for i in range(16)}
+    assert collections.Counter(replica_of.values()) == {0: 8, 1: 8}
+    for i in range(16):
+        assert len(tokens[i]) == n_new
+        assert_greedy_equal(hf, prompts[i], tokens[i], hf_greedy(hf, prompts[i], n_new))
+    # replica 0 was never disturbed, and its streams went on while replica 1's target was down
+    assert status[0].target_restarts == 0 and status[1].target_restarts >= 1
+    assert any(killed_at < t < back_at for i in range(16) if replica_of[i] == 0 for t, _ in arrivals[i]), \
+        "no token reached replica 0's streams while replica 1 was down"
+    assert set(health) == {health_pb2.HealthCheckResponse.SERVING}
