@@ -95,3 +95,18 @@ def test_cli_rejects_bad_counts_without_a_traceback(capsys):
     assert "--count must be >= 1" in capsys.readouterr().err
     assert not Path("unused").exists()
 
+
+
+def test_acceptance_prompt_sets_follow_the_data_and_the_template(chat_target):
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from duospec.training.acceptance import prompt_sets
+
+    tok = AutoTokenizer.from_pretrained(str(chat_target))
+    sets = prompt_sets(tok, ["stdlib", "notes.txt"], np.zeros(0, np.int64), 3)
+    assert set(sets) == {"code", "chat"} and all(len(p) == 3 for p in sets.values())
+    assert tok.decode(sets["chat"][0]).startswith("user: ") and all(len(p) == 64 for p in sets["code"])
+    tok.chat_template = None
+    tail = np.arange(1000) % 300
+    assert set(prompt_sets(tok, ["notes.txt"], tail, 3)) == {"heldout"}

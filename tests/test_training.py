@@ -63,6 +63,13 @@ def test_distill_writes_a_draft_that_transformers_loads(target_dir, data_dir, tm
         assert {weights.get_tensor(k).dtype for k in weights.keys()} == {torch.float16}
     assert (out / "generation_config.json").is_file()
     assert _checkpoint_step(out) == 3
+    # The model card: how it was trained, and its greedy acceptance on the data's held-out tail (this
+    # tokenizer has no chat template and the data is not the stdlib, so that is the only kind).
+    card = json.loads((out / "model_card.json").read_text())
+    assert card["steps"] == 3 and card["train_tokens"] == 3 * 2 * 32 and card["params"] > 0
+    figure = card["heldout_acceptance"]["heldout"]
+    assert figure["prompts"] >= 1 and 1.0 <= figure["mean_accepted_length"] <= 5.0
+    assert "held-out heldout: mean accepted length" in (out / ".distill" / "log.txt").read_text()
 
 
 def test_distill_resumes_and_extends_a_finished_run(target_dir, data_dir, tmp_path):

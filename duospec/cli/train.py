@@ -77,6 +77,10 @@ def _register_distill(subparsers) -> None:
                         help="start from the target's first K layers (+ its final norm and LM head) instead of a "
                              "fresh draft; the shape options do not apply. Serve the result as "
                              "{method: layers, layers: K, path: OUT}")
+    # No default here: importing DistillOptions needs numpy, and a client-only install builds this help.
+    parser.add_argument("--eval-prompts", type=int,
+                        help="held-out prompts per kind (code, chat) for the acceptance figure in OUT/model_card.json "
+                             "(0 = none; default 16, DistillOptions.eval_prompts)")
     parser.add_argument("--seed", type=int, default=0, help="draft init and batch order (default 0)")
     parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                         help="continue from OUT's checkpoint if it belongs to the same run (default)")

@@ -104,6 +104,31 @@ def heldout_prompts(tokenizer, count: int, prompt_tokens: int) -> list[list[int]
     return [candidates[k * len(candidates) // count] for k in range(count)]
 
 
+def tail_prompts(heldout_tokens, count: int, prompt_tokens: int = 64) -> list[list[int]]:
+    """Up to `count` prompts of `prompt_tokens` tokens, evenly spaced over a held-out token stream."""
+    step = max(len(heldout_tokens) // max(count, 1), prompt_tokens + 1)
+    starts = range(0, len(heldout_tokens) - prompt_tokens, step)
+    return [heldout_tokens[s: s + prompt_tokens].tolist() for s in starts][:count]
+
+
+def prompt_sets(tokenizer, data, heldout_tokens, count: int, prompt_tokens: int = 64) -> dict[str, list[list[int]]]:
+    """Held-out prompts for a draft's acceptance figure, by kind: `code` (held-out stdlib files) when
+    the data includes the stdlib, `chat` (held-out instruction prompts through the chat template,
+    duospec/training/answers.py) when the tokenizer has one, else `heldout` (the data's held-out tail)."""
+    from duospec.training.data import STDLIB
+
+    sets = {}
+    if STDLIB in [str(d) for d in data]:
+        sets["code"] = heldout_prompts(tokenizer, count, prompt_tokens)
+    if getattr(tokenizer, "chat_template", None):
+        from duospec.training.answers import chat_prompt_ids, heldout_prompts as heldout_instructions
+
+        sets["chat"] = [chat_prompt_ids(tokenizer, p) for p in heldout_instructions(count)]
+    if not sets and len(heldout_tokens) > prompt_tokens:
+        sets["heldout"] = tail_prompts(heldout_tokens, count, prompt_tokens)
+    return sets
+
+
 def decode_step_seconds(path, prompt_len: int = 64, repeats: int = 200) -> float:
     """Median seconds of one single-token decode step of the checkpoint at `path` on duospec's
     engine (fp32, the current thread count), at position `prompt_len`."""

@@ -24,6 +24,9 @@ from duospec.training.models import SUPPORTED_TARGET_TYPES, ModelShape, llama_co
 
 STATE_DIR = ".distill"
 HELDOUT_FRACTION = 20  # the last 1/20 of the tokens
+CARD_FILE = "model_card.json"  # next to the weights: data, steps, minutes, held-out acceptance
+ACCEPTANCE_NEW_TOKENS = 64
+ACCEPTANCE_DRAFT_LEN = 4
 
 
 class DistillError(ValueError):
@@ -48,6 +51,8 @@ class DistillOptions:
     # K: the draft starts as the target's first K layers (+ its final norm and LM head) and keeps that
     # shape (--draft-layers/--draft-hidden/--draft-heads do not apply): the `layers` drafter, fine-tuned
     init_layers: int | None = None
+    # held-out prompts per kind for the acceptance figure in the model card (0 = none measured)
+    eval_prompts: int = 16
 
     @classmethod
     def from_args(cls, args) -> DistillOptions:
@@ -55,12 +60,15 @@ class DistillOptions:
                    draft_layers=args.draft_layers, draft_hidden=args.draft_hidden,
                    draft_heads=args.draft_heads, steps=args.steps, batch_size=args.batch_size,
                    seq_len=args.seq_len, lr=args.lr, device=args.device, seed=args.seed,
-                   resume=args.resume, init_layers=getattr(args, "init_layers", None))
+                   resume=args.resume, init_layers=getattr(args, "init_layers", None),
+                   **({} if getattr(args, "eval_prompts", None) is None else {"eval_prompts": args.eval_prompts}))
 
     def validate(self) -> None:
         for name in ("draft_layers", "draft_hidden", "draft_heads", "steps", "batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise DistillError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.eval_prompts < 0:
+            raise DistillError(f"--eval-prompts must be >= 0, got {self.eval_prompts}")
         if self.init_layers is not None and self.init_layers < 1:
             raise DistillError(f"--init-layers must be >= 1, got {self.init_layers}")
         if self.lr <= 0:
@@ -264,6 +272,38 @@ def distill(options: DistillOptions) -> Path:
                      bf16_autocast=device.type == "cuda")
     state = run_loop(DistillObjective(target, draft, DISTILL_WEIGHTS, device), source, heldout, cfg,
                      state_dir / "checkpoint.pt", log, phase="distill")
-    export_checkpoint(draft.float().cpu(), tokenizer, options.out)
+    draft, target = draft.float().cpu().eval(), target.float().cpu().eval()
+    export_checkpoint(draft, tokenizer, options.out)
+
+    # 5. The model card, with the held-out acceptance the draft will show when serving.
+    card = model_card(options, target, draft, tokenizer, heldout, state, count_parameters(draft))
+    (options.out / CARD_FILE).write_text(json.dumps(card, indent=2) + "\n")
+    for kind, figure in card["heldout_acceptance"].items():
+        log(f"held-out {kind}: mean accepted length {figure['mean_accepted_length']:.3f} (greedy, draft length "
+            f"{ACCEPTANCE_DRAFT_LEN}, {figure['prompts']} prompts), agreement {figure['agreement']:.3f}")
     log(f"draft written to {options.out} after {state.step} steps")
     return options.out
+
+
+def model_card(options: DistillOptions, target, draft, tokenizer, heldout, state, params: int) -> dict:
+    """What the draft is and how it was trained, and its greedy acceptance on held-out prompts of each
+    kind the data covers (duospec/training/acceptance.py: exact simulation against the target)."""
+    import numpy as np
+    import torch
+
+    from duospec.training.acceptance import measure_pair, prompt_sets
+
+    tail = torch.cat([b[:, :-1].reshape(-1) for b in heldout]).numpy() if heldout else np.zeros(0, np.int64)
+    figures = {}
+    if options.eval_prompts:
+        for kind, prompts in prompt_sets(tokenizer, options.data, tail, options.eval_prompts).items():
+            stats = measure_pair(target, draft, prompts, ACCEPTANCE_NEW_TOKENS, ACCEPTANCE_DRAFT_LEN)
+            figures[kind] = {"mean_accepted_length": round(stats.mean_accepted_length, 3),
+                             "agreement": round(stats.agreement, 3), "prompts": len(prompts)}
+    return {
+        "params": params, "data": [str(d) for d in options.data], "steps": state.step,
+        "train_tokens": state.step * options.batch_size * options.seq_len, "train_minutes": round(state.elapsed_s / 60, 1),
+        "heldout_acceptance": figures, "last_eval": state.last_eval,
+        "options": {k: [str(x) for x in v] if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v
+                    for k, v in asdict(options).items()},
+    }

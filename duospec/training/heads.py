@@ -268,8 +268,9 @@ def _eval_prompts(options: HeadOptions, tokenizer, heldout_tokens) -> list[list[
         from duospec.training.acceptance import heldout_prompts
 
         return heldout_prompts(tokenizer, options.eval_prompts, 64)
-    step = max(len(heldout_tokens) // max(options.eval_prompts, 1), 65)
-    return [heldout_tokens[s: s + 64].tolist() for s in range(0, len(heldout_tokens) - 64, step)][: options.eval_prompts]
+    from duospec.training.acceptance import tail_prompts
+
+    return tail_prompts(heldout_tokens, options.eval_prompts, 64)
 
 
 def train_heads(options: HeadOptions) -> Path:
