@@ -14,7 +14,10 @@ stats dict belongs to the coordinator:
              "draft": {...}}}
 or the same without the model level; an optional top-level "ready": bool drives health. Cumulative
 counts there (preemptions, prefix-cache queries and hits) advance the counters by what they grew since
-the last sample (from 0 again after a worker restart).
+the last sample (from 0 again after a worker restart). A model of several replicas
+(coordinator/replicas.py) reports each replica's such dict under {"replicas": {"0": ..., "1": ...}},
+with its "state" and "outstanding_tokens"; every series of a model's workers has a `replica` label
+("0" for a model of one pair).
 """
 
 from __future__ import annotations
@@ -85,26 +88,28 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.streams_running = Gauge("duospec:num_requests_running", "Streams generating", registry=r)
         self.streams_waiting = Gauge("duospec:num_requests_waiting", "Streams queued for a slot", registry=r)
+        m, a = ["model", "replica"], ["model", "replica", "actor"]
         self.live_sequences = Gauge("duospec:coordinator_live_sequences", "Sequences the coordinator holds",
-                                    ["model"], registry=r)
-        self.slots_in_use = Gauge("duospec:actor_slots_in_use", "KV slots in use", ["model", "actor"], registry=r)
-        self.free_slots = Gauge("duospec:actor_free_slots", "KV slots free", ["model", "actor"], registry=r)
-        self.busy_seconds = Gauge("duospec:actor_busy_seconds", "Seconds the actor spent computing",
-                                  ["model", "actor"], registry=r)
-        self.idle_seconds = Gauge("duospec:actor_idle_seconds", "Seconds the actor waited for work",
-                                  ["model", "actor"], registry=r)
+                                    m, registry=r)
+        self.replica_serving = Gauge("duospec:replica_serving",
+                                     "1 while the replica takes requests (its target is up), else 0", m, registry=r)
+        self.outstanding_tokens = Gauge("duospec:replica_outstanding_tokens",
+                                        "Tokens the replica's live requests may still produce (what routing weighs)",
+                                        m, registry=r)
+        self.slots_in_use = Gauge("duospec:actor_slots_in_use", "KV slots in use", a, registry=r)
+        self.free_slots = Gauge("duospec:actor_free_slots", "KV slots free", a, registry=r)
+        self.busy_seconds = Gauge("duospec:actor_busy_seconds", "Seconds the actor spent computing", a, registry=r)
+        self.idle_seconds = Gauge("duospec:actor_idle_seconds", "Seconds the actor waited for work", a, registry=r)
         self.kv_cache_usage = Gauge("duospec:kv_cache_usage_perc",
-                                    "Fraction of the worker's KV blocks held by sequences (1 = full)",
-                                    ["model", "actor"], registry=r)
+                                    "Fraction of the worker's KV blocks held by sequences (1 = full)", a, registry=r)
         self.prefix_cache_queries = Counter("duospec:prefix_cache_queries",
-                                            "Prompt positions looked up in the worker's prefix cache",
-                                            ["model", "actor"], registry=r)
+                                            "Prompt positions looked up in the worker's prefix cache", a, registry=r)
         self.prefix_cache_hits = Counter("duospec:prefix_cache_hits",
                                          "Prompt positions read from the worker's prefix cache instead of computed",
-                                         ["model", "actor"], registry=r)
+                                         a, registry=r)
         self.num_preemptions = Counter("duospec:num_preemptions",
                                        "Sequences preempted (KV freed, resumed later by recompute) when the "
-                                       "target's KV cache ran out", ["model"], registry=r)
+                                       "target's KV cache ran out", m, registry=r)
         self._totals: dict[tuple, float] = {}  # (id of a counter, labels) -> the cumulative value last sampled
 
     def observe_first_token(self, tenant: str, seconds: float) -> None:
@@ -154,19 +159,26 @@ class ServerMetrics:
     def update_from_coordinator(self, stats: Any) -> None:
         """Copies what it recognizes from `coordinator.stats()`; unknown shapes are skipped."""
         for model, entry in per_model_stats(stats).items():
-            live = _number(entry.get("live_sequences"))
-            if live is not None:
-                self.live_sequences.labels(model).set(live)
-            self._advance(self.num_preemptions, entry.get("num_preemptions"), model)
-            for actor, values in _actor_stats(entry).items():
-                for key, gauge in (("slots_in_use", self.slots_in_use), ("free_slots", self.free_slots),
-                                   ("busy_s", self.busy_seconds), ("idle_s", self.idle_seconds),
-                                   ("kv_cache_usage", self.kv_cache_usage)):
-                    value = _number(values.get(key))
-                    if value is not None:
-                        gauge.labels(model, actor).set(value)
-                self._advance(self.prefix_cache_queries, values.get("prefix_cache_queries"), model, actor)
-                self._advance(self.prefix_cache_hits, values.get("prefix_cache_hits"), model, actor)
+            for replica, values in _replica_stats(entry).items():
+                self._update_replica(model, replica, values)
+
+    def _update_replica(self, model: str, replica: str, entry: dict) -> None:
+        for key, gauge in (("live_sequences", self.live_sequences), ("outstanding_tokens", self.outstanding_tokens)):
+            value = _number(entry.get(key))
+            if value is not None:
+                gauge.labels(model, replica).set(value)
+        if isinstance(entry.get("state"), str):
+            self.replica_serving.labels(model, replica).set(float(entry["state"] != "down"))
+        self._advance(self.num_preemptions, entry.get("num_preemptions"), model, replica)
+        for actor, values in _actor_stats(entry).items():
+            for key, gauge in (("slots_in_use", self.slots_in_use), ("free_slots", self.free_slots),
+                               ("busy_s", self.busy_seconds), ("idle_s", self.idle_seconds),
+                               ("kv_cache_usage", self.kv_cache_usage)):
+                value = _number(values.get(key))
+                if value is not None:
+                    gauge.labels(model, replica, actor).set(value)
+            self._advance(self.prefix_cache_queries, values.get("prefix_cache_queries"), model, replica, actor)
+            self._advance(self.prefix_cache_hits, values.get("prefix_cache_hits"), model, replica, actor)
 
     def _advance(self, counter: Counter, total: Any, *labels: str) -> None:
         """Moves `counter` on by what the sampled cumulative `total` grew (all of it after a restart)."""
@@ -197,6 +209,14 @@ def per_model_stats(stats: Any) -> dict[str, dict]:
 def live_sequences(stats: Any) -> int:
     """Sequences alive across all models (0 when the stats do not say)."""
     return int(sum(_number(e.get("live_sequences")) or 0 for e in per_model_stats(stats).values()))
+
+
+def _replica_stats(entry: dict) -> dict[str, dict]:
+    """{replica: its stats}: a model of several replicas lists them under "replicas"; one is replica "0"."""
+    replicas = entry.get("replicas")
+    if isinstance(replicas, dict):
+        return {str(k): v for k, v in replicas.items() if isinstance(v, dict)}
+    return {"0": entry}
 
 
 def _actor_stats(entry: dict) -> dict[str, dict]:

@@ -36,12 +36,26 @@ def test_coordinator_stats_become_gauges_and_odd_shapes_are_ignored():
     m.update_from_coordinator({"tiny": {"live_sequences": 2, "verify_in_flight": False,
                                         "target": {"busy_s": 4.0, "idle_s": 1.0}, "draft": {"connected": True}}})
     get = m.registry.get_sample_value
-    assert get("duospec:coordinator_live_sequences", {"model": ""}) == 3
-    assert get("duospec:actor_slots_in_use", {"model": "", "actor": "draft"}) == 3
-    assert get("duospec:actor_busy_seconds", {"model": "", "actor": "draft"}) == 1.5
-    assert get("duospec:actor_free_slots", {"model": "", "actor": "target"}) == 5
-    assert get("duospec:coordinator_live_sequences", {"model": "tiny"}) == 2
-    assert get("duospec:actor_busy_seconds", {"model": "tiny", "actor": "target"}) == 4.0
+    assert get("duospec:coordinator_live_sequences", {"model": "", "replica": "0"}) == 3
+    assert get("duospec:actor_slots_in_use", {"model": "", "replica": "0", "actor": "draft"}) == 3
+    assert get("duospec:actor_busy_seconds", {"model": "", "replica": "0", "actor": "draft"}) == 1.5
+    assert get("duospec:actor_free_slots", {"model": "", "replica": "0", "actor": "target"}) == 5
+    assert get("duospec:coordinator_live_sequences", {"model": "tiny", "replica": "0"}) == 2
+    assert get("duospec:actor_busy_seconds", {"model": "tiny", "replica": "0", "actor": "target"}) == 4.0
+
+
+def test_a_models_replicas_are_labelled_apart():
+    m = ServerMetrics()
+    m.update_from_coordinator({"ready": True, "models": {"big": {"live_sequences": 5, "replicas": {
+        "0": {"live_sequences": 3, "state": "serving", "outstanding_tokens": 120, "target": {"busy_s": 2.0}},
+        "1": {"live_sequences": 2, "state": "down", "outstanding_tokens": 40, "target": {"busy_s": 0.5}}}}}})
+    get = m.registry.get_sample_value
+    for replica, live, serving, outstanding, busy in (("0", 3, 1, 120, 2.0), ("1", 2, 0, 40, 0.5)):
+        labels = {"model": "big", "replica": replica}
+        assert get("duospec:coordinator_live_sequences", labels) == live
+        assert get("duospec:replica_serving", labels) == serving
+        assert get("duospec:replica_outstanding_tokens", labels) == outstanding
+        assert get("duospec:actor_busy_seconds", {**labels, "actor": "target"}) == busy
 
 
 def test_kv_pools_and_preemptions_become_gauges_and_counters():
@@ -54,11 +68,12 @@ def test_kv_pools_and_preemptions_become_gauges_and_counters():
             "live_sequences": 4, "num_preemptions": preemptions,
             "target": {"kv_cache_usage": 0.75, "prefix_cache_queries": queries, "prefix_cache_hits": hits},
             "draft": {"kv_cache_usage": 0.25}}})
-    assert get("duospec:kv_cache_usage_perc", {"model": "tiny", "actor": "target"}) == 0.75
-    assert get("duospec:kv_cache_usage_perc", {"model": "tiny", "actor": "draft"}) == 0.25
-    assert get("duospec:num_preemptions_total", {"model": "tiny"}) == 5 + 1
-    assert get("duospec:prefix_cache_queries_total", {"model": "tiny", "actor": "target"}) == 160 + 30
-    assert get("duospec:prefix_cache_hits_total", {"model": "tiny", "actor": "target"}) == 64 + 16
+    one = {"model": "tiny", "replica": "0"}
+    assert get("duospec:kv_cache_usage_perc", {**one, "actor": "target"}) == 0.75
+    assert get("duospec:kv_cache_usage_perc", {**one, "actor": "draft"}) == 0.25
+    assert get("duospec:num_preemptions_total", one) == 5 + 1
+    assert get("duospec:prefix_cache_queries_total", {**one, "actor": "target"}) == 160 + 30
+    assert get("duospec:prefix_cache_hits_total", {**one, "actor": "target"}) == 64 + 16
 
 
 def _free_port() -> int:
