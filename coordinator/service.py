@@ -18,6 +18,7 @@ import grpc
 
 from duospec.coordinator.api import FinishReason, ModelInfo, SpeculationMode
 from duospec.coordinator.gateway import Delta, Gateway, GatewayError
+from duospec.coordinator.replicas import ReplicaState
 from duospec.v1 import generation_pb2 as pb
 from duospec.v1 import generation_pb2_grpc as pb_grpc
 
@@ -27,6 +28,11 @@ _FINISH_TO_PB = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.EOS: pb.FINISH_REASON_EOS,
     FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+}
+_REPLICA_STATE_TO_PB = {
+    ReplicaState.SERVING: pb.REPLICA_STATE_SERVING,
+    ReplicaState.DEGRADED: pb.REPLICA_STATE_DEGRADED,
+    ReplicaState.DOWN: pb.REPLICA_STATE_DOWN,
 }
 _MODE_TO_PB = {
     SpeculationMode.PEARL: pb.SPECULATION_MODE_PEARL,
@@ -73,6 +79,13 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         if reveal:
             card.target, card.draft = m.target_path, m.draft_path or ""
             card.target_node_id, card.draft_node_id = m.target_node_id, m.draft_node_id
+            # a coordinator of replicas says how each is (coordinator/replicas.py); a test double may not
+            replica_status = getattr(self.gateway.coordinator, "replica_status", None)
+            for r in replica_status(m.name) if replica_status is not None else ():
+                card.replicas.add(index=r.index, state=_REPLICA_STATE_TO_PB[r.state], live_sequences=r.live_sequences,
+                                  outstanding_tokens=r.outstanding_tokens, target_restarts=r.target_restarts,
+                                  draft_restarts=r.draft_restarts, target_node_id=r.target_node_id,
+                                  draft_node_id=r.draft_node_id)
         return card
 
 

@@ -16,7 +16,7 @@ if _os.path.isfile(_os.path.join(_CHECKOUT, "coordinator", "__init__.py")) and _
     __path__.append(_CHECKOUT)
 
 _SDK_NAMES = (
-    "Client", "AsyncClient", "GenerationResult", "GenerationChunk", "ModelCard", "DuospecError",
+    "Client", "AsyncClient", "GenerationResult", "GenerationChunk", "ModelCard", "ReplicaStatus", "DuospecError",
     "InvalidArgument", "Unauthenticated", "PermissionDenied", "NotFound", "ResourceExhausted",
     "DeadlineExceeded", "Unavailable", "Cancelled", "TokenLogprob",
 )

@@ -78,9 +78,15 @@ def test_models_table_and_json(server, capsys):
     assert lines[0].split()[:4] == ["NAME", "MODE", "VOCAB", "CONTEXT"]
     assert lines[1].split()[:4] == ["python-tiny", "pearl", "4096", "1024"]
     assert lines[2].split()[:2] == ["target-only", "off"]
+    # what an admin's key sees: each replica's state
+    assert lines[4].split() == ["MODEL", "REPLICA", "STATE", "LIVE", "OUTSTANDING", "RESTARTS", "(T/D)", "TARGET",
+                                "NODE", "DRAFT", "NODE"]
+    assert lines[5].split() == ["python-tiny", "0", "serving", "3", "120", "0/0", "node-b", "node-a"]
+    assert lines[6].split() == ["python-tiny", "1", "down", "0", "0", "2/0", "node-c", "node-c"]
     assert run_cli(["models", "--json", "--address", server.address]) == 0
     cards = json.loads(capsys.readouterr().out)
     assert cards[0]["draft_node_id"] == "node-a" and cards[1]["draft"] == ""
+    assert [r["state"] for r in cards[0]["replicas"]] == ["serving", "down"] and cards[1]["replicas"] == []
 
 
 def test_unreachable_server_is_one_line_error(capsys):

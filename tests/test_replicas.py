@@ -65,6 +65,24 @@ async def test_concurrent_streams_spread_over_the_replicas_with_the_output_of_on
                                                                           (1, ReplicaState.SERVING, 0)]
 
 
+async def test_admins_see_each_replicas_state_in_the_model_listing(tiny_pair):  # noqa: F811
+    from duospec.coordinator.local import LocalCoordinator
+    from duospec.coordinator.tenancy import Tenant, hash_api_key, new_api_key
+
+    target, draft = tiny_pair
+    keys = {"alpha": new_api_key(), "ops": new_api_key()}
+    tenants = [Tenant("alpha", key_hashes=(hash_api_key(keys["alpha"]),)),
+               Tenant("ops", key_hashes=(hash_api_key(keys["ops"]),), admin=True)]
+    coordinator = LocalCoordinator([dataclasses.replace(model_config("tiny", target, draft), replicas=2)])
+    async with running_server(coordinator, SETTINGS, tenants=tenants) as h:
+        cards = {name: (await h.stub.ListModels(pb.ListModelsRequest(),
+                                                metadata=(("authorization", f"Bearer {key}"),))).models[0]
+                 for name, key in keys.items()}
+    assert list(cards["alpha"].replicas) == []
+    assert [(r.index, r.state, r.live_sequences) for r in cards["ops"].replicas] == [
+        (0, pb.REPLICA_STATE_SERVING, 0), (1, pb.REPLICA_STATE_SERVING, 0)]
+
+
 async def _tokens(h, req, timeout=120) -> list[int]:
     return [t for m in await collect(h.stub, req, timeout=timeout) for t in m.token_ids]
 

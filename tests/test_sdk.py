@@ -96,7 +96,11 @@ class ScriptedServicer(pb_grpc.GenerationServiceServicer):
         return pb.ListModelsResponse(models=[
             pb.ModelCard(name="python-tiny", target="/m/target", draft="/m/draft", vocab_size=4096,
                          max_context=1024, default_mode=pb.SPECULATION_MODE_PEARL,
-                         target_node_id="node-b", draft_node_id="node-a"),
+                         target_node_id="node-b", draft_node_id="node-a", replicas=[
+                             pb.ReplicaStatus(index=0, state=pb.REPLICA_STATE_SERVING, live_sequences=3,
+                                              outstanding_tokens=120, target_node_id="node-b", draft_node_id="node-a"),
+                             pb.ReplicaStatus(index=1, state=pb.REPLICA_STATE_DOWN, target_restarts=2,
+                                              target_node_id="node-c", draft_node_id="node-c")]),
             pb.ModelCard(name="target-only", target="/m/t2", vocab_size=4096, max_context=512,
                          default_mode=pb.SPECULATION_MODE_OFF),
         ])
@@ -347,7 +351,9 @@ def test_closing_a_stream_cancels_the_call_on_the_server(client, server):
 def test_models_and_health(client):
     cards = client.models()
     assert [c.name for c in cards] == ["python-tiny", "target-only"]
-    assert cards[0] == duospec.ModelCard("python-tiny", "/m/target", "/m/draft", 4096, 1024, "pearl", "node-b", "node-a")
+    assert cards[0] == duospec.ModelCard("python-tiny", "/m/target", "/m/draft", 4096, 1024, "pearl", "node-b", "node-a",
+                                         replicas=(duospec.ReplicaStatus(0, "serving", 3, 120, 0, 0, "node-b", "node-a"),
+                                                   duospec.ReplicaStatus(1, "down", 0, 0, 2, 0, "node-c", "node-c")))
     assert cards[1].default_mode == "off" and cards[1].draft == ""
     assert client.health() == "SERVING"
 

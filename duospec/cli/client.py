@@ -129,14 +129,25 @@ def models_command(args) -> int:
     if args.json:
         print(json.dumps([dataclasses.asdict(card) for card in cards], indent=2))
         return 0
-    header = ("NAME", "MODE", "VOCAB", "CONTEXT", "DRAFTER", "TARGET", "DRAFT", "TARGET NODE", "DRAFT NODE")
-    rows = [header] + [
+    _print_table(("NAME", "MODE", "VOCAB", "CONTEXT", "DRAFTER", "TARGET", "DRAFT", "TARGET NODE", "DRAFT NODE"), [
         (c.name, c.default_mode, str(c.vocab_size), str(c.max_context), c.draft_method or "-", c.target,
          c.draft or "-", c.target_node_id or "-", c.draft_node_id or "-")
         for c in cards
-    ]
+    ])
+    replicas = [(c.name, r) for c in cards for r in c.replicas]  # an admin's key sees them
+    if replicas:
+        print()
+        _print_table(("MODEL", "REPLICA", "STATE", "LIVE", "OUTSTANDING", "RESTARTS (T/D)", "TARGET NODE", "DRAFT NODE"), [
+            (name, str(r.index), r.state, str(r.live_sequences), str(r.outstanding_tokens),
+             f"{r.target_restarts}/{r.draft_restarts}", r.target_node_id or "-", r.draft_node_id or "-")
+            for name, r in replicas
+        ])
+    return 0
+
+
+def _print_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    rows = [header, *rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
-    return 0
 

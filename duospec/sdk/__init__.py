@@ -21,11 +21,13 @@ from duospec.sdk.errors import (
     Unauthenticated,
     Unavailable,
 )
-from duospec.sdk.types import GenerationChunk, GenerationResult, ModelCard, SpeculationStats, TokenLogprob, Usage
+from duospec.sdk.types import (
+    GenerationChunk, GenerationResult, ModelCard, ReplicaStatus, SpeculationStats, TokenLogprob, Usage,
+)
 
 __all__ = [
     "AsyncClient", "AsyncGenerationStream", "Cancelled", "Client", "DeadlineExceeded", "DuospecError",
     "GenerationChunk", "GenerationResult", "GenerationStream", "InvalidArgument", "ModelCard", "NotFound",
-    "PermissionDenied", "ResourceExhausted", "SpeculationStats", "TokenLogprob", "Unauthenticated", "Unavailable",
+    "PermissionDenied", "ReplicaStatus", "ResourceExhausted", "SpeculationStats", "TokenLogprob", "Unauthenticated", "Unavailable",
     "Usage",
 ]

@@ -80,6 +80,20 @@ class GenerationResult:
 
 
 @dataclass(frozen=True)
+class ReplicaStatus:
+    """One of a model's draft/target pairs, as an admin sees it."""
+
+    index: int
+    state: str  # "serving", "degraded" (target-only: its drafter is down), "down" (its target is)
+    live_sequences: int
+    outstanding_tokens: int  # what its live requests may still produce
+    target_restarts: int
+    draft_restarts: int
+    target_node_id: str  # Ray nodes; "" in-process
+    draft_node_id: str
+
+
+@dataclass(frozen=True)
 class ModelCard:
     name: str
     target: str
@@ -90,6 +104,7 @@ class ModelCard:
     target_node_id: str
     draft_node_id: str
     draft_method: str = ""  # "model", "layers", "ngram"; "" = no drafter
+    replicas: tuple[ReplicaStatus, ...] = ()  # admins only: each of the model's pairs
 
 
 def _enum_name(enum_type, value: int, prefix: str) -> str:
@@ -244,6 +259,11 @@ def model_card_from_proto(card: pb.ModelCard) -> ModelCard:
         target_node_id=card.target_node_id,
         draft_node_id=card.draft_node_id,
         draft_method=card.draft_method,
+        replicas=tuple(ReplicaStatus(
+            index=r.index, state=_enum_name(pb.ReplicaState, r.state, "REPLICA_STATE_"),
+            live_sequences=r.live_sequences, outstanding_tokens=r.outstanding_tokens,
+            target_restarts=r.target_restarts, draft_restarts=r.draft_restarts,
+            target_node_id=r.target_node_id, draft_node_id=r.draft_node_id) for r in card.replicas),
     )
 
 

@@ -21,6 +21,13 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_EOS: _ClassVar[FinishReason]
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+
+class ReplicaState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REPLICA_STATE_UNSPECIFIED: _ClassVar[ReplicaState]
+    REPLICA_STATE_SERVING: _ClassVar[ReplicaState]
+    REPLICA_STATE_DEGRADED: _ClassVar[ReplicaState]
+    REPLICA_STATE_DOWN: _ClassVar[ReplicaState]
 SPECULATION_MODE_UNSPECIFIED: SpeculationMode
 SPECULATION_MODE_PEARL: SpeculationMode
 SPECULATION_MODE_VANILLA: SpeculationMode
@@ -30,6 +37,10 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
+REPLICA_STATE_UNSPECIFIED: ReplicaState
+REPLICA_STATE_SERVING: ReplicaState
+REPLICA_STATE_DEGRADED: ReplicaState
+REPLICA_STATE_DOWN: ReplicaState
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -190,7 +201,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelCard(_message.Message):
-    __slots__ = ("name", "target", "draft", "vocab_size", "max_context", "default_mode", "target_node_id", "draft_node_id", "draft_method")
+    __slots__ = ("name", "target", "draft", "vocab_size", "max_context", "default_mode", "target_node_id", "draft_node_id", "draft_method", "replicas")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +211,7 @@ class ModelCard(_message.Message):
     TARGET_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_METHOD_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     name: str
     target: str
     draft: str
@@ -209,7 +221,28 @@ class ModelCard(_message.Message):
     target_node_id: str
     draft_node_id: str
     draft_method: str
-    def __init__(self, name: _Optional[str] = ..., target: _Optional[str] = ..., draft: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., default_mode: _Optional[_Union[SpeculationMode, str]] = ..., target_node_id: _Optional[str] = ..., draft_node_id: _Optional[str] = ..., draft_method: _Optional[str] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
+    def __init__(self, name: _Optional[str] = ..., target: _Optional[str] = ..., draft: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., default_mode: _Optional[_Union[SpeculationMode, str]] = ..., target_node_id: _Optional[str] = ..., draft_node_id: _Optional[str] = ..., draft_method: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
+
+class ReplicaStatus(_message.Message):
+    __slots__ = ("index", "state", "live_sequences", "outstanding_tokens", "target_restarts", "draft_restarts", "target_node_id", "draft_node_id")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    state: ReplicaState
+    live_sequences: int
+    outstanding_tokens: int
+    target_restarts: int
+    draft_restarts: int
+    target_node_id: str
+    draft_node_id: str
+    def __init__(self, index: _Optional[int] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., live_sequences: _Optional[int] = ..., outstanding_tokens: _Optional[int] = ..., target_restarts: _Optional[int] = ..., draft_restarts: _Optional[int] = ..., target_node_id: _Optional[str] = ..., draft_node_id: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
