@@ -60,13 +60,13 @@ YAML or TOML (chosen by the file suffix). Relative paths are resolved against th
 from __future__ import annotations
 
 import dataclasses
-import math
 import pathlib
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from duospec.cluster.placement import PLACEMENTS
+from duospec.coordinator.config_fields import ConfigError, Fields, existing_file, read_mapping, resolve, resolve_model_path
 from duospec.coordinator.api import MAX_DRAFT_TOKENS, SpeculationMode
 from duospec.engine.errors import CheckpointError
 from duospec.coordinator.kv_budget import PREFIX_CACHE_SCOPES
@@ -78,10 +78,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 MAX_TENSOR_PARALLEL = 64  # ranks of one worker: GPUs of one node
 MAX_REPLICAS = 256
-
-
-class ConfigError(ValueError):
-    """A config value is missing or wrong; the message names the field and how to fix it."""
 
 
 @dataclass(frozen=True)
@@ -229,18 +225,18 @@ DEFAULT_LEDGER = "duospec-usage.db"
 def load_serve_config(path: str | pathlib.Path) -> ServeConfig:
     """Reads and validates a YAML (.yaml/.yml) or TOML (.toml) serve config."""
     path = pathlib.Path(path)
-    raw = _read_mapping(path)
+    raw = read_mapping(path)
     return parse_serve_config(raw, source=str(path), base_dir=path.parent)
 
 
 def parse_serve_config(raw: Any, *, source: str = "config", base_dir: pathlib.Path | None = None) -> ServeConfig:
     base_dir = base_dir or pathlib.Path.cwd()
-    top = _Fields(raw, source, "")
+    top = Fields(raw, source, "")
     server = _parse_server(top.section("server"), base_dir)
     models_raw = top.get("models", list, required=True)
     if not models_raw:
         raise ConfigError(f"{source}: models: empty; add at least one model with `name` and `target`")
-    models = [_parse_model(_Fields(m, source, f"models[{i}]"), base_dir) for i, m in enumerate(models_raw)]
+    models = [_parse_model(Fields(m, source, f"models[{i}]"), base_dir) for i, m in enumerate(models_raw)]
     seen: set[str] = set()
     for i, model in enumerate(models):
         if model.name in seen:
@@ -253,26 +249,26 @@ def parse_serve_config(raw: Any, *, source: str = "config", base_dir: pathlib.Pa
     return ServeConfig(
         server=server,
         models=models,
-        ledger=_resolve(ledger, base_dir),
-        tenants=_resolve(tenants, base_dir) if tenants else None,
+        ledger=resolve(ledger, base_dir),
+        tenants=resolve(tenants, base_dir) if tenants else None,
         ledger_retention_days=retention,
     )
 
 
-def _certificates(f: "_Fields", section: str, base_dir: pathlib.Path, cls, *,
+def _certificates(f: "Fields", section: str, base_dir: pathlib.Path, cls, *,
                   files=("cert_file", "key_file"), optional_files=(), names=()):
     """An optional section of certificate files that must exist (and plain string options)."""
     fields = f.section(section, required=False)
     if fields is None:
         return None
-    values = {name: _existing_file(fields, name, base_dir, required=True) for name in files}
-    values.update({name: _existing_file(fields, name, base_dir, required=False) for name in optional_files})
+    values = {name: existing_file(fields, name, base_dir, required=True) for name in files}
+    values.update({name: existing_file(fields, name, base_dir, required=False) for name in optional_files})
     values.update({name: fields.get(name, str) for name in names if fields.raw.get(name) is not None})
     fields.reject_unknown()
     return cls(**values)
 
 
-def _parse_server(f: "_Fields", base_dir: pathlib.Path) -> ServerSettings:
+def _parse_server(f: "Fields", base_dir: pathlib.Path) -> ServerSettings:
     d = ServerSettings()
     tls = _certificates(f, "tls", base_dir, TlsSettings, optional_files=("client_ca_file",))
     internal_tls = _certificates(f, "internal_tls", base_dir, InternalTlsSettings,
@@ -306,7 +302,7 @@ def _parse_server(f: "_Fields", base_dir: pathlib.Path) -> ServerSettings:
     return settings
 
 
-def _parse_model(f: "_Fields", base_dir: pathlib.Path) -> ModelConfig:
+def _parse_model(f: "Fields", base_dir: pathlib.Path) -> ModelConfig:
     name = f.get("name", str, required=True)
     if not _MODEL_NAME.match(name):
         raise ConfigError(
@@ -314,7 +310,7 @@ def _parse_model(f: "_Fields", base_dir: pathlib.Path) -> ModelConfig:
             "(it names Ray actors duospec-target-<name>)"
         )
     target = f.get("target", str, required=True)
-    draft = _draft_tensor_parallel(f, _parse_draft(f, base_dir, _resolve_model_path(target, base_dir)))
+    draft = _draft_tensor_parallel(f, _parse_draft(f, base_dir, resolve_model_path(target, base_dir)))
     spec_fields = f.section("speculation", required=False)
     spec = SpeculationDefaults()
     if spec_fields is not None:
@@ -340,7 +336,7 @@ def _parse_model(f: "_Fields", base_dir: pathlib.Path) -> ModelConfig:
         spec = dataclasses.replace(spec, mode=SpeculationMode.OFF)
     model = ModelConfig(
         name=name,
-        target=_resolve_model_path(target, base_dir),
+        target=resolve_model_path(target, base_dir),
         draft=draft,
         device=f.choice("device", DEVICES, default="auto"),
         placement=f.choice("placement", PLACEMENTS, default="auto"),
@@ -350,7 +346,7 @@ def _parse_model(f: "_Fields", base_dir: pathlib.Path) -> ModelConfig:
         restart_timeout_s=f.float_in("restart_timeout_s", 1.0, 86400.0, default=600.0),
         hang_timeout_s=f.float_in("hang_timeout_s", 1.0, 3600.0, default=ModelConfig.hang_timeout_s),
         prefill_chunk_tokens=f.int_in("prefill_chunk_tokens", 16, 1 << 20, default=512),
-        tensor_parallel_size=_tensor_parallel(f, _resolve_model_path(target, base_dir), ModelConfig.tensor_parallel_size),
+        tensor_parallel_size=_tensor_parallel(f, resolve_model_path(target, base_dir), ModelConfig.tensor_parallel_size),
         replicas=f.int_in("replicas", 1, MAX_REPLICAS, default=ModelConfig.replicas),
         speculation=spec,
         max_model_len=f.int_in("max_model_len", 2, 1 << 24, default=2) if f.raw.get("max_model_len") is not None else None,
@@ -372,14 +368,14 @@ _DRAFT_KEYS = {
 }
 
 
-def _memory_bytes(f: "_Fields") -> int | None:
+def _memory_bytes(f: "Fields") -> int | None:
     """An optional `kv_cache_memory_bytes` (at least one 16-position block of a tiny model)."""
     if f.raw.get("kv_cache_memory_bytes") is None:
         return None
     return f.int_in("kv_cache_memory_bytes", 1 << 10, 1 << 50, default=1 << 10)
 
 
-def _tensor_parallel(f: "_Fields", checkpoint: str | None, default: int) -> int:
+def _tensor_parallel(f: "Fields", checkpoint: str | None, default: int) -> int:
     """`tensor_parallel_size` of `f`'s worker, refused with the sizes that work when it does not divide
     a local checkpoint's heads (a hub id is checked when its workers load)."""
     size = f.int_in("tensor_parallel_size", 1, MAX_TENSOR_PARALLEL, default=default)
@@ -396,23 +392,23 @@ def _tensor_parallel(f: "_Fields", checkpoint: str | None, default: int) -> int:
     return size
 
 
-def _draft_tensor_parallel(f: "_Fields", draft: DraftSpec | None) -> DraftSpec | None:
+def _draft_tensor_parallel(f: "Fields", draft: DraftSpec | None) -> DraftSpec | None:
     """The drafter with `draft.tensor_parallel_size` (_DRAFT_KEYS admits it for the model method only)."""
     raw = f.raw.get("draft")
     if draft is None or not isinstance(raw, dict) or raw.get("tensor_parallel_size") is None:
         return draft
-    fields = _Fields(raw, f.source, f"{f.prefix}.draft")
+    fields = Fields(raw, f.source, f"{f.prefix}.draft")
     return dataclasses.replace(draft, tensor_parallel_size=_tensor_parallel(fields, draft.path,
                                                                             DraftSpec.tensor_parallel_size))
 
 
-def _parse_draft(f: "_Fields", base_dir: pathlib.Path, target: str) -> DraftSpec | None:
+def _parse_draft(f: "Fields", base_dir: pathlib.Path, target: str) -> DraftSpec | None:
     """`draft:` as a checkpoint path (the model drafter) or a mapping with `method:`."""
     raw = f.get("draft", (str, dict), default=None)
     if raw is None or raw == "":  # an empty path, as before the mapping form: no drafter
         return None
     if isinstance(raw, str):
-        return DraftSpec(DraftMethod.MODEL, path=_resolve_model_path(raw, base_dir))
+        return DraftSpec(DraftMethod.MODEL, path=resolve_model_path(raw, base_dir))
     d = f.section("draft")
     methods = [m.value for m in DraftMethod]
     method_name = d.get("method", str, required=True)
@@ -431,7 +427,7 @@ def _parse_draft(f: "_Fields", base_dir: pathlib.Path, target: str) -> DraftSpec
         raise ConfigError(f"{d.where('path')}: empty; give the draft checkpoint's directory or remove the key")
     memory = _memory_bytes(d)
     if method in (DraftMethod.MODEL, DraftMethod.EAGLE, DraftMethod.MEDUSA):
-        return DraftSpec(method, path=_resolve_model_path(d.get("path", str, required=True), base_dir),
+        return DraftSpec(method, path=resolve_model_path(d.get("path", str, required=True), base_dir),
                          kv_cache_memory_bytes=memory)
     if method is DraftMethod.LAYERS:
         layers = d.int_in("layers", 1, 1 << 16, default=0) if "layers" in d.raw else None
@@ -443,7 +439,7 @@ def _parse_draft(f: "_Fields", base_dir: pathlib.Path, target: str) -> DraftSpec
                 f"{d.where('layers')}: {layers}, but the target has {total} layers; a shallow draft uses fewer "
                 f"(e.g. layers: {max(1, total // 2)})"
             )
-        return DraftSpec(method, path=_resolve_model_path(path, base_dir) if path else None, layers=layers,
+        return DraftSpec(method, path=resolve_model_path(path, base_dir) if path else None, layers=layers,
                          kv_cache_memory_bytes=memory)
     n = NgramOptions()
     options = NgramOptions(
@@ -498,109 +494,3 @@ def _local_config(checkpoint: str) -> dict | None:
     except (OSError, ValueError):
         return None
     return config if isinstance(config, dict) else None
-
-
-def _read_mapping(path: pathlib.Path) -> Any:
-    if not path.is_file():
-        raise ConfigError(f"{path}: no such file; pass --config with an existing YAML or TOML file")
-    text = path.read_text(encoding="utf-8")
-    suffix = path.suffix.lower()
-    try:
-        if suffix == ".toml":
-            import tomllib
-
-            return tomllib.loads(text)
-        if suffix in (".yaml", ".yml"):
-            import yaml
-
-            return yaml.safe_load(text)
-    except Exception as exc:  # parse errors from either library: report where, not a traceback
-        raise ConfigError(f"{path}: not valid {suffix[1:].upper()}: {exc}") from None
-    raise ConfigError(f"{path}: unknown config format {suffix!r}; use .yaml, .yml or .toml")
-
-
-def _resolve(value: str, base_dir: pathlib.Path) -> str:
-    p = pathlib.Path(value).expanduser()
-    return str(p if p.is_absolute() else (base_dir / p).resolve())
-
-
-def _resolve_model_path(value: str, base_dir: pathlib.Path) -> str:
-    # A relative path that exists next to the config is a local checkpoint; anything else may be a
-    # hub name ("org/model"), which transformers resolves where the machine has network.
-    candidate = pathlib.Path(value).expanduser()
-    if candidate.is_absolute():
-        return str(candidate)
-    local = base_dir / candidate
-    return str(local.resolve()) if local.exists() else value
-
-
-def _existing_file(f: "_Fields", key: str, base_dir: pathlib.Path, *, required: bool) -> str | None:
-    value = f.get(key, str, required=required, default=None)
-    if value is None:
-        return None
-    path = _resolve(value, base_dir)
-    if not pathlib.Path(path).is_file():
-        raise ConfigError(f"{f.where(key)}: file {path} does not exist; point it at a PEM file")
-    return path
-
-
-class _Fields:
-    """Typed access to one mapping of the config, remembering which keys were read."""
-
-    def __init__(self, raw: Any, source: str, prefix: str):
-        if raw is None:
-            raw = {}
-        if not isinstance(raw, dict):
-            label = prefix or "top level"
-            raise ConfigError(f"{source}: {label}: expected a mapping, got {type(raw).__name__}")
-        self.raw, self.source, self.prefix, self._seen = raw, source, prefix, set()
-
-    def where(self, key: str) -> str:
-        return f"{self.source}: {self.prefix + '.' if self.prefix else ''}{key}"
-
-    def section(self, key: str, required: bool = False) -> "_Fields | None":
-        self._seen.add(key)
-        if key not in self.raw and not required:
-            return _Fields({}, self.source, self._child(key)) if key == "server" else None
-        return _Fields(self.raw.get(key), self.source, self._child(key))
-
-    def _child(self, key: str) -> str:
-        return f"{self.prefix}.{key}" if self.prefix else key
-
-    def get(self, key: str, kind: type | tuple, *, required: bool = False, default: Any = None) -> Any:
-        self._seen.add(key)
-        if key not in self.raw or self.raw[key] is None:
-            if required:
-                raise ConfigError(f"{self.where(key)}: missing; add it")
-            return default
-        value = self.raw[key]
-        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-            if isinstance(kind, type):
-                expected = kind.__name__
-            else:
-                expected = "number" if set(kind) == {int, float} else " or ".join(k.__name__ for k in kind)
-            raise ConfigError(f"{self.where(key)}: expected {expected}, got {type(value).__name__} {value!r}")
-        return value
-
-    def int_in(self, key: str, lo: int, hi: int, *, default: int) -> int:
-        value = self.get(key, int, default=default)
-        if not lo <= value <= hi:
-            raise ConfigError(f"{self.where(key)}: {value} is out of range; use an integer in [{lo}, {hi}]")
-        return value
-
-    def float_in(self, key: str, lo: float, hi: float, *, default: float) -> float:
-        value = self.get(key, (int, float), default=default)
-        if not math.isfinite(value) or not lo <= value <= hi:
-            raise ConfigError(f"{self.where(key)}: {value} is out of range; use a number in [{lo}, {hi}]")
-        return float(value)
-
-    def choice(self, key: str, options, *, default: str) -> str:
-        value = self.get(key, str, default=default)
-        if value not in options:
-            raise ConfigError(f"{self.where(key)}: {value!r} is not one of {', '.join(options)}")
-        return value
-
-    def reject_unknown(self) -> None:
-        unknown = sorted(set(self.raw) - self._seen)
-        if unknown:
-            raise ConfigError(f"{self.where(unknown[0])}: unknown key; check the spelling (known: {sorted(self._seen)})")
