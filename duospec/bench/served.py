@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -28,23 +29,25 @@ class Served:
 
 
 @contextlib.asynccontextmanager
-async def served_pipeline(pair: BenchPair, speculation, ray_address: str | None):
-    async with served_pipelines({MODEL_NAME: pair}, speculation, ray_address) as served:
+async def served_pipeline(pair: BenchPair, speculation, ray_address: str | None, replicas: int = 1):
+    async with served_pipelines({MODEL_NAME: pair}, speculation, ray_address, replicas) as served:
         yield served[MODEL_NAME]
 
 
 @contextlib.asynccontextmanager
-async def served_pipelines(pairs: dict[str, BenchPair], speculation, ray_address: str | None):
+async def served_pipelines(pairs: dict[str, BenchPair], speculation, ray_address: str | None, replicas: int = 1):
     """One pipeline and server serving a model per pair ({model name: pair}), so a benchmark can
     alternate between them request by request and the machine's drift hits all of them alike; each
-    with the `speculation` defaults (coordinator.config.SpeculationDefaults)."""
+    with the `speculation` defaults (coordinator.config.SpeculationDefaults) and `replicas` pairs of
+    actors (models[].replicas)."""
     from duospec.cluster.runtime import connect
     from duospec.coordinator.config import ServerSettings
     from duospec.coordinator.pipeline import start_pipeline
     from duospec.coordinator.server import DuospecServer
     from duospec.sdk.aio import AsyncClient
 
-    configs = [model_config(pair, speculation, name) for name, pair in pairs.items()]
+    configs = [dataclasses.replace(model_config(pair, speculation, name), replicas=replicas)
+               for name, pair in pairs.items()]
     if ray_address is None and len(pairs) > 1:
         # Each pair asks for two 1-CPU actors. A local instance declares enough logical CPUs for all of
         # them: only one pair works at a time, the others' actors wait idle.
