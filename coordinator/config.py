@@ -39,6 +39,8 @@
                                              # per rank); the model drafter's own: draft: {..., tensor_parallel_size}
         replicas: 1                          # independent draft/target pairs of the model; each request goes
                                              # to the one with the least outstanding work
+        placement_timeout_s: 30              # how long each replica's GPUs may take to be free (an
+                                             # autoscaling cluster adds a node meanwhile)
         kv_cache_memory_bytes: 4294967296    # optional; KV memory of each worker (a pool of 16-position
                                              # blocks); the draft may get its own: draft: {..., kv_cache_memory_bytes}
         gpu_memory_utilization: 0.9          # on CUDA without kv_cache_memory_bytes: the fraction of the GPU
@@ -187,6 +189,10 @@ class ModelConfig:
     # goes to the one with the least outstanding work (coordinator/replicas.py). Tenancy, fair share,
     # quotas and the ledger stay per model.
     replicas: int = 1
+    # How long starting waits for each replica's placement groups (its GPUs) before failing with what
+    # is missing. On an autoscaling cluster a pending group is the autoscaler's cue to add a node: give
+    # it the minutes a node takes to boot and join.
+    placement_timeout_s: float = 30.0
     speculation: SpeculationDefaults = field(default_factory=SpeculationDefaults)
     # Positions per sequence (prompt + output), on every layer alike: request validation, the
     # coordinator, the drafter and the target. None = the model's max_position_embeddings.
@@ -348,6 +354,7 @@ def _parse_model(f: "Fields", base_dir: pathlib.Path) -> ModelConfig:
         prefill_chunk_tokens=f.int_in("prefill_chunk_tokens", 16, 1 << 20, default=512),
         tensor_parallel_size=_tensor_parallel(f, resolve_model_path(target, base_dir), ModelConfig.tensor_parallel_size),
         replicas=f.int_in("replicas", 1, MAX_REPLICAS, default=ModelConfig.replicas),
+        placement_timeout_s=f.float_in("placement_timeout_s", 1.0, 86400.0, default=ModelConfig.placement_timeout_s),
         speculation=spec,
         max_model_len=f.int_in("max_model_len", 2, 1 << 24, default=2) if f.raw.get("max_model_len") is not None else None,
         kv_cache_memory_bytes=_memory_bytes(f),

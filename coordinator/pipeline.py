@@ -143,10 +143,10 @@ async def _answers(handle, within_s: float) -> bool:
     return True
 
 
-def start_pipeline(models: list, *, ray_address: str | None = None, placement_timeout_s: float = 30.0,
-                   internal_tls: InternalTls | None = None):
+def start_pipeline(models: list, *, ray_address: str | None = None, internal_tls: InternalTls | None = None):
     """Joins (or starts) Ray, places each model's draft and target on different GPUs (each replica's,
-    each tensor-parallel rank on its own), loads them.
+    each tensor-parallel rank on its own; each replica waiting up to its model's placement_timeout_s
+    for them), loads them.
     `internal_tls`: mutual TLS on the coordinator-worker streams (cluster/secret.py).
     Raises ClusterUnavailable / PlacementError / CheckpointError with a clear message."""
     connect(ray_address)
@@ -156,7 +156,7 @@ def start_pipeline(models: list, *, ray_address: str | None = None, placement_ti
         for config in models:
             info = model_info(config)  # fail on a bad checkpoint or tokenizer mismatch before placing anything
             for replica in range(getattr(config, "replicas", 1)):
-                _launch_replica(coordinator, config, info, replica, secret, internal_tls, placement_timeout_s)
+                _launch_replica(coordinator, config, info, replica, secret, internal_tls)
     except BaseException:
         for pair in coordinator.pairs.values():
             pair.shutdown()
@@ -165,7 +165,7 @@ def start_pipeline(models: list, *, ray_address: str | None = None, placement_ti
 
 
 def _launch_replica(coordinator: PipelineCoordinator, config, info: ModelInfo, replica: int, secret: str,
-                    internal_tls: InternalTls | None, placement_timeout_s: float) -> None:
+                    internal_tls: InternalTls | None) -> None:
     pair = launch_pair(
         config.name,
         str(config.target),
@@ -177,7 +177,7 @@ def _launch_replica(coordinator: PipelineCoordinator, config, info: ModelInfo, r
         max_context=info.max_context,
         replica=replica,
         target_tp=getattr(config, "tensor_parallel_size", 1),
-        placement_timeout_s=placement_timeout_s,
+        placement_timeout_s=config.placement_timeout_s,
         deployment_secret=secret,
         internal_tls=internal_tls,
         prefill_chunk_tokens=getattr(config, "prefill_chunk_tokens", None),

@@ -37,6 +37,19 @@ def serve_config() -> dict:
     return load_yaml(DEPLOY / "serve.yaml")
 
 
+def gpus_serve_yaml_places() -> tuple[int, int]:
+    """(GPUs every replica of every model takes, the most one tensor-parallel group needs on one node)
+    of deploy/serve.yaml, read by the real loader."""
+    from duospec.coordinator.config import load_serve_config
+
+    total, group = 0, 1
+    for m in load_serve_config(DEPLOY / "serve.yaml").models:
+        draft = m.draft.tensor_parallel_size if m.draft is not None and m.draft.method.needs_model else 0
+        total += m.replicas * (m.tensor_parallel_size + draft)
+        group = max(group, m.tensor_parallel_size, draft)
+    return total, group
+
+
 SHELL_OPERATOR = re.compile(r"^[();<>|&]+$")
 SUBCOMMAND = re.compile(r"^[a-z][\w-]*$")
 

@@ -25,7 +25,7 @@ import yaml
 
 from deploy_support import (
     CLUSTER_CONFIGS, DEPLOY, REPO, commands_in, deploy_commands, flag_values, head_pod_spec, head_serve_flags,
-    kuberay_docs, load_yaml, readme_commands, serve_config, the_doc,
+    gpus_serve_yaml_places, kuberay_docs, load_yaml, readme_commands, serve_config, the_doc,
 )
 
 CRD_KINDS = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml",
@@ -50,9 +50,12 @@ def test_cluster_config_passes_rays_validation(name):
         # On-prem: Ray detects GPUs at `ray start`; every listed worker joins.
         assert node_types["local.cluster.node"]["min_workers"] == len(prepared["provider"]["worker_ips"]) >= 1
     else:
-        # The autoscaler must know it can start two GPUs (draft + target) without being asked.
+        # The autoscaler must know it can start every replica's GPUs without being asked, and a node
+        # type that holds a whole tensor-parallel group.
+        needed, group = gpus_serve_yaml_places()
         min_gpus = sum(t.get("min_workers", 0) * t["resources"].get("GPU", 0) for t in node_types.values())
-        assert min_gpus >= 2, f"deploy/{name}: GPU worker min_workers give {min_gpus} GPUs; the pair needs 2"
+        assert min_gpus >= needed, f"deploy/{name}: GPU worker min_workers give {min_gpus} GPUs; serve.yaml places {needed}"
+        assert max(t["resources"].get("GPU", 0) for t in node_types.values()) >= group, name
 
 
 def test_cluster_config_typo_is_rejected_by_ray():
@@ -282,7 +285,7 @@ def test_wait_for_gpus_invocations_parse():
         text = " ".join(load_yaml(DEPLOY / name)["head_start_ray_commands"])
         args = re.search(r"wait_for_gpus\.py((?: --[\w-]+ \S+)*)", text).group(1).split()
         parsed = module.build_parser().parse_args(args)
-        assert parsed.gpus >= 2 and parsed.address == "auto", name
+        assert parsed.gpus == gpus_serve_yaml_places()[0] and parsed.address == "auto", name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -399,9 +402,18 @@ def test_kuberay_pods_run_the_image_the_readme_builds():
     assert exposed == {server["port"], server["http_port"], server["metrics_port"]}
 
 
-def test_gpu_workers_request_one_gpu_each():
+def test_gpu_workers_hold_what_the_serve_config_places():
+    """Every replica's GPUs, each tensor-parallel group's on one pod; checked with duospec's own placement."""
+    from duospec.cluster.placement import plan_placement
+    from duospec.coordinator.config import load_serve_config
+
+    nodes, total = [], 0
     for group in the_doc("RayCluster")["spec"]["workerGroupSpecs"]:
         resources = group["template"]["spec"]["containers"][0]["resources"]
-        assert str(resources["limits"]["nvidia.com/gpu"]) == str(resources["requests"]["nvidia.com/gpu"]) == "1"
-    total = sum(g["replicas"] for g in the_doc("RayCluster")["spec"]["workerGroupSpecs"])
-    assert total >= 2, "draft and target need a GPU each"
+        gpus = int(resources["limits"]["nvidia.com/gpu"])
+        assert str(resources["requests"]["nvidia.com/gpu"]) == str(gpus)
+        nodes += [{"Alive": True, "Resources": {"CPU": 16.0, "GPU": float(gpus)}}] * group["replicas"]
+        total += gpus * group["replicas"]
+    assert total >= gpus_serve_yaml_places()[0]
+    for m in load_serve_config(DEPLOY / "serve.yaml").models:  # a group no pod holds is refused here
+        plan_placement(nodes, use_gpu=True, target_tp=m.tensor_parallel_size, draft_tp=m.draft.tensor_parallel_size)

@@ -35,6 +35,8 @@ def test_sizes_default_to_one_and_are_read_typed(checkpoints):
     scaled = _parse({"target": str(target), "tensor_parallel_size": 2, "replicas": 3,
                      "draft": {"method": "model", "path": str(draft), "tensor_parallel_size": 2}})
     assert (scaled.tensor_parallel_size, scaled.replicas, scaled.draft.tensor_parallel_size) == (2, 3, 2)
+    assert plain.placement_timeout_s == ModelConfig.placement_timeout_s == 30.0
+    assert _parse({"target": str(target), "placement_timeout_s": 900}).placement_timeout_s == 900.0
 
 
 @pytest.mark.parametrize("model, message", [
@@ -47,6 +49,7 @@ def test_sizes_default_to_one_and_are_read_typed(checkpoints):
     ({"tensor_parallel_size": "2"}, r"models\[0\]\.tensor_parallel_size: expected int, got str '2'"),
     ({"replicas": 0}, r"models\[0\]\.replicas: 0 is out of range; use an integer in \[1, 256\]"),
     ({"replicas": 1.5}, r"models\[0\]\.replicas: expected int, got float"),
+    ({"placement_timeout_s": 0}, r"models\[0\]\.placement_timeout_s: 0 is out of range"),
     ({"draft": {"method": "ngram", "tensor_parallel_size": 2}},
      r"models\[0\]\.draft\.tensor_parallel_size: not an option of method ngram"),
 ])
