@@ -25,8 +25,8 @@ def load_runner(path: str, model_config, max_slots: int, max_context: int | None
 
     return load_model(
         path,
-        device=resolve_device(getattr(model_config, "device", "auto")),
-        dtype=getattr(model_config, "dtype", "auto"),
+        device=resolve_device(model_config.device),
+        dtype=model_config.dtype,
         max_slots=max_slots,
         max_context=max_context,
         kv=worker_kv(model_config, "target"),
@@ -40,13 +40,13 @@ class LocalCoordinator(ModelRouter):
         for a model's first replica."""
         super().__init__()
         for config in models:
-            spec = getattr(config, "draft", None)
-            sizes = (getattr(config, "tensor_parallel_size", 1), spec.tensor_parallel_size if spec else 1)
+            spec = config.draft
+            sizes = (config.tensor_parallel_size, spec.tensor_parallel_size if spec else 1)
             if max(sizes) > 1:
                 raise ConfigError(f"model {config.name}: tensor_parallel_size {max(sizes)} runs a process per rank, which "
                                   "the in-process backend cannot; serve it on Ray (duospec serve --backend ray)")
             info = model_info(config)
-            for replica in range(getattr(config, "replicas", 1)):
+            for replica in range(config.replicas):
                 preloaded = (runners or {}).get(config.name) if replica == 0 else None
                 opener = self._opener(info, config, self._runners(info, config, spec, preloaded))
                 if replica == 0:

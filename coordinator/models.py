@@ -48,7 +48,7 @@ def model_info(model_config, max_context: int | None = None) -> ModelInfo:
     from duospec.engine.loader import end_token_ids
 
     target = str(model_config.target)
-    spec = getattr(model_config, "draft", None)
+    spec = model_config.draft
     draft = spec.checkpoint(target) if spec is not None else None
     if draft == target:  # the target's own first layers: same tokenizer and context by construction
         draft = None
@@ -67,7 +67,7 @@ def model_info(model_config, max_context: int | None = None) -> ModelInfo:
                              f"{head.hidden_size} and vocabulary {head.vocab_size}; {target} has "
                              f"{target_cfg.hidden_size} and {target_cfg.vocab_size}")
     if head is not None:  # a prefill chunk's hidden states travel in one verdict (and one drafter command)
-        chunk = int(getattr(model_config, "prefill_chunk_tokens", 512))
+        chunk = int(model_config.prefill_chunk_tokens)
         fits = FEATURES_MESSAGE_BUDGET // (2 * target_cfg.hidden_size)
         if chunk > fits:
             raise ModelPairError(f"models[].prefill_chunk_tokens {chunk}: with the {head.method} drafter a chunk's "
@@ -81,7 +81,7 @@ def model_info(model_config, max_context: int | None = None) -> ModelInfo:
         except CheckpointError as exc:
             raise ModelPairError(str(exc)) from None
     _check_tensor_parallel("models[].tensor_parallel_size", target, target_cfg,
-                           int(getattr(model_config, "tensor_parallel_size", 1)))
+                           int(model_config.tensor_parallel_size))
     if spec is not None and spec.tensor_parallel_size > 1:
         _check_tensor_parallel("draft.tensor_parallel_size", draft, AutoConfig.from_pretrained(draft),
                                spec.tensor_parallel_size)
@@ -89,7 +89,7 @@ def model_info(model_config, max_context: int | None = None) -> ModelInfo:
     context = _max_context(target_cfg)
     if draft is not None:
         context = min(context, _max_context(AutoConfig.from_pretrained(draft)))
-    limit = getattr(model_config, "max_model_len", None)
+    limit = model_config.max_model_len
     if limit is not None:
         if limit > context:
             raise ModelPairError(
@@ -114,9 +114,9 @@ def model_info(model_config, max_context: int | None = None) -> ModelInfo:
         eos_token_id=eos,
         eos_token_ids=end_ids or ((eos,) if eos is not None else ()),
         # every replica's scheduler holds max_num_seqs
-        max_num_seqs=int(getattr(model_config, "max_num_seqs", 16)) * int(getattr(model_config, "replicas", 1)),
+        max_num_seqs=int(model_config.max_num_seqs) * int(model_config.replicas),
         max_draft_tokens=model_config.speculation.request_cap,
-        prefix_cache=getattr(model_config, "prefix_cache", ModelInfo.prefix_cache),
+        prefix_cache=model_config.prefix_cache,
     )
 
 
@@ -146,10 +146,10 @@ def worker_kv(model_config, role: str):
     target's GPU); prefix caching unless models[].prefix_cache is off."""
     from duospec.engine.loader import KVOptions
 
-    spec = getattr(model_config, "draft", None)
-    memory = getattr(model_config, "kv_cache_memory_bytes", None)
+    spec = model_config.draft
+    memory = model_config.kv_cache_memory_bytes
     if role == "draft" and spec is not None and spec.kv_cache_memory_bytes is not None:
         memory = spec.kv_cache_memory_bytes
-    utilization = getattr(model_config, "gpu_memory_utilization", None)
+    utilization = model_config.gpu_memory_utilization
     return KVOptions(kv_cache_memory_bytes=memory, gpu_memory_utilization=utilization,
-                     prefix_caching=getattr(model_config, "prefix_cache", ModelInfo.prefix_cache) != "off")
+                     prefix_caching=model_config.prefix_cache != "off")

@@ -47,7 +47,7 @@ class PipelineCoordinator(ModelRouter):
             target = GrpcStreamLink(pair.target_info["endpoint"], "verify", secret, tls, hang_timeout_s=hang_s)
             draft = GrpcStreamLink(pair.draft_info["endpoint"], "draft", secret, tls,
                                    hang_timeout_s=hang_s) if pair.draft_info else None
-            bound = float(getattr(config, "restart_timeout_s", 600.0))  # how long a killed worker may take
+            bound = float(config.restart_timeout_s)  # how long a killed worker may take
             scheduler = Scheduler(
                 info,
                 target,
@@ -155,7 +155,7 @@ def start_pipeline(models: list, *, ray_address: str | None = None, internal_tls
     try:
         for config in models:
             info = model_info(config)  # fail on a bad checkpoint or tokenizer mismatch before placing anything
-            for replica in range(getattr(config, "replicas", 1)):
+            for replica in range(config.replicas):
                 _launch_replica(coordinator, config, info, replica, secret, internal_tls)
     except BaseException:
         for pair in coordinator.pairs.values():
@@ -169,18 +169,18 @@ def _launch_replica(coordinator: PipelineCoordinator, config, info: ModelInfo, r
     pair = launch_pair(
         config.name,
         str(config.target),
-        getattr(config, "draft", None),
-        device=getattr(config, "device", "auto"),
-        placement=getattr(config, "placement", "auto"),
-        dtype=getattr(config, "dtype", "auto"),
+        config.draft,
+        device=config.device,
+        placement=config.placement,
+        dtype=config.dtype,
         max_slots=scheduler_config(config).max_num_seqs,
         max_context=info.max_context,
         replica=replica,
-        target_tp=getattr(config, "tensor_parallel_size", 1),
+        target_tp=config.tensor_parallel_size,
         placement_timeout_s=config.placement_timeout_s,
         deployment_secret=secret,
         internal_tls=internal_tls,
-        prefill_chunk_tokens=getattr(config, "prefill_chunk_tokens", None),
+        prefill_chunk_tokens=config.prefill_chunk_tokens,
         kv={role: worker_kv(config, role) for role in ("target", "draft")},
     )
     coordinator.add_pair(config, pair, info)

@@ -52,10 +52,10 @@ class ModelEntry:
 
 def scheduler_config(model_config) -> SchedulerConfig:
     return SchedulerConfig(
-        max_batch_size=int(getattr(model_config, "max_batch_size", 8)),
-        max_num_seqs=int(getattr(model_config, "max_num_seqs", 16)),
-        prefill_chunk_tokens=int(getattr(model_config, "prefill_chunk_tokens", 512)),
-        hang_timeout_s=float(getattr(model_config, "hang_timeout_s", SchedulerConfig.hang_timeout_s)),
+        max_batch_size=int(model_config.max_batch_size),
+        max_num_seqs=int(model_config.max_num_seqs),
+        prefill_chunk_tokens=int(model_config.prefill_chunk_tokens),
+        hang_timeout_s=float(model_config.hang_timeout_s),
     )
 
 

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import types
 from dataclasses import dataclass
 from typing import Iterator
 
 from duospec.coordinator.api import FinishEvent, FinishReason, GenerationRequest, ModelInfo, SpecStats, SpeculationMode
 from duospec.coordinator.links import LocalDraftLink, LocalTargetLink
-from duospec.coordinator.router import ModelEntry, ModelRouter
-from duospec.coordinator.scheduler import Scheduler, SchedulerConfig
+from duospec.coordinator.router import ModelEntry, ModelRouter, scheduler_config
+from duospec.coordinator.scheduler import Scheduler
 from duospec.draft_worker.drafter import Drafter
 from duospec.draft_worker.model_proposer import ModelProposer
 from duospec.draft_worker.proposer import Proposer
@@ -60,13 +59,14 @@ def _router(target, draft, *, gamma: int, max_lookahead: int, max_batch_size: in
         eos_token_ids=tuple(target.eos_token_ids),
         draft_method=proposer.method.value if proposer is not None else None,
     )
-    from duospec.coordinator.config import SpeculationDefaults
+    from duospec.coordinator.config import ModelConfig, SpeculationDefaults
 
     # The model's defaults otherwise (the speculation cache and token trees on), as `duospec serve` has them.
-    config = types.SimpleNamespace(speculation=SpeculationDefaults(
-        mode=SpeculationMode.PEARL, max_draft_tokens=gamma, gamma=gamma, max_lookahead=max_lookahead,
-        adaptive=adaptive))
-    sched_config = SchedulerConfig(max_batch_size=max_batch_size, max_num_seqs=min(runner.max_slots, 64))
+    config = ModelConfig(name=info.name, target=info.target_path, max_batch_size=max_batch_size,
+                         max_num_seqs=min(runner.max_slots, 64), speculation=SpeculationDefaults(
+                             mode=SpeculationMode.PEARL, max_draft_tokens=gamma, gamma=gamma,
+                             max_lookahead=max_lookahead, adaptive=adaptive))
+    sched_config = scheduler_config(config)
 
     async def open_scheduler() -> Scheduler:
         draft_link = LocalDraftLink(Drafter(proposer)) if proposer is not None else None

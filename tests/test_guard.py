@@ -302,11 +302,17 @@ def test_a_benchmark_keeps_one_guard_per_speculation_variant():
     """Interleaved variants: each continues from what it learned itself, none inherits another's."""
     import types
 
+    from duospec.coordinator.replicas import ReplicaSet
     from duospec.coordinator.router import ModelRouter
+
+    def entry(opened):
+        replicas = ReplicaSet()
+        replicas.add(open_scheduler=None).scheduler = opened
+        return types.SimpleNamespace(replicas=replicas)
 
     router = ModelRouter()
     scheduler = types.SimpleNamespace(guard=GoodputGuard())
-    router.entries = {"m": types.SimpleNamespace(scheduler=scheduler), "unopened": types.SimpleNamespace(scheduler=None)}
+    router.entries = {"m": entry(scheduler), "unopened": entry(None)}
     router.use_speculation_choices("pearl")
     pearls = scheduler.guard
     pearls.state = GuardState.TARGET_ONLY  # what the pearl runs taught it
