@@ -76,7 +76,8 @@ class Replica:
 
     @property
     def serving(self) -> bool:
-        return self.state is not ReplicaState.DOWN
+        """Not DOWN (read on every routing decision, so without building the stats `state` reads)."""
+        return self.scheduler is None or self.scheduler.target_serving
 
     def status(self) -> ReplicaStatus:
         stats = self.scheduler.stats() if self.scheduler is not None else {}
