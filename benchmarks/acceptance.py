@@ -12,7 +12,7 @@ features of the verified positions, then on its own) and reported next to the dr
 Cost: median seconds of one single-token decode step (position 64, one thread, fp32) on duospec's
 engine (`duospec.engine.load_model`, `forward_last`). Acceptance: exact greedy simulation from
 teacher-forced passes (see duospec/training/acceptance.py), on prompts from the held-out split.
-`--record` also stores the figure for the small fixed prompt set that tests/test_bundled_models.py
+`--record` also stores the figure for the small fixed prompt set that tests/engine/test_bundled_models.py
 re-measures, so that test's floor is derived from a measurement, not typed in.
 """
 

@@ -54,7 +54,7 @@ step "device"
 
 step "engine parity, bf16 exactness and the batched verify rule on CUDA"
 DUOSPEC_TEST_DEVICE=cuda timeout 240 "$PY" -m pytest -q -p no:cacheprovider -W default \
-    tests/test_engine.py::test_lean_matches_transformers tests/test_bf16_exactness.py tests/test_verify_batch.py 2>&1 | tee "$OUT_DIR/tests.txt" | tail -15
+    tests/engine/test_engine.py::test_lean_matches_transformers tests/engine/test_bf16_exactness.py tests/unit/test_verify_batch.py 2>&1 | tee "$OUT_DIR/tests.txt" | tail -15
 tests_rc=${PIPESTATUS[0]}
 
 step "duospec bench --device cuda"

@@ -1,7 +1,7 @@
 """Regenerates the checked-in protobuf/gRPC modules from proto/.
 
 Generated code is checked in so that a fresh clone (and an installed wheel) works without
-grpcio-tools; tests/test_proto_drift.py regenerates into a temporary directory and fails on drift.
+grpcio-tools; tests/unit/test_proto_drift.py regenerates into a temporary directory and fails on drift.
 The generator version is pinned in pyproject's dev extra so the output is reproducible.
 
     python -m duospec.protogen            # rewrite duospec/**/_pb2*.py from proto/

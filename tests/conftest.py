@@ -1,6 +1,6 @@
-"""Shared test fixtures.
+"""Shared test fixtures, for every layer (unit/, engine/, scheduler/, actors/, e2e/).
 
-One Ray instance serves the whole session (ray.init costs ~6 s). Model actors each take one torch
+One Ray instance serves the whole test run (ray.init costs ~6 s). Model actors each take one torch
 thread; the instance declares 2 logical GPUs so placement code runs the same as on a GPU node.
 
 DUOSPEC_TEST_DEVICE=cuda runs the device-aware tests (engine parity, bf16 exactness, the batched
@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 
 import pytest
+
+from server_support import tiny_pair  # noqa: F401  (the bundled-shape tiny pair, a fixture for every test)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -33,7 +35,7 @@ def test_device() -> str:
 
 
 @pytest.fixture(scope="session")
-def ray_session():
+def ray_runtime():
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
         ray.init(

@@ -1,4 +1,4 @@
-"""Run as a subprocess by tests/test_placement.py: a private multi-node Ray cluster on this machine
+"""Run as a subprocess by tests/actors/test_placement.py: a private multi-node Ray cluster on this machine
 (ray.cluster_utils.Cluster), so the test session's own Ray instance is left alone.
 
     placement_scenarios.py TARGET DRAFT          the pair's placements

@@ -46,7 +46,7 @@ def register(subparsers) -> None:
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), metavar="MODE",
                    help=f"modes to run (default all: {' '.join(MODES)})")
     # Defaults: coordinator.config.SpeculationDefaults, written out here because importing it needs torch,
-    # and a client-only install must still build every subcommand's help (tests/test_bench.py checks they agree).
+    # and a client-only install must still build every subcommand's help (tests/unit/test_bench.py checks they agree).
     p.add_argument("--gamma", type=int, default=4,
                    help="vanilla's (and HF assisted generation's) draft tokens per verify, γ (default 4)")
     p.add_argument("--max-draft-tokens", type=int, default=8,

@@ -7,7 +7,7 @@ import pathlib
 import sys
 
 # duospec.pull.PULLABLE's keys, written out so that `duospec --help` imports nothing heavy
-# (tests/test_pull.py checks they agree).
+# (tests/unit/test_pull.py checks they agree).
 PULLABLE_NAMES = ("smollm2",)
 
 

@@ -11,7 +11,7 @@ The same decisions on the CPU: every floating-point step repeats the reference's
 `probs_from_logits`, then float64 acceptance ratios, residuals and inverse-CDF sampling) — bit for
 bit for chains; a sampled tree's residual is normalised by a sum that numpy adds pairwise and torch
 in another order (1 ulp apart in some rows), so a decision there could differ only for a uniform
-within ~1e-16 of its threshold. tests/test_verify_batch.py checks the decisions over randomized
+within ~1e-16 of its threshold. tests/unit/test_verify_batch.py checks the decisions over randomized
 batches. On a GPU the reductions (softmax, cumulative sums) may round differently from the CPU's, so
 a seeded sampled run can differ from the CPU's in a draw that lands within rounding of a boundary;
 each draw is still distributed exactly as the rule says, and greedy decisions are argmaxes

@@ -1,0 +1,105 @@
+"""Tensor-parallel worker groups through the real gRPC server on Ray actors (gloo on CPU): the bundled
+pair with the target at TP=2 (and once with the draft at TP=2 too) gives the greedy output of
+transformers in every mode, seeded sampled output repeats, and a rank killed with SIGKILL mid-stream
+takes its group down, Ray restarts it, and the requests finish with the exact output."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from duospec.bench.prompts import load_prompts
+from duospec.coordinator.config import ServerSettings
+from duospec.v1 import generation_pb2 as pb
+from exactness import assert_greedy_equal, hf_greedy
+from pipeline_support import model_config
+from server_support import collect, running_server
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+MODELS = Path(__file__).resolve().parents[2] / "models"
+TARGET, DRAFT = MODELS / "target", MODELS / "draft"
+SETTINGS = ServerSettings(host="127.0.0.1", port=0, metrics_port=0, http_port=0)
+N_PROMPTS, N_NEW = 20, 24
+MODES = (pb.SPECULATION_MODE_OFF, pb.SPECULATION_MODE_PEARL, pb.SPECULATION_MODE_VANILLA)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    tokenizer = AutoTokenizer.from_pretrained(str(TARGET))
+    hf = AutoModelForCausalLM.from_pretrained(str(TARGET)).eval()
+    prompts = [tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in load_prompts(limit=N_PROMPTS)]
+    return hf, prompts, [hf_greedy(hf, p, N_NEW) for p in prompts]
+
+
+def _config(name: str, draft_tp: int):
+    config = model_config(name, TARGET, DRAFT, max_draft_tokens=4)
+    return dataclasses.replace(config, tensor_parallel_size=2, max_model_len=256,
+                               draft=dataclasses.replace(config.draft, tensor_parallel_size=draft_tp))
+
+
+def _request(prompt, n, mode, sampling=None) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), sampling=sampling,
+                              stopping=pb.StoppingCriteria(max_new_tokens=n, ignore_eos=True),
+                              speculation=pb.SpeculationParams(mode=mode))
+
+
+async def _tokens(h, req, timeout=240) -> list[int]:
+    return [t for m in await collect(h.stub, req, timeout=timeout) for t in m.token_ids]
+
+
+@pytest.mark.parametrize("draft_tp", [1, 2])
+async def test_tensor_parallel_groups_serve_the_targets_greedy_output_in_every_mode(ray_runtime, reference, draft_tp):
+    from duospec.coordinator.pipeline import start_pipeline
+
+    hf, prompts, want = reference
+    coordinator = start_pipeline([_config(f"tp-d{draft_tp}", draft_tp)])
+    pair = coordinator.pairs[f"tp-d{draft_tp}"]
+    assert pair.target_info["tensor_parallel_size"] == 2 and pair.draft_info["tensor_parallel_size"] == draft_tp
+    async with running_server(coordinator, SETTINGS) as h:  # (its shutdown closes the coordinator)
+        runs = [(i, mode) for i in range(len(prompts)) for mode in MODES]
+        got = await asyncio.gather(*(_tokens(h, _request(prompts[i], N_NEW, mode)) for i, mode in runs))
+        for (i, mode), tokens in zip(runs, got):
+            assert_greedy_equal(hf, prompts[i], tokens, want[i])
+        sampled = pb.SamplingParams(temperature=0.8, top_p=0.95, seed=1234)
+        first, second = [await _tokens(h, _request(prompts[0], N_NEW, pb.SPECULATION_MODE_PEARL, sampled))
+                         for _ in range(2)]
+        assert first == second and len(first) == N_NEW
+        stats = (await coordinator.stats())["models"][f"tp-d{draft_tp}"]
+        assert stats["draft"]["connected"] and stats["target"]["restarts"] == 0
+
+
+async def test_a_rank_killed_mid_stream_restarts_its_group_and_the_requests_finish_exactly(ray_runtime, reference):
+    from duospec.coordinator.pipeline import start_pipeline
+
+    hf, prompts, _ = reference
+    name = "tp-kill"
+    coordinator = start_pipeline([_config(name, 1)])
+    pair = coordinator.pairs[name]
+    follower = pair.target_info["ranks"][0]["pid"]
+    n_new = 96
+    async with running_server(coordinator, SETTINGS) as h:
+        live = [asyncio.ensure_future(_tokens(h, _request(prompts[i], n_new, mode)))
+                for i, mode in zip(range(3), MODES)]
+        deadline = time.monotonic() + 120
+        while (await coordinator.stats())["models"][name].get("target", {}).get("batches", 0) < 5:
+            assert time.monotonic() < deadline, "generation did not start"
+            await asyncio.sleep(0.02)
+        os.kill(follower, signal.SIGKILL)  # rank 1 of the target's group
+        results = await asyncio.gather(*live)
+        for i, tokens in enumerate(results):
+            assert len(tokens) == n_new
+            assert_greedy_equal(hf, prompts[i], tokens, hf_greedy(hf, prompts[i], n_new))
+        stats = (await coordinator.stats())["models"][name]
+        assert stats["target"]["restarts"] >= 1
+        # the whole group came back: a new rank 0 with a new rank 1, which serve again
+        assert pair.target_info["ranks"][0]["pid"] != follower
+        again = await _tokens(h, _request(prompts[3], 16, pb.SPECULATION_MODE_PEARL))
+        assert_greedy_equal(hf, prompts[3], again, hf_greedy(hf, prompts[3], 16))

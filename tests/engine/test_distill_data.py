@@ -1,0 +1,112 @@
+"""`duospec distill-data` (the target's own answers to instruction prompts) and `--data stdlib` for
+`duospec distill`: answers equal transformers' greedy reply, a killed run resumes, held-out prompts
+never reach the data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from duospec.training import answers as A
+from duospec.training.data import collect_data_files
+from tiny_models import CHAT_TEMPLATE, make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory) -> Path:
+    from transformers import AutoTokenizer
+
+    target = make_tiny_checkpoint(tmp_path_factory.mktemp("chat") / "target", "llama", seed=5)
+    tok = AutoTokenizer.from_pretrained(str(target))
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(target))
+    return target
+
+
+def test_prompts_are_fixed_mixed_and_split():
+    prompts = A.instruction_prompts()
+    assert [p.id for p in prompts] == [p.id for p in A.instruction_prompts()]
+    assert len({p.id for p in prompts}) == len(prompts)
+    assert {p.kind for p in prompts[:40]} == {"code", "explain", "chat"}  # any prefix is a mix
+    heldout = A.heldout_prompts(1000)
+    assert heldout and all(p.heldout for p in heldout)
+    assert 0.02 < len(heldout) / len(prompts) < 0.1  # about 1 in 20
+
+
+def _transformers_reply(target: Path, prompt: A.InstructionPrompt, max_new_tokens: int) -> str:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    model = AutoModelForCausalLM.from_pretrained(str(target)).eval()
+    ids = A.chat_prompt_ids(tok, prompt)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tok.pad_token_id)
+    return tok.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
+def test_answers_are_the_targets_greedy_replies_and_a_killed_run_resumes(chat_target, tmp_path):
+    options = A.AnswerOptions(count=3, max_new_tokens=6, batch_size=2)
+    assert A.generate_answers(chat_target, tmp_path, options, log=lambda _: None) == 3
+    records = A.read_records(tmp_path / A.ANSWERS_FILE)
+    train = [p for p in A.instruction_prompts() if not p.heldout]
+    assert [r["id"] for r in records] == [p.id for p in train[:3]]
+    assert records[0]["answer"] == _transformers_reply(chat_target, train[0], 6)
+
+    # A run killed in the middle of a write leaves a partial line; the next run drops it and goes on.
+    with (tmp_path / A.ANSWERS_FILE).open("a") as f:
+        f.write('{"id": "cut sh')
+    bigger = A.AnswerOptions(count=5, max_new_tokens=6, batch_size=2)
+    assert A.generate_answers(chat_target, tmp_path, bigger, log=lambda _: None) == 5
+    records = A.read_records(tmp_path / A.ANSWERS_FILE)
+    assert [r["id"] for r in records] == [p.id for p in train[:5]]
+    text = (tmp_path / A.CONVERSATIONS_FILE).read_text()
+    assert all(p.text in text for p in train[:5]) and text.count("assistant:") == 5
+
+
+def test_an_answer_cut_at_the_budget_has_no_end_of_turn():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(Path(__file__).resolve().parents[2] / "models" / "target"))
+    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<end>{% endfor %}" \
+                        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    record = {"prompt": "hi", "answer": "hello"}
+    assert A.conversation_text(tok, {**record, "ended": True}) == "<user>hi<end><assistant>hello<end>"
+    assert A.conversation_text(tok, {**record, "ended": False}) == "<user>hi<end><assistant>hello\n"
+
+
+def test_data_stdlib_is_the_training_split_plus_named_files(tmp_path):
+    from duospec.training import corpus
+
+    extra = tmp_path / "answers.txt"
+    extra.write_text("hello\n")
+    files = collect_data_files(["stdlib", str(extra)])
+    train, heldout = corpus.split_files(corpus.stdlib_files())
+    assert extra.resolve() in files and len(files) == len(train) + 1
+    assert not {f.path.resolve() for f in heldout} & set(files)
+
+
+def test_cli_rejects_bad_counts_without_a_traceback(capsys):
+    from duospec.cli import main
+
+    assert main(["distill-data", "--target", "models/target", "--out", "unused", "--count", "0"]) == 2
+    assert "--count must be >= 1" in capsys.readouterr().err
+    assert not Path("unused").exists()
+
+
+
+def test_acceptance_prompt_sets_follow_the_data_and_the_template(chat_target):
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from duospec.training.acceptance import prompt_sets
+
+    tok = AutoTokenizer.from_pretrained(str(chat_target))
+    sets = prompt_sets(tok, ["stdlib", "notes.txt"], np.zeros(0, np.int64), 3)
+    assert set(sets) == {"code", "chat"} and all(len(p) == 3 for p in sets.values())
+    assert tok.decode(sets["chat"][0]).startswith("user: ") and all(len(p) == 64 for p in sets["code"])
+    tok.chat_template = None
+    tail = np.arange(1000) % 300
+    assert set(prompt_sets(tok, ["notes.txt"], tail, 3)) == {"heldout"}
