@@ -1,5 +1,5 @@
 """Run as a subprocess by tests/actors/test_placement.py: a private multi-node Ray cluster on this machine
-(ray.cluster_utils.Cluster), so the test session's own Ray instance is left alone.
+(ray.cluster_utils.Cluster), so the test run's own Ray instance is left alone.
 
     placement_scenarios.py TARGET DRAFT          the pair's placements
     placement_scenarios.py TARGET DRAFT tp       tensor-parallel groups and replicas (TARGET: 4 KV heads)

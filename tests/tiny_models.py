@@ -9,7 +9,7 @@ deterministic for a given seed, loadable by ``AutoModelForCausalLM.from_pretrain
     ckpt_q = make_tiny_checkpoint(tmp_path / "qwen", "qwen2", tie_embeddings=True)
 
 Both functions are cached per output directory: calling them again on a directory they already
-filled (with the same arguments) returns at once, so a session fixture can share one directory.
+filled (with the same arguments) returns at once, so a fixture shared by the whole test run can share one directory.
 """
 
 from __future__ import annotations

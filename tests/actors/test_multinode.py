@@ -94,7 +94,7 @@ class LocalRayCluster:
         return found
 
     def stop(self, grace_s: float = 3.0) -> None:
-        # Raylets and the GCS may sit on SIGTERM for a long while; the session is disposable.
+        # Raylets and the GCS may sit on SIGTERM for a long while; that Ray cluster is disposable.
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
             for pid in self.pids():
                 with contextlib.suppress(ProcessLookupError):  # exited meanwhile
