@@ -226,6 +226,16 @@ class BlockTables:
                 f"the KV cache needs {need} more blocks of {self.block_size} positions but only "
                 f"{self.pool.num_free} of {self.pool.num_blocks} are free")
         bs, copies = self.block_size, []
+        # (copy -> the block it copies): the caller copies every pair at once (sources read before
+        # any copy is written), so a copy of a block that is itself a copy made in this call — two
+        # branches moved off their parent's home block, then one of them writing — must read the
+        # original: the intermediate copy still holds stale rows when the copies run.
+        origin: dict[int, int] = {}
+
+        def copy(src: int, dst: int) -> None:
+            origin[dst] = origin.get(src, src)
+            copies.append((origin[dst], dst))
+
         for slot, start, end in writes:
             table = self._tables[slot]
             del table.hashes[start // bs:]
@@ -235,11 +245,11 @@ class BlockTables:
                     continue
                 block = table.blocks[i]
                 if self.pool.refs[block] > 1 and block == self._home(slot, i):
-                    copies.append((block, self._move_other_holders(slot, i, block)))
+                    copy(block, self._move_other_holders(slot, i, block))
                 elif self.pool.refs[block] > 1:
                     table.blocks[i] = self.pool.take(self._placement(slot, table, i))
                     self.pool.release(block)
-                    copies.append((block, table.blocks[i]))
+                    copy(block, table.blocks[i])
                 else:
                     self.pool.unhash(block)
         return copies

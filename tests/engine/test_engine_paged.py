@@ -70,6 +70,37 @@ def test_a_branch_shares_its_prefix_and_copies_a_block_only_when_it_writes(ckpts
     assert_close(got, want_other[20:30], "the branch after the main line was freed")
 
 
+def test_two_branches_of_a_sequence_at_home_and_the_sequence_write_in_one_forward(ckpts, seqs):
+    """The drafter's hedges: a pool laid out like a slot cache (a home region per slot), the branches'
+    own homes holding cached prefixes so they share the sequence's blocks, and the sequence and both
+    branches writing into the shared block in one forward. Each branch must read the sequence's rows
+    before its branch point (a copy of a copy made in the same forward once read stale rows)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(ckpts["llama"]))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    block_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4 * BLOCK
+    runner = load_model(ckpts["llama"], device="cpu", dtype=torch.float32, max_slots=4, max_context=16,
+                        kv=KVOptions(block_size=BLOCK, kv_cache_memory_bytes=16 * block_bytes))
+    assert runner.kv.home_blocks == 4
+    main, fillers = runner.allocate_slot(), [runner.allocate_slot(), runner.allocate_slot()]
+    for filler, tokens in zip(fillers, (seqs[1], seqs[2])):  # the branches' homes: cached other text
+        runner.forward([chunk(filler, tokens, 0, 16)])
+        runner.commit(filler, 16)
+        runner.free_slot(filler)
+    runner.forward([chunk(main, seqs[0], 0, 10)])
+    branches = [runner.allocate_slot(), runner.allocate_slot()]
+    assert sorted(branches) == sorted(fillers)
+    for branch in branches:
+        runner.copy_prefix(main, branch, 10)
+        assert runner.kv.blocks(branch) == runner.kv.blocks(main)  # shared, not copied
+    texts = [torch.cat([seqs[0, :10], torch.tensor([5 + i, 9, 11])]) for i in range(2)]
+    got = runner.forward([chunk(main, seqs[0], 10, 13)] + [chunk(b, t, 10, 13) for b, t in zip(branches, texts)])
+    assert_close(got[0], reference_logits(ckpts["llama"], seqs)[0, 10:13], "the sequence")
+    for i, text in enumerate(texts):
+        assert_close(got[1 + i], reference_logits_of(ckpts["llama"], text)[10:13], f"branch {i}")
+
+
 def reference_logits_of(path, tokens: torch.Tensor) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
