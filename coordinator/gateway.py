@@ -374,8 +374,7 @@ class Gateway:
         stream.completion_tokens += n
 
     def _update_queue_gauges(self) -> None:
-        self.metrics.streams_running.set(self.admission.running)
-        self.metrics.streams_waiting.set(self.admission.waiting)
+        self.metrics.set_admission(self.admission.running, self.admission.waiting)
 
     # ---- accounting --------------------------------------------------------------------------------
 

@@ -86,8 +86,15 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("duospec:e2e_request_latency_seconds", "Request latency", t,
                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.streams_running = Gauge("duospec:num_requests_running", "Streams generating", registry=r)
-        self.streams_waiting = Gauge("duospec:num_requests_waiting", "Streams queued for a slot", registry=r)
+        # vLLM's meaning: running = holding KV and generating; waiting = queued for a slot, or preempted
+        # (KV freed, waiting to resume). Admission counts the latter as running (they keep their slot),
+        # so the preempted ones, from the coordinator's stats, are moved across (_publish_requests).
+        self.streams_running = Gauge("duospec:num_requests_running",
+                                     "Requests generating (holding KV cache; preempted ones are waiting)", registry=r)
+        self.streams_waiting = Gauge("duospec:num_requests_waiting",
+                                     "Requests waiting: queued for a slot, or preempted and waiting to resume",
+                                     registry=r)
+        self._admitted = self._queued = self._preempted = 0
         m, a = ["model", "replica"], ["model", "replica", "actor"]
         self.live_sequences = Gauge("duospec:coordinator_live_sequences", "Sequences the coordinator holds",
                                     m, registry=r)
@@ -156,11 +163,25 @@ class ServerMetrics:
     def observe_ledger_failure(self, operation: str) -> None:
         self.ledger_write_failures.labels(operation).inc()
 
+    def set_admission(self, admitted: int, queued: int) -> None:
+        """Admission's counts: requests holding a generation slot, and those queued for one."""
+        self._admitted, self._queued = admitted, queued
+        self._publish_requests()
+
+    def _publish_requests(self) -> None:
+        preempted = min(self._preempted, self._admitted)
+        self.streams_running.set(self._admitted - preempted)
+        self.streams_waiting.set(self._queued + preempted)
+
     def update_from_coordinator(self, stats: Any) -> None:
         """Copies what it recognizes from `coordinator.stats()`; unknown shapes are skipped."""
+        preempted = 0.0
         for model, entry in per_model_stats(stats).items():
             for replica, values in _replica_stats(entry).items():
                 self._update_replica(model, replica, values)
+                preempted += _number(values.get("preempted_sequences")) or 0.0
+        self._preempted = int(preempted)
+        self._publish_requests()
 
     def _update_replica(self, model: str, replica: str, entry: dict) -> None:
         for key, gauge in (("live_sequences", self.live_sequences), ("outstanding_tokens", self.outstanding_tokens)):

@@ -75,6 +75,23 @@ def test_kv_pools_and_preemptions_become_gauges_and_counters():
     assert get("duospec:prefix_cache_hits_total", {**one, "actor": "target"}) == 64 + 16
 
 
+def test_preempted_requests_count_as_waiting_not_running():
+    """vLLM's meaning: a request whose KV was freed by preemption waits (to resume), though admission
+    still holds its slot; the split follows both admission's counts and the coordinator's stats."""
+    m = ServerMetrics()
+    get = m.registry.get_sample_value
+    m.set_admission(6, 2)
+    assert (get("duospec:num_requests_running"), get("duospec:num_requests_waiting")) == (6, 2)
+    m.update_from_coordinator({"ready": True, "models": {
+        "a": {"live_sequences": 4, "preempted_sequences": 1},
+        "b": {"replicas": {"0": {"live_sequences": 1, "preempted_sequences": 1}, "1": {"live_sequences": 1}}}}})
+    assert (get("duospec:num_requests_running"), get("duospec:num_requests_waiting")) == (4, 4)
+    m.set_admission(5, 0)  # one finished, the queue drained
+    assert (get("duospec:num_requests_running"), get("duospec:num_requests_waiting")) == (3, 2)
+    m.update_from_coordinator({"a": {"live_sequences": 5, "preempted_sequences": 0}})  # resumed
+    assert (get("duospec:num_requests_running"), get("duospec:num_requests_waiting")) == (5, 0)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
