@@ -21,6 +21,7 @@ from duospec.coordinator.api import (
     Unavailable,
 )
 from duospec.coordinator.config import SpeculationDefaults
+from duospec.coordinator.guard import GoodputGuard
 from duospec.coordinator.policies import SpeculationPolicy
 from duospec.coordinator.replicas import ReplicaSet, ReplicaStatus
 from duospec.coordinator.scheduler import Scheduler, SchedulerConfig
@@ -66,30 +67,20 @@ class ModelRouter:
         self.entries: dict[str, ModelEntry] = {}
         self.default_model: str | None = None
         self.closed = False
-        self._variant: str | None = None  # use_speculation_choices: whose goodput guards are in place
-        self._guards: dict[tuple, object] = {}  # (variant, model, replica) -> its GoodputGuard, when not in place
 
     def add_model(self, entry: ModelEntry) -> None:
         self.entries[entry.info.name] = entry
         if self.default_model is None:
             self.default_model = entry.info.name
 
-    def use_speculation_choices(self, variant: str) -> None:
-        """Gives every open scheduler the goodput guard of `variant` (nothing may be in flight): what
-        the guard learned so far goes with the variant that was running, and `variant` continues from
-        its own (a fresh guard the first time). A benchmark that interleaves speculation variants then
-        measures each as a server running only that variant would behave — learning once, then
-        steady — instead of one variant inheriting another's choices, or every run learning anew."""
-        from duospec.coordinator.guard import GoodputGuard
-
+    def swap_guards(self, swap: Callable[[tuple[str, int], GoodputGuard], GoodputGuard]) -> None:
+        """Gives every open scheduler the goodput guard `swap((model, replica index), its current
+        guard)` returns (nothing may be in flight): a caller that runs distinct workloads one after
+        another on the same workers (duospec/bench/guards.py) keeps what each one's guard learned."""
         for name, entry in self.entries.items():
             for replica in entry.replicas.replicas:
                 if replica.scheduler is not None:
-                    key = (name, replica.index)
-                    if self._variant is not None:
-                        self._guards[(self._variant, *key)] = replica.scheduler.guard
-                    replica.scheduler.guard = self._guards.get((variant, *key)) or GoodputGuard()
-        self._variant = variant
+                    replica.scheduler.guard = swap((name, replica.index), replica.scheduler.guard)
 
     def models(self) -> list[ModelInfo]:
         return [entry.info for entry in self.entries.values()]

@@ -3,7 +3,8 @@
 Files: arithmetic.py (pure formulas), prompts.py (the prompt set), records.py (what a run records),
 inprocess.py (our modes on a LocalCoordinator; transformers generate), served.py (Ray pipeline +
 gRPC server + SDK; round overhead; concurrency sweep), summary.py (medians, ratios, exactness),
-report.py (JSON / Markdown / PNG), harness.py (the run order).
+report.py (JSON / Markdown / PNG), guards.py (a goodput guard per speculation variant),
+harness.py (the run order).
 """
 
 from duospec.bench.harness import BenchConfig, run_bench

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from duospec.bench.guards import use_speculation_choices
 from duospec.bench.records import RequestRecord, Run, request_mode, window
 
 MODEL_NAME = "bench"
@@ -85,7 +86,7 @@ async def run_coordinator_mode(coordinator, prompts: list[EncodedPrompt], mode: 
     """Every prompt once, one request at a time, through a LocalCoordinator or PipelineCoordinator.
     `variant`: whose goodput guard runs it (default `mode`; a warm-up passes its own, so that the timed
     runs' guard starts from scratch)."""
-    coordinator.use_speculation_choices(variant or mode)  # each pearl variant learns on its own, once
+    use_speculation_choices(coordinator, variant or mode)  # each pearl variant learns on its own, once
     before = await coordinator.stats()
     started = time.perf_counter()
     records = []

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from duospec.bench import arithmetic as ar
+from duospec.bench.guards import use_speculation_choices
 from duospec.bench.inprocess import MODEL_NAME, BenchPair, EncodedPrompt, model_config, run_coordinator_mode
 from duospec.bench.records import RequestRecord, Run, request_mode, window
 
@@ -90,7 +91,7 @@ async def client_request(client, prompt: EncodedPrompt, mode: str, max_new_token
 async def run_client_mode(served: Served, prompts: list[EncodedPrompt], mode: str, max_new_tokens: int,
                           tick: Callable[[], None], variant: str | None = None) -> Run:
     """`variant`: as in inprocess.run_coordinator_mode."""
-    served.coordinator.use_speculation_choices(variant or mode)  # each pearl variant learns on its own, once
+    use_speculation_choices(served.coordinator, variant or mode)  # each pearl variant learns on its own, once
     before = await served.coordinator.stats()
     started = time.perf_counter()
     records = []
@@ -104,7 +105,7 @@ async def run_client_mode(served: Served, prompts: list[EncodedPrompt], mode: st
 async def sweep_point(served: Served, prompts: list[EncodedPrompt], mode: str, streams: int, requests_per_stream: int,
                       max_new_tokens: int, tick: Callable[[], None]) -> dict:
     """`streams` client streams at once, each running `requests_per_stream` requests back to back."""
-    served.coordinator.use_speculation_choices(mode)
+    use_speculation_choices(served.coordinator, mode)
 
     stream_ends: list[float] = []
 

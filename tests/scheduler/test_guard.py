@@ -302,6 +302,7 @@ def test_a_benchmark_keeps_one_guard_per_speculation_variant():
     """Interleaved variants: each continues from what it learned itself, none inherits another's."""
     import types
 
+    from duospec.bench.guards import use_speculation_choices
     from duospec.coordinator.replicas import ReplicaSet
     from duospec.coordinator.router import ModelRouter
 
@@ -313,17 +314,21 @@ def test_a_benchmark_keeps_one_guard_per_speculation_variant():
     router = ModelRouter()
     scheduler = types.SimpleNamespace(guard=GoodputGuard())
     router.entries = {"m": entry(scheduler), "unopened": entry(None)}
-    router.use_speculation_choices("pearl")
+    use_speculation_choices(router, "pearl")
     pearls = scheduler.guard
     pearls.state = GuardState.TARGET_ONLY  # what the pearl runs taught it
-    router.use_speculation_choices("pearl-notree")
+    use_speculation_choices(router, "pearl-notree")
     assert scheduler.guard is not pearls and scheduler.guard.state is GuardState.SPECULATE
     assert scheduler.guard.goodput == {}
     notrees = scheduler.guard
-    router.use_speculation_choices("pearl")
+    use_speculation_choices(router, "pearl")
     assert scheduler.guard is pearls and scheduler.guard.state is GuardState.TARGET_ONLY
-    router.use_speculation_choices("pearl-notree")
+    use_speculation_choices(router, "pearl-notree")
     assert scheduler.guard is notrees
+    other = ModelRouter()  # another coordinator: guards of its own
+    other.entries = {"m": entry(types.SimpleNamespace(guard=GoodputGuard()))}
+    use_speculation_choices(other, "pearl")
+    assert other.entries["m"].replicas.replicas[0].scheduler.guard is not pearls
 
 
 def test_rounds_that_read_prompts_are_not_measured():
