@@ -1,11 +1,13 @@
 """Tensor-parallel worker groups through the real gRPC server on Ray actors (gloo on CPU): the bundled
 pair with the target at TP=2 (and once with the draft at TP=2 too) gives the greedy output of
-transformers in every mode, seeded sampled output repeats, and a rank killed with SIGKILL mid-stream
+transformers in every mode, seeded sampled output repeats, sampled output follows the target's
+distribution (chi-square), and a rank killed with SIGKILL mid-stream
 takes its group down, Ray restarts it, and the requests finish with the exact output."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import os
 import signal
@@ -18,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from duospec.bench.prompts import load_prompts
 from duospec.coordinator.config import ServerSettings
 from duospec.v1 import generation_pb2 as pb
-from exactness import assert_greedy_equal, hf_greedy
+from exactness import assert_greedy_equal, chi_square_pvalue, hf_greedy
 from pipeline_support import model_config
 from server_support import collect, running_server
 
@@ -53,6 +55,35 @@ def _request(prompt, n, mode, sampling=None) -> pb.GenerateRequest:
 
 async def _tokens(h, req, timeout=240) -> list[int]:
     return [t for m in await collect(h.stub, req, timeout=timeout) for t in m.token_ids]
+
+
+async def test_sampled_output_at_tp_2_follows_the_targets_distribution(ray_runtime, reference):
+    """Chi-square of the first two sampled tokens (top-k 4: 16 outcomes) against transformers' exact
+    joint distribution, with the target's logits gathered from two vocabulary shards."""
+    from duospec.coordinator.pipeline import start_pipeline
+    from test_decoding import _exact_two_token_distribution
+    from duospec.sampling import SamplingParams
+
+    hf, prompts, _ = reference
+    prompt = prompts[1]
+    joint = _exact_two_token_distribution(hf, prompt, SamplingParams(temperature=1.0, top_k=4))
+    n, at_once = 1200, 16
+    coordinator = start_pipeline([_config("tp-chi", 1)])
+    async with running_server(coordinator, SETTINGS) as h:
+        gate = asyncio.Semaphore(at_once)
+
+        async def one(seed: int):
+            sampling = pb.SamplingParams(temperature=1.0, top_k=4, seed=seed)
+            async with gate:
+                return await collect(h.stub, _request(prompt, 2, pb.SPECULATION_MODE_PEARL, sampling), timeout=240)
+
+        runs = await asyncio.gather(*(one(5000 + i) for i in range(n)))
+    drafted = sum(m.stats.drafted_tokens for messages in runs for m in messages)
+    assert drafted > n // 2  # the draft's tokens were really verified, not only the target sampling
+    counts = collections.Counter(tuple(t for m in messages for t in m.token_ids) for messages in runs)
+    assert set(counts) <= set(joint)
+    p_value = chi_square_pvalue(joint, counts, n)
+    assert p_value > 1e-3, f"sampled output at TP=2 does not follow p (chi-square p={p_value:.2e})"
 
 
 @pytest.mark.parametrize("draft_tp", [1, 2])
