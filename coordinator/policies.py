@@ -26,9 +26,43 @@ class SpeculationPolicy:
         """Hedges the drafter may hold for a sequence: pearl only (vanilla stays the textbook chain)."""
         return self.hedges if self.mode is SpeculationMode.PEARL else 0
 
+    def hedges_now(self, acceptance: float, paused: bool) -> int:
+        """Hedges for a sequence whose acceptance estimate is `acceptance` (none while its drafting is
+        `paused`). They pay only on a rejection but cost draft steps always: adaptive pearl keeps
+        2·(1 - α) of the configured number (at least one)."""
+        n = 0 if paused else self.max_hedges()
+        if n and self.adaptive_pearl:
+            n = min(n, max(1, round(2 * n * (1 - acceptance))))
+        return n
+
     @property
     def uses_draft(self) -> bool:
         return self.mode is not SpeculationMode.OFF
+
+    @property
+    def adaptive_pearl(self) -> bool:
+        """Whether the scheduler adapts this policy's speculation as it goes: the draft length
+        (coordinator/adaptive.py), patience (patience.py), and for greedy requests the goodput guard
+        (guard.py). Vanilla is the fixed baseline; a non-adaptive pearl policy keeps its settings."""
+        return self.adaptive and self.mode is SpeculationMode.PEARL
+
+    def guarded(self, greedy: bool) -> bool:
+        """Whether the goodput guard may switch speculation off for a request (greedy adaptive pearl;
+        coordinator/guard.py says why sampled requests are not)."""
+        return self.adaptive_pearl and greedy
+
+    def draft_limit(self, greedy: bool, speculating: bool, adapted_length: int | None) -> int:
+        """Most drafts to verify now: the cap, lowered in adaptive pearl by the measured best length
+        (`adapted_length`, None until measured), and 0 for a guarded request while the guard has
+        speculation off (`speculating`). Sampling keeps k >= 1: a timing-dependent switch to the
+        bonus rule would change seeded output."""
+        limit = self.max_draft_tokens
+        if self.adaptive_pearl:
+            if greedy and not speculating:
+                return 0
+            if adapted_length is not None:
+                limit = min(limit, max(adapted_length, 0 if greedy else 1))
+        return limit
 
     def lookahead(self) -> int:
         """Draft positions allowed past the committed prefix. Pearl: at least 2γ + 1, so that while
