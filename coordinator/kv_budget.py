@@ -12,9 +12,9 @@ Prefix caching scopes (`models[].prefix_cache`):
 from __future__ import annotations
 
 import time
+from typing import Iterable, Protocol
 
 from duospec.coordinator.api import Overloaded
-from duospec.internal.v1 import pearl_pb2 as pb
 
 PREFIX_CACHE_SCOPES = ("tenant", "shared", "off")
 
@@ -22,6 +22,16 @@ PREFIX_CACHE_SCOPES = ("tenant", "shared", "off")
 def cache_salt(scope: str, tenant: str) -> str:
     """The salt of a request's cached blocks under `scope`."""
     return f"tenant:{tenant}" if scope == "tenant" else ""
+
+
+class Drafter(Protocol):
+    """What preemption asks of the drafter's channel (coordinator/draft_commands.py DraftChannel)."""
+
+    up: bool
+
+    def free(self, seq) -> None: ...
+
+    def start(self, seq) -> None: ...
 
 
 class KVPreemption:
@@ -36,54 +46,64 @@ class KVPreemption:
     committed tokens (mostly from the prefix cache, which kept their blocks) and the drafter starts it
     over, in a new epoch. Nothing committed changes; the client sees a pause.
 
-    Mixed into `Scheduler` (coordinator/scheduler.py), whose state these methods read and write:
-    `sequences`, `_target_releases`, `_draft_up`, `_draft_command`, `_start_draft`, `_fail`.
+    Owns the count of preemptions and the workers' KV pools as their latest batches reported them;
+    the sequences and the drafter's channel are the scheduler's, passed in.
     """
 
-    num_preemptions = 0
-    # the workers' KV pools as their latest batches reported them (pearl.proto KVUsage; None: not yet)
-    target_kv = None
-    draft_kv = None
+    def __init__(self):
+        self.num_preemptions = 0
+        # the workers' KV pools as their latest batches reported them (pearl.proto KVUsage; None: not yet)
+        self.target_kv = None
+        self.draft_kv = None
 
-    @property
-    def preempted(self) -> list:
-        """Sequences waiting to resume, oldest preemption first."""
-        return sorted((s for s in self.sequences.values() if s.preempted_at is not None), key=lambda s: s.preempted_at)
+    def observe(self, batch, role: str) -> None:
+        """Keeps the KV usage a worker's batch (VerdictBatch: "target", DraftChunkBatch: "draft") reports."""
+        if batch.HasField("kv"):
+            if role == "target":
+                self.target_kv = batch.kv
+            else:
+                self.draft_kv = batch.kv
 
-    def _on_kv_full(self, seqs: list) -> None:
-        """`seqs`: this verdict batch's sequences the target's pool could not hold. One sequence is
-        preempted per batch: the target fitted as many items as it could, so one sequence's blocks
-        are what the next round most likely needs (if not, it answers KV_CACHE_FULL again)."""
-        for seq in seqs:
-            seq.forget_verify()
-        if not seqs:
-            return
-        running = [s for s in self.sequences.values() if s.finish_reason is None and s.preempted_at is None]
-        if len(running) <= 1:  # nothing else holds blocks it could give back
-            for seq in seqs:
-                self._fail(seq, Overloaded("the target's KV cache cannot hold this sequence even alone; give "
-                                           "the model more KV memory (models[].kv_cache_memory_bytes)"))
-            return
-        self._preempt(min(running, key=lambda s: (s.request.priority_weight, -s.seq_id)))
+    @staticmethod
+    def preempted(live: Iterable) -> list:
+        """The `live` sequences waiting to resume, oldest preemption first."""
+        return sorted((s for s in live if s.preempted_at is not None), key=lambda s: s.preempted_at)
 
-    def _preempt(self, seq) -> None:
+    @staticmethod
+    def victim(live: Iterable):
+        """Which running sequence gives its blocks back after a batch the target's pool could not hold:
+        one per batch, since the target fitted as many items as it could, so one sequence's blocks are
+        what the next round most likely needs (if not, it answers KV_CACHE_FULL again). None when
+        nothing else holds blocks it could give back."""
+        running = [s for s in live if s.finish_reason is None and s.preempted_at is None]
+        if len(running) <= 1:
+            return None
+        return min(running, key=lambda s: (s.request.priority_weight, -s.seq_id))
+
+    def preempt(self, seq, drafter: Drafter) -> None:
+        """Frees `seq`'s blocks on the drafter; the caller has the target release it with its next batch."""
         self.num_preemptions += 1
         seq.preempted_at = time.monotonic()
         seq.forget_verify()
-        self._target_releases.append(seq.seq_id)
         seq.target_len = 0  # the target re-prefills it on resume
-        if seq.draft_started and seq.draft_alive and self._draft_up:
-            self._draft_command(pb.DraftCommand(seq_id=seq.seq_id, kind=pb.DRAFT_COMMAND_KIND_RELEASE))
+        if seq.draft_started and seq.draft_alive and drafter.up:
+            drafter.free(seq)
         seq.draft_started = False
         seq.start_new_epoch()  # anything the drafter sent before the RELEASE is stale
         seq.draft_fed_len = 0
 
-    def _resume_preempted(self) -> None:
+    def resume(self, live: Iterable, drafter: Drafter) -> None:
         """A sequence ended and gave its blocks back: the oldest preempted sequence runs again."""
-        waiting = self.preempted
-        if not waiting or self.closed:
+        waiting = self.preempted(live)
+        if not waiting:
             return
         seq = waiting[0]
         seq.preempted_at = None
-        if seq.uses_draft and self._draft_up:
-            self._start_draft(seq)
+        if seq.uses_draft and drafter.up:
+            drafter.start(seq)
+
+
+def kv_full_error() -> Overloaded:
+    """What a sequence gets that the target's KV cache cannot hold even alone."""
+    return Overloaded("the target's KV cache cannot hold this sequence even alone; give "
+                      "the model more KV memory (models[].kv_cache_memory_bytes)")

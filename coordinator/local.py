@@ -81,7 +81,6 @@ class LocalCoordinator(ModelRouter):
             target = LocalTargetLink(Verifier(target_runner))
             draft = LocalDraftLink(Drafter(proposer)) if proposer is not None else None
             scheduler = Scheduler(info, target, draft, sched_config)
-            scheduler.workers = (target, draft)
             await scheduler.start()
             return scheduler
 

@@ -20,8 +20,10 @@ recovery — and the reconnection has Ray kill the actor and restart it (LinkLos
 instead of waiting on a process that will never answer. (Only where there is a way to restart: the
 in-process links have none, and no verify watchdog.)
 
-Mixed into `Scheduler` (coordinator/scheduler.py), whose state these methods read and write: the
-links, `config`, `sequences`, `inflight`, `verify_cost`, the `_target_up`/`_draft_up` flags.
+`WorkerSupervisor` owns both links, whether each worker is up, and the readers and watchdogs; the
+drafter's link and its up flag live in its `DraftChannel` (coordinator/draft_commands.py), which the
+supervisor takes down and brings back. What a worker's batches and losses mean for the sequences is
+the scheduler's: the supervisor tells it through `WorkerEvents`.
 """
 
 from __future__ import annotations
@@ -29,9 +31,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Protocol
 
-from duospec.coordinator.api import Unavailable
-from duospec.coordinator.links import LinkLoss, close_quietly, loss_of
+from duospec.coordinator.adaptive import VerifyCostModel
+from duospec.coordinator.draft_commands import DraftChannel
+from duospec.coordinator.links import Link, LinkLoss, Reconnect, close_quietly, loss_of
+from duospec.coordinator.patience import Patience
+from duospec.coordinator.rounds import InFlightVerify
 
 log = logging.getLogger("coordinator.scheduler")
 
@@ -42,21 +48,91 @@ WATCH_INTERVAL_S = 0.25
 RECONNECT_PAUSE_S = 1.0  # between reconnect attempts once a worker stayed away past its bound
 
 
-class WorkerRecovery:
-    _draft_heard_t = 0.0  # when the drafter last sent anything (monotonic)
-    _draft_stalled = False  # the watchdog closed the draft stream: its reader reopens it
-    _target_hung = False  # the watchdog closed the target stream: its reader replaces the target
+def waits_for_drafter(seq, in_verify_with_drafts: bool) -> bool:
+    """Whether a live sequence waits for its drafter's next chunk (what the stall watchdog watches);
+    one in the batch the target works on, with drafts (`in_verify_with_drafts`), does not — an empty
+    round's sequence still does."""
+    return (seq.finish_reason is None and seq.draft_alive and not seq.draft_paused and not seq.draft_exhausted
+            and not seq.drafts and not in_verify_with_drafts and seq.preempted_at is None
+            # a head drafter rightly waits for the prompt's features until the target has read it
+            and not (seq.needs_features and seq.target_len < len(seq.committed) - 1))
 
-    def _start_watchdogs(self) -> None:
+
+class WorkerEvents(Protocol):
+    """What the supervisor tells the scheduler (coordinator/scheduler.py), and asks it."""
+
+    def on_draft_batch(self, batch) -> None: ...
+
+    def on_verdict_batch(self, batch) -> None: ...
+
+    def on_draft_lost(self) -> None: ...  # live sequences go on target-only
+
+    def on_target_down(self) -> None: ...  # nothing in flight; every live sequence re-prefills
+
+    def on_target_back(self) -> None: ...
+
+    def on_target_lost(self) -> None: ...  # the target did not come back in time: fail the live requests
+
+    def waiting_for_drafts(self) -> bool: ...  # some live sequence waits for the drafter's next chunk
+
+    def verify_in_flight(self) -> InFlightVerify | None: ...
+
+
+class WorkerSupervisor:
+    def __init__(self, target: Link, drafter: DraftChannel, events: WorkerEvents, *, hang_timeout_s: float,
+                 patience: Patience, verify_cost: VerifyCostModel, reconnect_target: Reconnect | None = None,
+                 reconnect_draft: Reconnect | None = None):
+        self.target = target
+        self.drafter = drafter
+        self._events = events
+        self._hang_timeout_s = hang_timeout_s
+        self._patience = patience  # its measured draft step and round overhead bound the waits
+        self._verify_cost = verify_cost  # a verify's predicted cost bounds how long it may take
+        # A lost stream is reopened on the restarted actor through these (pipeline.py).
+        self.reconnect_target = reconnect_target
+        self.reconnect_draft = reconnect_draft
+        self.target_up = True
+        self._target_failed = False  # the target did not come back: fail fast from now on
+        self.target_restarts = 0
+        self.draft_restarts = 0
+        self.closed = False
+        self._tasks: list[asyncio.Task] = []
+        self._draft_heard_t = 0.0  # when the drafter last sent anything (monotonic)
+        self._draft_stalled = False  # the watchdog closed the draft stream: its reader reopens it
+        self._target_hung = False  # the watchdog closed the target stream: its reader replaces the target
+
+    @property
+    def draft(self) -> Link | None:
+        return self.drafter.link
+
+    def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._read_target(), name="duospec-target-reader"))
         if self.draft is not None:
+            self._tasks.append(asyncio.create_task(self._read_draft(), name="duospec-draft-reader"))
             self._tasks.append(asyncio.create_task(self._watch_draft(), name="duospec-draft-watchdog"))
-        if self._reconnect_target is not None:  # (a hung in-process target has nothing to restart it)
+        if self.reconnect_target is not None:  # (a hung in-process target has nothing to restart it)
             self._tasks.append(asyncio.create_task(self._watch_target(), name="duospec-target-watchdog"))
+
+    def stop(self) -> None:
+        """From now on the coordinator is closed: readers and watchdogs end, nothing reconnects."""
+        self.closed = True
+        for task in self._tasks:
+            task.cancel()
+
+    async def close_links(self) -> None:
+        for link in (self.draft, self.target):
+            if link is not None:
+                await link.close()
+
+    def heard_from_drafter(self) -> float:
+        """Notes that the drafter just sent something; returns when (monotonic)."""
+        self._draft_heard_t = time.monotonic()
+        return self._draft_heard_t
 
     @property
     def target_serving(self) -> bool:
         """Whether the target is connected: the server's health is SERVING only while it is."""
-        return self._target_up and not self._target_failed and not self.closed
+        return self.target_up and not self._target_failed and not self.closed
 
     # -- the drafter ----------------------------------------------------------------------------------
     async def _read_draft(self) -> None:
@@ -66,7 +142,7 @@ class WorkerRecovery:
             loss = LinkLoss.CLOSED
             try:
                 async for batch in self.draft.responses():
-                    self._on_draft_batch(batch)
+                    self._events.on_draft_batch(batch)
             except asyncio.CancelledError:
                 if self.closed or not self._draft_stalled:
                     raise
@@ -79,45 +155,29 @@ class WorkerRecovery:
             if self._draft_stalled:
                 loss = LinkLoss.SILENT
             self._draft_stalled = False
-            self._draft_up = False
-            self._draft_lost()
-            if self._reconnect_draft is None:
+            self.drafter.lost()
+            self._events.on_draft_lost()
+            if self.reconnect_draft is None:
                 return
-            link = await self._reconnect(self._reconnect_draft, "drafter", loss)
+            link = await self._reconnect(self.reconnect_draft, "drafter", loss)
             if link is None:
                 return
-            old, self.draft = self.draft, link
+            old = self.draft
+            self.drafter.replaced(link)
             await close_quietly(old)
-            self._draft_up = True
             self._draft_heard_t = time.monotonic()
             self.draft_restarts += 1
             log.info("drafter reconnected; new requests speculate again")
 
-    def _draft_lost(self) -> None:
-        for seq in self.sequences.values():
-            if seq.draft_alive:
-                seq.drop_drafts()
-                seq.draft_alive = False
-        if not self.closed:
-            self._dispatch()
-
     def draft_stall_bound_s(self) -> float:
-        return max(DRAFT_STALL_FLOOR_S, DRAFT_STALL_STEPS * (self.patience.draft_step_s.value or 0.0))
+        return max(DRAFT_STALL_FLOOR_S, DRAFT_STALL_STEPS * (self._patience.draft_step_s.value or 0.0))
 
     async def _watch_draft(self) -> None:
         """Treats a drafter that stays silent while sequences wait for its drafts as lost."""
         waiting_since = None
         while not self.closed:
             await asyncio.sleep(WATCH_INTERVAL_S)
-            # in the batch the target works on, with drafts: an empty round's sequence still waits for them
-            busy = {i for i in self.inflight.seq_ids if (s := self.sequences.get(i)) is not None and s.verify_tokens} \
-                if self.inflight is not None else set()
-            waiting = self._draft_up and self._target_up and any(
-                seq.finish_reason is None and seq.draft_alive and not seq.draft_paused and not seq.draft_exhausted
-                and not seq.drafts and seq.seq_id not in busy and seq.preempted_at is None
-                # a head drafter rightly waits for the prompt's features until the target has read it
-                and not (seq.needs_features and seq.target_len < len(seq.committed) - 1)
-                for seq in self.sequences.values())
+            waiting = self.drafter.up and self.target_up and self._events.waiting_for_drafts()
             now = time.monotonic()
             if not waiting or waiting_since is None or self._draft_heard_t > waiting_since:
                 waiting_since = now if waiting else None
@@ -132,22 +192,22 @@ class WorkerRecovery:
     # -- the target -----------------------------------------------------------------------------------
     def verify_hang_bound_s(self, inflight) -> float:
         """How long the verify `inflight` may be outstanding before the target counts as hung."""
-        predicted = self.verify_cost.cost(inflight.n_tokens) + (self.patience.round_overhead_s.value or 0.0)
-        return max(self.config.hang_timeout_s, VERIFY_HANG_FACTOR * predicted)
+        predicted = self._verify_cost.cost(inflight.n_tokens) + (self._patience.round_overhead_s.value or 0.0)
+        return max(self._hang_timeout_s, VERIFY_HANG_FACTOR * predicted)
 
     async def _watch_target(self) -> None:
         """Treats a target that sits on a verify far longer than it should take as hung."""
         while not self.closed:
             await asyncio.sleep(WATCH_INTERVAL_S)
-            inflight = self.inflight
-            if inflight is None or not self._target_up:
+            inflight = self._events.verify_in_flight()
+            if inflight is None or not self.target_up:
                 continue
             waited = time.monotonic() - inflight.sent_at
             if waited > self.verify_hang_bound_s(inflight):
                 log.error("target silent for %.1f s on a verify of %d tokens (predicted %.3f s): treated as hung; "
-                          "it is restarted", waited, inflight.n_tokens, self.verify_cost.cost(inflight.n_tokens))
+                          "it is restarted", waited, inflight.n_tokens, self._verify_cost.cost(inflight.n_tokens))
                 self._target_hung = True
-                self._target_up = False  # NOT_SERVING, new requests refused: now, not once the stream ends
+                self.target_up = False  # NOT_SERVING, new requests refused: now, not once the stream ends
                 await close_quietly(self.target)  # ends its reader's stream: the lost-target path
 
     async def _read_target(self) -> None:
@@ -157,7 +217,7 @@ class WorkerRecovery:
             loss = LinkLoss.CLOSED
             try:
                 async for batch in self.target.responses():
-                    self._on_verdict_batch(batch)
+                    self._events.on_verdict_batch(batch)
             except asyncio.CancelledError:
                 if self.closed or not self._target_hung:
                     raise
@@ -170,26 +230,21 @@ class WorkerRecovery:
                 return
 
     async def _recover_target(self, loss: LinkLoss) -> bool:
-        self._target_up = False
-        self.inflight = None
-        self._target_releases = []  # the restarted target holds no sequences
-        for seq in self.sequences.values():
-            seq.target_len = 0  # the next verify re-sends all committed tokens: a re-prefill
-            seq.forget_verify()
-        if self._reconnect_target is None:
+        self.target_up = False
+        self._events.on_target_down()
+        if self.reconnect_target is None:
             log.error("target stream ended and there is no way to reconnect")
-            self._target_lost()
+            self.target_lost()
             return False
-        link = await self._reconnect(self._reconnect_target, "target", loss, on_give_up=self._target_lost)
+        link = await self._reconnect(self.reconnect_target, "target", loss, on_give_up=self.target_lost)
         if link is None:
             return False
         old, self.target = self.target, link
         await close_quietly(old)
-        self._target_up = True
+        self.target_up = True
         self._target_failed = False
         self.target_restarts += 1
-        log.info("target reconnected; re-prefilling %d live sequences", len(self.sequences))
-        self._dispatch()
+        self._events.on_target_back()
         return True
 
     async def _reconnect(self, reconnect, role: str, loss: LinkLoss, on_give_up=None):
@@ -210,8 +265,7 @@ class WorkerRecovery:
             await asyncio.sleep(RECONNECT_PAUSE_S)
         return None
 
-    def _target_lost(self) -> None:
+    def target_lost(self) -> None:
+        """The target did not come back in time: the live requests fail, new ones fail fast."""
         self._target_failed = True
-        self.inflight = None
-        for seq in list(self.sequences.values()):
-            self._fail(seq, Unavailable("the target worker is unavailable and did not restart in time; retry later"))
+        self._events.on_target_lost()

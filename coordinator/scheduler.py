@@ -1,8 +1,8 @@
 """The PEARL scheduler: one loop for every live sequence and every mode (docs/design.md#the-pearl-protocol).
 
-    drafter ──DraftChunkBatch──▶ _on_draft_batch ─┐
-                                                  ├─▶ _dispatch ──VerifyBatch──▶ target
-    target ──VerdictBatch──▶ _on_verdict_batch ───┘        (at most one batch in flight)
+    drafter ──DraftChunkBatch──▶ on_draft_batch ─┐
+                                                 ├─▶ _dispatch ──VerifyBatch──▶ target
+    target ──VerdictBatch──▶ on_verdict_batch ───┘        (at most one batch in flight)
                  │
                  └─▶ commit, stream TokensEvent, ADVANCE / RESET (abort + rollback) ──▶ drafter
 
@@ -13,8 +13,12 @@ an empty round), while the drafter keeps drafting past the chunk under verificat
 A rejection bumps the sequence's epoch; chunks and verdicts with an old epoch are dropped. The mode
 only changes the policy object (coordinator/policies.py). How much to speculate:
 coordinator/adaptive.py (draft length), patience.py (waiting for a fuller chunk), guard.py
-(speculating at all); what the drafter is told: draft_commands.py; what happens when a worker's
-stream breaks: recovery.py.
+(speculating at all). The scheduler holds its collaborators, each owning its own state:
+    drafter     DraftChannel (draft_commands.py): the drafter's link, up or not, the commands queued
+    batches     VerifyBatchBuilder (verify_items.py): chosen sequences, budget -> items, deferred
+    supervisor  WorkerSupervisor (recovery.py): both links, the target up or not, readers,
+                watchdogs and reconnection when a worker's stream breaks, stalls or hangs
+    kv          KVPreemption (kv_budget.py): preemption when the target's KV pool runs out
 """
 
 from __future__ import annotations
@@ -25,36 +29,20 @@ import logging
 import time
 from dataclasses import dataclass
 
-from duospec.coordinator.adaptive import (
-    AcceptanceTracker,
-    Ewma,
-    VerifyCostModel,
-    best_draft_length,
-    drafts_worth_waiting_for,
-    wait_for_drafts_s,
-)
-from duospec.coordinator.api import (
-    CoordinatorError,
-    SpeculationMode,
-    FinishEvent,
-    FinishReason,
-    GenerationRequest,
-    ModelInfo,
-    TokenLogprob,
-    TokensEvent,
-    Unavailable,
-)
-from duospec.coordinator.draft_commands import DraftCommands
+from duospec.coordinator.adaptive import (AcceptanceTracker, Ewma, VerifyCostModel, best_draft_length,
+                                          drafts_worth_waiting_for, wait_for_drafts_s)
+from duospec.coordinator.api import (CoordinatorError, FinishEvent, FinishReason, GenerationRequest, ModelInfo,
+                                     TokenLogprob, TokensEvent, Unavailable)
+from duospec.coordinator.draft_commands import DraftChannel, max_hedges
 from duospec.coordinator.guard import GoodputGuard
-from duospec.coordinator.kv_budget import KVPreemption
-from duospec.coordinator.links import Link, LinkLoss, Reconnect, verify_error
+from duospec.coordinator.kv_budget import KVPreemption, kv_full_error
+from duospec.coordinator.links import Link, Reconnect, verify_error
 from duospec.coordinator.rounds import InFlightVerify, SchedulerConfig, WorkerTimes
 from duospec.coordinator.patience import Patience
-from duospec.coordinator.recovery import WorkerRecovery
-from duospec.coordinator.verify_items import VerifyItems, item_rows
+from duospec.coordinator.recovery import WorkerSupervisor, waits_for_drafter
+from duospec.coordinator.verify_items import VerifyBatchBuilder, fed_to, item_rows
 from duospec.coordinator.policies import SpeculationPolicy, fair_share
 from duospec.coordinator.sequence import DraftAction, Sequence
-from duospec.draft_worker.proposer import DraftMethod
 from duospec.internal.kv_wire import kv_usage_report
 from duospec.internal.v1 import pearl_pb2 as pb
 
@@ -69,20 +57,10 @@ class _Failure:
     error: CoordinatorError
 
 
-class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
-    def __init__(
-        self,
-        info: ModelInfo,
-        target: Link,
-        draft: Link | None,
-        config: SchedulerConfig,
-        *,
-        reconnect_target: Reconnect | None = None,
-        reconnect_draft: Reconnect | None = None,
-    ):
+class Scheduler:
+    def __init__(self, info: ModelInfo, target: Link, draft: Link | None, config: SchedulerConfig, *,
+                 reconnect_target: Reconnect | None = None, reconnect_draft: Reconnect | None = None):
         self.info = info
-        self.target = target
-        self.draft = draft
         self.config = config
         self.sequences: dict[int, Sequence] = {}
         self.inflight: InFlightVerify | None = None
@@ -96,10 +74,8 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
         self._target_releases: list[int] = []
         self._vtime: dict[str, float] = {}  # weighted fair share: target rows / weight per tenant (_charge)
         self._slots = asyncio.Semaphore(config.max_num_seqs)
-        self._tasks: list[asyncio.Task] = []
         self._idle_since = time.monotonic()
         self._deferring = False  # True while a batch is being applied: dispatch once, at its end
-        self._pending_draft_commands: list[pb.DraftCommand] = []
         # Adaptive draft length for pearl sequences (coordinator/adaptive.py).
         self.verify_cost = VerifyCostModel()
         self.pearl_draft_length: int | None = None  # None: not measured yet, use each policy's max
@@ -111,32 +87,38 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
         self.lookup_acceptance = AcceptanceTracker(decay=0.95)
         self._lookup_probe = 0  # counts the empty rounds sent without a lookup (LOOKUP_PROBE_EVERY)
         self.patience = Patience(wake=self._dispatch)
-        self.closed = False
-        # Worker failures: a lost stream is reopened on the restarted actor through these.
-        self._reconnect_target = reconnect_target
-        self._reconnect_draft = reconnect_draft
-        self._target_up = True
-        self._draft_up = draft is not None
-        self._target_failed = False  # the target did not come back: fail fast from now on
-        self.target_restarts = 0
-        self.draft_restarts = 0
+        self.drafter = DraftChannel(draft, info.prefix_cache, info.draft_method)
+        self.batches = VerifyBatchBuilder(info.max_context, info.prefix_cache, draft_limit=self._draft_limit,
+                                          lookup_length=self._lookup_length,
+                                          may_verify_without_drafts=self._may_verify_without_drafts)
+        self.supervisor = WorkerSupervisor(target, self.drafter, self, hang_timeout_s=config.hang_timeout_s,
+                                           patience=self.patience, verify_cost=self.verify_cost,
+                                           reconnect_target=reconnect_target, reconnect_draft=reconnect_draft)
+        self.kv = KVPreemption()
 
     async def start(self) -> None:
-        self._tasks.append(asyncio.create_task(self._read_target(), name="duospec-target-reader"))
-        if self.draft is not None:
-            self._tasks.append(asyncio.create_task(self._read_draft(), name="duospec-draft-reader"))
-        self._start_watchdogs()
+        self.supervisor.start()
 
     async def close(self) -> None:
-        self.closed = True
+        self.supervisor.stop()
         self.patience.end()
         for seq in list(self.sequences.values()):
             self._finish(seq, FinishReason.CANCELLED)
-        for task in self._tasks:
-            task.cancel()
-        for link in (self.draft, self.target):
-            if link is not None:
-                await link.close()
+        await self.supervisor.close_links()
+
+    @property
+    def closed(self) -> bool:
+        return self.supervisor.closed
+
+    @property
+    def target_serving(self) -> bool:
+        """Whether the target is connected: the server's health is SERVING only while it is."""
+        return self.supervisor.target_serving
+
+    @property
+    def workers(self) -> tuple[Link, Link | None]:
+        """The links to the target and the drafter (None: no drafter) as they are now."""
+        return self.supervisor.target, self.drafter.link
 
     # -- public entry --------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest, policy: SpeculationPolicy):
@@ -164,7 +146,7 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
             self._slots.release()
 
     def _add(self, request: GenerationRequest, policy: SpeculationPolicy) -> Sequence:
-        use_draft = policy.uses_draft and self._draft_up
+        use_draft = policy.uses_draft and self.drafter.up
         seq = Sequence(
             seq_id=next(self._seq_ids),
             request=request,
@@ -173,7 +155,7 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
             prompt_len=len(request.prompt_token_ids),
             eos_token_ids=self.info.end_token_ids,
             draft_alive=use_draft,
-            needs_features=use_draft and self._draft_reads_features,
+            needs_features=use_draft and self.drafter.reads_features,
         )
         seq.round_start = seq.prompt_len
         seq.acceptance = self._acceptance_prior()
@@ -186,30 +168,29 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
             # Target-only by the guard: the drafter holds the sequence but neither prefills nor drafts
             # until speculation resumes (then a RESET feeds it everything).
             seq.draft_paused = self._draft_limit(seq) == 0
-            self._start_draft(seq)
+            self.drafter.start(seq)
         self.sequences[seq.seq_id] = seq
         self._dispatch()
         return seq
 
     # -- drafts in -----------------------------------------------------------------------------
-    def _on_draft_batch(self, batch: pb.DraftChunkBatch) -> None:
-        self._draft_heard_t = time.monotonic()
+    def on_draft_batch(self, batch: pb.DraftChunkBatch) -> None:
+        heard_at = self.supervisor.heard_from_drafter()
         longest = max((len(c.tokens) for c in batch.chunks), default=0)
         if longest and batch.busy_seconds > 0:  # merged messages carry several steps per chunk
             self.patience.draft_step_s.observe(batch.busy_seconds / longest)
         self.draft_times.busy_s += batch.busy_seconds
         self.draft_times.idle_s += batch.idle_seconds
         self.draft_times.messages += 1
-        if batch.HasField("kv"):
-            self.draft_kv = batch.kv
+        self.kv.observe(batch, "draft")
         self._deferring = True
         try:
-            self._apply_draft_chunks(batch)
+            self._apply_draft_chunks(batch, heard_at)
         finally:
             self._deferring = False
         self._dispatch()
 
-    def _apply_draft_chunks(self, batch: pb.DraftChunkBatch) -> None:
+    def _apply_draft_chunks(self, batch: pb.DraftChunkBatch, heard_at: float) -> None:
         for seq_id in batch.failed_seq_ids:
             seq = self.sequences.get(seq_id)
             if seq is not None:
@@ -225,7 +206,7 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
                 continue
             if chunk.tokens and seq.restarted is not None and chunk.epoch == seq.restarted[0]:
                 # timed even when the epoch has moved on since: a slow restart must not go unmeasured
-                self.patience.first_draft_s.observe(self._draft_heard_t - seq.restarted[1])
+                self.patience.first_draft_s.observe(heard_at - seq.restarted[1])
                 seq.restarted = None
             if chunk.epoch != seq.epoch or seq.draft_paused:  # an aborted branch, or drafted before a pause
                 seq.stats.wasted_draft_tokens += len(chunk.tokens)
@@ -233,14 +214,14 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
             decided = seq.decided_prefix(chunk.start_pos, chunk.tokens)
             if decided is None:  # it guessed a token an empty round decided otherwise: start it over
                 seq.stats.wasted_draft_tokens += len(chunk.tokens)
-                self._abort(seq)
+                self.drafter.abort(seq)
                 continue
             seq.drafter_holds(chunk.start_pos, decided)
             start = chunk.start_pos + decided
             exhausted = chunk.outlook == pb.DRAFT_OUTLOOK_EXHAUSTED
             if start < len(seq.committed):  # all of it at decided positions, and as drafted
                 if exhausted:  # the drafter waits for a command, not knowing those tokens: a RESET has them
-                    self._abort(seq)
+                    self.drafter.abort(seq)
                 else:
                     seq.draft_fed_len = max(seq.draft_fed_len, start - 1)
                 continue
@@ -249,15 +230,15 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
                 log.warning("seq %d: draft chunk at %d, expected %d; resyncing", seq.seq_id, chunk.start_pos,
                             seq.next_draft_pos)
                 seq.stats.wasted_draft_tokens += len(chunk.tokens) + len(seq.drafts)
-                self._abort(seq)
+                self.drafter.abort(seq)
 
     # -- verify out ----------------------------------------------------------------------------
     def _dispatch(self) -> None:
         """Ends every event: sends the drafter its commands, then the target a batch if it is free."""
         if self._deferring:
             return
-        self._flush_draft_commands()
-        if self.inflight is not None or self.closed or not self._target_up:
+        self.drafter.flush()
+        if self.inflight is not None or self.closed or not self.supervisor.target_up:
             return
         ready = [s for s in self.sequences.values() if s.finish_reason is None and self._ready(s)]
         if not ready and not self._target_releases:
@@ -277,7 +258,9 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
             ready = [s for s in ready if not self._may_verify_without_drafts(s) or wait_s(s) == 0]
         self.patience.end()
         chosen = fair_share(ready, self._vtime, self.config.max_batch_size)
-        items = self._verify_items(chosen)  # (drops sequences whose prefill waits for the next round)
+        items, deferred = self.batches.build(chosen, self.config.prefill_chunk_tokens)
+        if deferred:  # their prefill waits for the next round
+            chosen = [s for s in chosen if all(s is not d for d in deferred)]
         self._charge(chosen, items)
         batch = pb.VerifyBatch(batch_id=next(self._batch_ids), items=items, release_seq_ids=self._target_releases)
         self._target_releases = []
@@ -286,7 +269,7 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
         n_tokens = sum(item_rows(item) for item in items)
         decode_only = all(len(item.context) == 1 for item in items)
         self.inflight = InFlightVerify(batch.batch_id, [s.seq_id for s in chosen], now, n_tokens, decode_only)
-        self.target.send(batch)
+        self.supervisor.target.send(batch)
 
     def _charge(self, chosen: list[Sequence], items: list[pb.VerifyItem]) -> None:
         """Fair share counts what each item costs the target: its rows (context and draft tokens, tree
@@ -300,13 +283,7 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
     def _draft_limit(self, seq: Sequence) -> int:
         """Most drafts to verify for `seq` now: the policy's cap, lowered by the adaptive length in pearl.
         Sampling keeps k >= 1: a timing-dependent switch to the bonus rule would change seeded output."""
-        limit = seq.policy.max_draft_tokens
-        if seq.policy.adaptive and seq.policy.mode is SpeculationMode.PEARL:
-            if seq.greedy and not self.guard.speculating:
-                return 0
-            if self.pearl_draft_length is not None:
-                limit = min(limit, max(self.pearl_draft_length, 0 if seq.greedy else 1))
-        return limit
+        return seq.policy.draft_limit(seq.greedy, self.guard.speculating, self.pearl_draft_length)
 
     def _acceptance_prior(self) -> AcceptanceTracker:
         """Where a sequence's acceptance estimate starts: the model's recent acceptance, but never
@@ -318,12 +295,7 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
     def _guarded(seq: Sequence) -> bool:
         """Whether the goodput guard may switch this sequence's speculation off (greedy adaptive pearl;
         coordinator/guard.py says why sampled requests are not)."""
-        return seq.policy.uses_draft and seq.policy.adaptive and seq.policy.mode is SpeculationMode.PEARL and seq.greedy
-
-    @property
-    def _draft_reads_features(self) -> bool:
-        method = self.info.draft_method
-        return method is not None and DraftMethod(method).reads_features
+        return seq.policy.guarded(seq.greedy)
 
     def _lookup_length(self, seq: Sequence) -> int:
         """Most looked-up tokens an empty round verifies: what pays by the verify cost model and the
@@ -371,7 +343,7 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
     def _wait_for_drafts_s(self, seq: Sequence) -> float:
         """Pearl patience (coordinator/patience.py): the expected seconds until the drafts worth waiting
         for before verifying are there (0: go now)."""
-        if not (seq.uses_draft and seq.policy.adaptive and seq.policy.mode is SpeculationMode.PEARL) or (
+        if not (seq.uses_draft and seq.policy.adaptive_pearl) or (
                 seq.draft_paused or seq.draft_exhausted or seq.prefill_pending):
             return 0.0
         n = len(seq.drafts)
@@ -387,7 +359,7 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
         pearl = [
             s
             for s in self.sequences.values()
-            if s.uses_draft and s.policy.adaptive and s.policy.mode is SpeculationMode.PEARL
+            if s.uses_draft and s.policy.adaptive_pearl
         ]
         if not pearl:
             return
@@ -397,10 +369,10 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
         for seq in pearl:  # speculation pays again: wake paused drafters now, not at their next verdict
             if seq.draft_paused and not seq.verifying and self._draft_limit(seq) > 0:
                 seq.draft_paused = False
-                self._abort(seq)
+                self.drafter.abort(seq)
 
     # -- verdicts in ---------------------------------------------------------------------------
-    def _on_verdict_batch(self, batch: pb.VerdictBatch) -> None:
+    def on_verdict_batch(self, batch: pb.VerdictBatch) -> None:
         handling_from = time.perf_counter()
         try:
             self._apply_verdict_batch(batch)
@@ -415,8 +387,7 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
         self.inflight = None
         self.target_times.busy_s += batch.forward_seconds
         self.target_times.messages += 1
-        if batch.HasField("kv"):
-            self.target_kv = batch.kv
+        self.kv.observe(batch, "target")
         self._idle_since = time.monotonic()
         if batch.verdicts and inflight.decode_only:
             self.verify_cost.observe(inflight.n_tokens, batch.forward_seconds)
@@ -470,10 +441,10 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
             looked_up = len(seq.lookup_tokens)
             self.lookup_acceptance.observe(min(verdict.n_accepted, looked_up), int(verdict.n_accepted < looked_up))
         if seq.needs_features and seq.draft_started and seq.draft_alive:
-            self._forward_features(seq, verdict)
+            self.drafter.forward_features(seq, verdict)
         if len(seq.committed) == seq.prompt_len:  # the prompt's first prefill (not a recompute's)
             seq.stats.cached_prompt_tokens += verdict.cached_tokens
-        self._fed_to(seq, verdict)
+        fed_to(seq, verdict)
         next_token = verdict.next_token if verdict.kind != pb.NEXT_TOKEN_KIND_NONE else None
         kept, action, branch = seq.apply_verdict(verdict.n_accepted, next_token,
                                                  verdict.kind == pb.NEXT_TOKEN_KIND_RECOVERED, verdict.path)
@@ -491,32 +462,33 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
             if not seq.draft_paused:
                 seq.pause_drafting()
                 if action is DraftAction.ABORT:  # the drafter's rejected tokens must go, not just stop
-                    self._abort(seq)
+                    self.drafter.abort(seq)
                 else:
-                    self._advance(seq)
+                    self.drafter.advance(seq)
             else:
                 seq.drop_drafts()
         elif seq.draft_paused or action is DraftAction.ABORT:  # resuming needs a catch-up reset too
             resuming, seq.draft_paused = seq.draft_paused, False
             if branch is not None:  # the path went into a hedge: the drafter continues on that branch
-                self._abort(seq, (branch.drafts, branch.probs), branch.key)
+                self.drafter.abort(seq, (branch.drafts, branch.probs), branch.key)
             else:
-                cached = None if resuming or not self._max_hedges(seq) else seq.take_hedge()
-                self._abort(seq, cached)
+                cached = None if resuming or not max_hedges(seq) else seq.take_hedge()
+                self.drafter.abort(seq, cached)
                 if cached is None and not resuming:  # the drafter starts over: time its first draft
                     seq.restarted = (seq.epoch, time.monotonic())
         elif kept:  # (nothing committed, e.g. a prefill-only round: the drafter has nothing new to hear)
-            self._advance(seq)
+            self.drafter.advance(seq)
         return len(kept)
 
     # -- endings -------------------------------------------------------------------------------
     def _release(self, seq: Sequence) -> None:
         self.sequences.pop(seq.seq_id, None)
         self._target_releases.append(seq.seq_id)
-        if seq.draft_started and seq.draft_alive and self._draft_up:
-            self._release_draft(seq)
+        if seq.draft_started and seq.draft_alive and self.drafter.up:
+            self.drafter.release(seq)
         seq.drop_drafts()
-        self._resume_preempted()
+        if not self.closed:  # a sequence ended and gave its blocks back
+            self.kv.resume(self.sequences.values(), self.drafter)
         if not self.closed:
             self._dispatch()
 
@@ -538,21 +510,70 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
         self._release(seq)
         seq.events.put_nowait(_Failure(error))
 
+    def _on_kv_full(self, seqs: list[Sequence]) -> None:
+        """`seqs`: this verdict batch's sequences the target's pool could not hold (KVPreemption)."""
+        for seq in seqs:
+            seq.forget_verify()
+        if not seqs:
+            return
+        victim = self.kv.victim(self.sequences.values())
+        if victim is None:  # nothing else holds blocks it could give back
+            for seq in seqs:
+                self._fail(seq, kv_full_error())
+            return
+        self.kv.preempt(victim, self.drafter)
+        self._target_releases.append(victim.seq_id)
+
+    # -- the workers' ups and downs (WorkerSupervisor, coordinator/recovery.py) ------------------
+    def on_draft_lost(self) -> None:
+        for seq in self.sequences.values():
+            if seq.draft_alive:
+                seq.drop_drafts()
+                seq.draft_alive = False
+        if not self.closed:
+            self._dispatch()
+
+    def on_target_down(self) -> None:
+        self.inflight = None
+        self._target_releases = []  # the restarted target holds no sequences
+        for seq in self.sequences.values():
+            seq.target_len = 0  # the next verify re-sends all committed tokens: a re-prefill
+            seq.forget_verify()
+
+    def on_target_back(self) -> None:
+        log.info("target reconnected; re-prefilling %d live sequences", len(self.sequences))
+        self._dispatch()
+
+    def on_target_lost(self) -> None:
+        self.inflight = None
+        for seq in list(self.sequences.values()):
+            self._fail(seq, Unavailable("the target worker is unavailable and did not restart in time; retry later"))
+
+    def waiting_for_drafts(self) -> bool:
+        """Whether a live sequence waits for the drafter's next chunk (the drafter's stall watchdog)."""
+        # in the batch the target works on, with drafts: an empty round's sequence still waits for them
+        busy = {i for i in self.inflight.seq_ids if (s := self.sequences.get(i)) is not None and s.verify_tokens} \
+            if self.inflight is not None else set()
+        return any(waits_for_drafter(seq, seq.seq_id in busy) for seq in self.sequences.values())
+
+    def verify_in_flight(self) -> InFlightVerify | None:
+        return self.inflight
+
     def stats(self) -> dict:
         return {
             "live_sequences": len(self.sequences),
-            "preempted_sequences": len(self.preempted),
-            "num_preemptions": self.num_preemptions,
+            "preempted_sequences": len(self.kv.preempted(self.sequences.values())),
+            "num_preemptions": self.kv.num_preemptions,
             "verify_in_flight": self.inflight is not None,
             "target": {
                 "busy_s": self.target_times.busy_s,
                 "idle_s": self.target_times.idle_s,
                 "batches": self.target_times.messages,
-                "connected": self._target_up,
-                "restarts": self.target_restarts,
+                "connected": self.supervisor.target_up,
+                "restarts": self.supervisor.target_restarts,
                 "verify_cost_s": dict(zip(("fixed", "per_token"), self.verify_cost.coefficients())),
                 "verdict_handling_s": self.verdict_handling_s,
-                **kv_usage_report(self.target_kv),
+                **kv_usage_report(self.kv.target_kv),
             },
             "pearl_draft_length": self.pearl_draft_length,
             "guard": self.guard.stats(),
@@ -563,9 +584,9 @@ class Scheduler(WorkerRecovery, VerifyItems, DraftCommands, KVPreemption):
                 "busy_s": self.draft_times.busy_s,
                 "idle_s": self.draft_times.idle_s,
                 "batches": self.draft_times.messages,
-                "connected": self._draft_up,
-                "restarts": self.draft_restarts,
-                **kv_usage_report(self.draft_kv),
+                "connected": self.drafter.up,
+                "restarts": self.supervisor.draft_restarts,
+                **kv_usage_report(self.kv.draft_kv),
             },
         }
 

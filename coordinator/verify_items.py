@@ -1,13 +1,17 @@
 """What goes to the target for each chosen sequence: its verify item (drafts, a token tree, the bonus
 policy, logprobs) and, for a long prompt, a prefill chunk within the batch's prompt budget.
 
-Mixed into `Scheduler` (coordinator/scheduler.py), whose state these methods read: `config`, `info`,
-`_draft_limit`, `_max_hedges`, `_lookup_length`.
+`VerifyBatchBuilder` takes the chosen sequences and the budget and gives back the items and the
+sequences deferred to a later round. What it asks of the scheduler's adaptive state (the draft limit,
+the lookup length, whether a sequence may verify without drafts) comes in as three callables.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 from duospec.coordinator.api import SpeculationMode
+from duospec.coordinator.draft_commands import max_hedges
 from duospec.coordinator.kv_budget import cache_salt
 from duospec.coordinator.sequence import Sequence
 from duospec.internal.sampling_wire import sampling_to_proto
@@ -20,20 +24,27 @@ MIN_PREFILL_CHUNK = 16  # a smaller leftover of a batch's prompt budget waits fo
 CACHE_PROBE_TOKENS = 4096
 
 
-class VerifyItems:
-    def _verify_items(self, chosen: list[Sequence]) -> list[pb.VerifyItem]:
-        """One item per chosen sequence. Prompt tokens over the whole batch stay within
-        `prefill_chunk_tokens`: a sequence whose prefill does not fit is removed from `chosen` and
-        goes on next round."""
-        items, budget = [], self.config.prefill_chunk_tokens
-        for seq in list(chosen):
+class VerifyBatchBuilder:
+    def __init__(self, max_context: int, prefix_cache: str, *, draft_limit: Callable[[Sequence], int],
+                 lookup_length: Callable[[Sequence], int], may_verify_without_drafts: Callable[[Sequence], bool]):
+        self._max_context = max_context
+        self._prefix_cache = prefix_cache
+        self._draft_limit = draft_limit  # most drafts to verify for a sequence now
+        self._lookup_length = lookup_length  # most looked-up tokens an empty round verifies
+        self._may_verify_without_drafts = may_verify_without_drafts  # an empty round may go now
+
+    def build(self, chosen: list[Sequence], budget: int) -> tuple[list[pb.VerifyItem], list[Sequence]]:
+        """One item per chosen sequence, and the sequences deferred. Prompt tokens over the whole batch
+        stay within `budget`: a sequence whose prefill does not fit is deferred to the next round."""
+        items, deferred = [], []
+        for seq in chosen:
             pending = len(seq.committed) - seq.target_len  # 1 while decoding; more to (re-)prefill
             if pending > 1 and budget < min(pending, MIN_PREFILL_CHUNK) and items:
-                chosen.remove(seq)
+                deferred.append(seq)
                 continue
             items.append(self._verify_item(seq, context_limit=max(1, budget) if pending > 1 else pending))
             budget -= item_rows(items[-1]) - len(items[-1].draft_tokens) if pending > 1 else 0
-        return items
+        return items, deferred
 
     def _verify_item(self, seq: Sequence, context_limit: int) -> pb.VerifyItem:
         if len(seq.committed) - seq.target_len > context_limit:  # a prefill chunk: no draft, no token
@@ -44,7 +55,7 @@ class VerifyItems:
                                  context=seq.committed[seq.target_len: seq.verify_context_end + CACHE_PROBE_TOKENS],
                                  max_compute=context_limit,
                                  sampling=sampling_to_proto(seq.request.sampling), bonus=pb.BONUS_POLICY_SKIP,
-                                 features=self._wants_features(seq), cache_salt=self._item_salt(seq))
+                                 features=wants_features(seq), cache_salt=self._item_salt(seq))
         seq.verify_context_end = None
         k = min(seq.policy.verify_count(len(seq.drafts), seq.remaining), self._draft_limit(seq)) if seq.uses_draft else 0
         # Past an exhausted chunk no draft will come: the bonus is the only way on. Which positions
@@ -61,8 +72,8 @@ class VerifyItems:
         parents: list[int] = []
         # A tree's nodes sit at their depth's position but take one KV row each after the main chain:
         # near the end of the context only as many branch nodes as rows are left.
-        kv_room = self.info.max_context - len(seq.committed) - len(tokens)
-        if tokens and not seq.empty_round and seq.greedy and seq.policy.tree_nodes and self._max_hedges(seq) \
+        kv_room = self._max_context - len(seq.committed) - len(tokens)
+        if tokens and not seq.empty_round and seq.greedy and seq.policy.tree_nodes and max_hedges(seq) \
                 and kv_room > 0:
             tokens, parents = seq.add_branches(min(seq.policy.tree_nodes, kv_room))  # hedges ride along as a tree
         return pb.VerifyItem(
@@ -77,24 +88,13 @@ class VerifyItems:
             draft_parents=parents,
             logprobs=seq.request.logprobs is not None,
             top_logprobs=seq.request.logprobs or 0,
-            features=self._wants_features(seq),
+            features=wants_features(seq),
             cache_salt=self._item_salt(seq),
         )
 
-    @staticmethod
-    def _fed_to(seq: Sequence, verdict: pb.Verdict) -> None:
-        """A prefill chunk the target fed past its budget from its prefix cache ends where it says."""
-        if verdict.context_fed:
-            seq.verify_context_end = seq.target_len + verdict.context_fed
-
     def _item_salt(self, seq: Sequence) -> str:
         """The prefix-cache salt, on the item that opens the sequence on the target (start_pos 0)."""
-        return cache_salt(self.info.prefix_cache, seq.request.tenant) if seq.target_len == 0 else ""
-
-    @staticmethod
-    def _wants_features(seq: Sequence) -> bool:
-        # also while target-only by the guard: the drafter stays current for when speculation resumes
-        return seq.needs_features and seq.draft_started and seq.draft_alive
+        return cache_salt(self._prefix_cache, seq.request.tenant) if seq.target_len == 0 else ""
 
     def _prefill_only(self, seq: Sequence, k: int) -> bool:
         """A pearl sequence whose prompt goes to the target before any draft exists: prefill without
@@ -107,6 +107,18 @@ class VerifyItems:
             and self._draft_limit(seq) > 0
             and seq.target_len < len(seq.committed) - 1
         )
+
+
+def wants_features(seq: Sequence) -> bool:
+    """Whether the target returns the hidden states of `seq`'s tokens, for its head drafter."""
+    # also while target-only by the guard: the drafter stays current for when speculation resumes
+    return seq.needs_features and seq.draft_started and seq.draft_alive
+
+
+def fed_to(seq: Sequence, verdict: pb.Verdict) -> None:
+    """A prefill chunk the target fed past its budget from its prefix cache ends where it says."""
+    if verdict.context_fed:
+        seq.verify_context_end = seq.target_len + verdict.context_fed
 
 
 def item_rows(item: pb.VerifyItem) -> int:

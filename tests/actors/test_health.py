@@ -63,7 +63,7 @@ async def test_health_follows_a_target_outage_longer_than_the_restart_bound(ray_
         scheduler = coordinator.entries["outage"].scheduler
         # The restarted actor is up in seconds; hold the coordinator's reconnection back until the test
         # says so, for an outage longer than the bound whatever the machine's speed.
-        gate, reconnect = asyncio.Event(), scheduler._reconnect_target
+        gate, reconnect = asyncio.Event(), scheduler.supervisor.reconnect_target
 
         async def gated_reconnect(loss):
             if not gate.is_set():
@@ -71,7 +71,7 @@ async def test_health_follows_a_target_outage_longer_than_the_restart_bound(ray_
                 raise ConnectionError("still restarting")
             return await reconnect(loss)
 
-        scheduler._reconnect_target = gated_reconnect
+        scheduler.supervisor.reconnect_target = gated_reconnect
         live = asyncio.ensure_future(collect(h.stub, _greedy_request([9, 10, 11], 200), timeout=60))
         await asyncio.sleep(0.3)
         ray_runtime.kill(ray_runtime.get_actor(actor_name("target", "outage"), namespace=NAMESPACE),
@@ -122,6 +122,6 @@ async def test_a_stalled_drafter_leaves_pearl_requests_finishing_target_only(tin
             assert [t for m in pearl for t in m.token_ids] == [t for m in off for t in m.token_ids]
             assert steps[0] > 3  # the drafter did hang
             scheduler = coordinator.entries["tiny"].scheduler
-            assert waited < scheduler.draft_stall_bound_s() + 10
+            assert waited < scheduler.supervisor.draft_stall_bound_s() + 10
     finally:
         release.set()

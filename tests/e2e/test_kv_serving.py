@@ -93,7 +93,7 @@ async def test_more_requests_than_the_pool_holds_all_finish_exactly(pair):
                                      for p, m in zip(batch, modes)))
         assert [tokens(g) for g in got] == want
         scheduler, target, _ = await pools(coord)
-        assert scheduler.num_preemptions > 0
+        assert scheduler.kv.num_preemptions > 0
         await wait_until_nothing_held(h.server, coord, MODEL)
         assert target.cache_stats().free_blocks == 40
 
@@ -151,6 +151,6 @@ async def test_the_pools_hold_nothing_after_a_soak(pair):
             jobs = [collect(h.stub, greedy_request(p, 50), timeout=300) for p in batch[:5]]
             jobs += [cancelled(p) for p in batch[5:7]] + [refused(batch[7])]
             await asyncio.gather(*jobs)
-        assert scheduler.num_preemptions > 0
+        assert scheduler.kv.num_preemptions > 0
         await wait_until_nothing_held(h.server, coord, MODEL)
         assert (target.cache_stats().free_blocks, draft.cache_stats().free_blocks) == start == (40, 40)

@@ -226,7 +226,7 @@ async def _share_of_tokens(h, streams: dict[str, int], warmup_s: float, window_s
 
 def _count_target_rows(scheduler, rows: dict, window_open: asyncio.Event) -> None:
     """Adds each tenant's rows of every verify batch sent while the window is open to `rows`."""
-    send = scheduler.target.send
+    send = scheduler.supervisor.target.send
 
     def counting_send(batch):
         if window_open.is_set():
@@ -237,7 +237,7 @@ def _count_target_rows(scheduler, rows: dict, window_open: asyncio.Event) -> Non
                     rows[seq.request.tenant] = rows.get(seq.request.tenant, 0) + tenant_rows
         send(batch)
 
-    scheduler.target.send = counting_send
+    scheduler.supervisor.target.send = counting_send
 
 
 async def test_fair_share_follows_weights(tiny_pair):

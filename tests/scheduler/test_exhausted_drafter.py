@@ -13,7 +13,7 @@ from test_scheduler import _adaptive_pearl, _chunks, _commands, _request, _resta
 def _exhausted(scheduler, seq, pos, tokens=()):
     chunk = pb.DraftChunk(seq_id=seq.seq_id, epoch=seq.epoch, start_pos=pos, tokens=list(tokens),
                           outlook=pb.DRAFT_OUTLOOK_EXHAUSTED)
-    scheduler._on_draft_batch(pb.DraftChunkBatch(chunks=[chunk]))
+    scheduler.on_draft_batch(pb.DraftChunkBatch(chunks=[chunk]))
 
 
 async def test_vanilla_verifies_an_exhausted_chunk_without_waiting_for_gamma():
@@ -54,7 +54,7 @@ async def test_an_exhausted_marker_from_an_old_epoch_is_ignored():
     scheduler, target, draft, policy = _scheduler(SpeculationMode.VANILLA)
     seq = scheduler._add(_request(), policy)
     old = pb.DraftChunk(seq_id=seq.seq_id, epoch=seq.epoch + 5, start_pos=3, outlook=pb.DRAFT_OUTLOOK_EXHAUSTED)
-    scheduler._on_draft_batch(pb.DraftChunkBatch(chunks=[old]))
+    scheduler.on_draft_batch(pb.DraftChunkBatch(chunks=[old]))
     assert not seq.draft_exhausted and not target.sent
 
 

@@ -173,7 +173,7 @@ def _drive(scheduler, target, seq, clock, rounds, draft_agrees: bool):
             pos = seq.next_draft_pos
             tokens = [_target_token(p) + (0 if draft_agrees else 1) for p in range(pos, min(pos + 4, seq.draft_until()))]
             if tokens:
-                scheduler._on_draft_batch(pb.DraftChunkBatch(chunks=[
+                scheduler.on_draft_batch(pb.DraftChunkBatch(chunks=[
                     pb.DraftChunk(seq_id=seq.seq_id, epoch=seq.epoch, start_pos=pos, tokens=tokens)]))
         assert scheduler.inflight is not None, "the target should be busy"
         item = target.sent[-1].items[0]
@@ -183,7 +183,7 @@ def _drive(scheduler, target, seq, clock, rounds, draft_agrees: bool):
         kind = pb.NEXT_TOKEN_KIND_RECOVERED if accepted < len(drafts) else pb.NEXT_TOKEN_KIND_BONUS
         clock.now += 0.003 if drafts else 0.002
         # forward_seconds=0: the verify cost model stays unfitted, so only the guard decides here
-        scheduler._on_verdict_batch(pb.VerdictBatch(batch_id=target.sent[-1].batch_id, verdicts=[pb.Verdict(
+        scheduler.on_verdict_batch(pb.VerdictBatch(batch_id=target.sent[-1].batch_id, verdicts=[pb.Verdict(
             seq_id=seq.seq_id, epoch=item.epoch, n_accepted=accepted, kind=kind,
             next_token=_target_token(start + accepted))]))
 
@@ -284,13 +284,13 @@ async def test_going_target_only_on_a_rejection_rolls_the_drafter_back():
     seq = scheduler._add(GenerationRequest(request_id="r", prompt_token_ids=(1, 2, 3), max_new_tokens=50,
                                            sampling=SamplingParams()), policy)
     prefill = target.sent[-1]  # pearl prefills the prompt at once, taking no token
-    scheduler._on_verdict_batch(pb.VerdictBatch(batch_id=prefill.batch_id, verdicts=[pb.Verdict(
+    scheduler.on_verdict_batch(pb.VerdictBatch(batch_id=prefill.batch_id, verdicts=[pb.Verdict(
         seq_id=seq.seq_id, epoch=0, n_accepted=0, kind=pb.NEXT_TOKEN_KIND_NONE)]))
-    scheduler._on_draft_batch(pb.DraftChunkBatch(chunks=[pb.DraftChunk(seq_id=seq.seq_id, epoch=0, start_pos=3,
+    scheduler.on_draft_batch(pb.DraftChunkBatch(chunks=[pb.DraftChunk(seq_id=seq.seq_id, epoch=0, start_pos=3,
                                                                        tokens=[10, 11])]))
     item = target.sent[-1].items[0]
     scheduler.guard.state = GuardState.TARGET_ONLY  # the guard decided while the verify was in flight
-    scheduler._on_verdict_batch(pb.VerdictBatch(batch_id=target.sent[-1].batch_id, verdicts=[pb.Verdict(
+    scheduler.on_verdict_batch(pb.VerdictBatch(batch_id=target.sent[-1].batch_id, verdicts=[pb.Verdict(
         seq_id=seq.seq_id, epoch=item.epoch, n_accepted=1, kind=pb.NEXT_TOKEN_KIND_RECOVERED, next_token=99)]))
     assert seq.committed == [1, 2, 3, 10, 99] and seq.draft_paused
     last = [c for m in draft.sent for c in m.commands if c.seq_id == seq.seq_id][-1]

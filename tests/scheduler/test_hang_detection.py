@@ -112,10 +112,10 @@ async def test_a_verify_far_past_its_cost_loses_the_target_as_hung_and_the_reque
 async def test_the_hang_bound_follows_the_measured_verify_cost_above_its_floor():
     scheduler = Scheduler(INFO, SilentLink(), None, SchedulerConfig(hang_timeout_s=10.0))
     inflight = type("Inflight", (), {"n_tokens": 200})()
-    assert scheduler.verify_hang_bound_s(inflight) == 10.0  # nothing measured: the floor
+    assert scheduler.supervisor.verify_hang_bound_s(inflight) == 10.0  # nothing measured: the floor
     for n in (4, 8, 4, 8, 4, 8):  # 0.1 s + 0.05 s per token
         scheduler.verify_cost.observe(n, 0.1 + 0.05 * n)
-    assert scheduler.verify_hang_bound_s(inflight) == pytest.approx(recovery.VERIFY_HANG_FACTOR * 10.1)
+    assert scheduler.supervisor.verify_hang_bound_s(inflight) == pytest.approx(recovery.VERIFY_HANG_FACTOR * 10.1)
 
 
 async def test_a_stalled_drafter_is_lost_as_silent_and_its_request_finishes_target_only(monkeypatch):

@@ -32,8 +32,9 @@ class FakeLink:
         pass
 
 
-def _scheduler(mode=SpeculationMode.PEARL, **config):
-    info = ModelInfo(name="m", target_path="t", draft_path="d", vocab_size=100, max_context=256, eos_token_id=None)
+def _scheduler(mode=SpeculationMode.PEARL, draft_method=None, **config):
+    info = ModelInfo(name="m", target_path="t", draft_path="d", vocab_size=100, max_context=256, eos_token_id=None,
+                     draft_method=draft_method)
     target, draft = FakeLink(), FakeLink()
     scheduler = Scheduler(info, target, draft, SchedulerConfig(**config))
     policy = SpeculationPolicy(mode=mode, max_draft_tokens=4, max_lookahead=8, adaptive=False)
@@ -48,14 +49,14 @@ def _request(prompt=(1, 2, 3), n=10, tenant="default", weight=1.0, sampling=Samp
 
 
 def _chunks(scheduler, seq, pos, tokens):
-    scheduler._on_draft_batch(
+    scheduler.on_draft_batch(
         pb.DraftChunkBatch(chunks=[pb.DraftChunk(seq_id=seq.seq_id, epoch=seq.epoch, start_pos=pos, tokens=tokens)])
     )
 
 
 def _verdict(scheduler, target, seq, n_accepted, kind, next_token=0):
     batch = target.sent[-1]
-    scheduler._on_verdict_batch(
+    scheduler.on_verdict_batch(
         pb.VerdictBatch(
             batch_id=batch.batch_id,
             verdicts=[pb.Verdict(seq_id=seq.seq_id, epoch=seq.epoch, n_accepted=n_accepted, kind=kind, next_token=next_token)],
@@ -81,7 +82,7 @@ async def test_accepted_drafts_survive_a_draft_failure_during_verify():
         _chunks(scheduler, seq, pos, [tok])
     sent = target.sent[-1].items[0]
     assert list(sent.draft_tokens) == [10]
-    scheduler._on_draft_batch(pb.DraftChunkBatch(failed_seq_ids=[seq.seq_id]))  # drafter drops it
+    scheduler.on_draft_batch(pb.DraftChunkBatch(failed_seq_ids=[seq.seq_id]))  # drafter drops it
     _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_BONUS, 99)
     assert seq.committed == [1, 2, 3, 10, 99]
     assert _committed_events(seq) == [10, 99]
@@ -117,7 +118,7 @@ async def test_rejection_aborts_and_rolls_the_drafter_back():
     assert seq.stats.pre_verify_aborts == 1 and seq.stats.wasted_draft_tokens == 4
     # A chunk from the aborted branch is dropped and counted.
     _chunks_old = pb.DraftChunk(seq_id=seq.seq_id, epoch=0, start_pos=7, tokens=[14])
-    scheduler._on_draft_batch(pb.DraftChunkBatch(chunks=[_chunks_old]))
+    scheduler.on_draft_batch(pb.DraftChunkBatch(chunks=[_chunks_old]))
     assert seq.drafts == [] and seq.stats.wasted_draft_tokens == 5
 
 
@@ -152,7 +153,7 @@ async def test_queued_request_fails_fast_once_the_target_is_lost():
     first = asyncio.create_task(consume())
     second = asyncio.create_task(consume())
     await asyncio.sleep(0.05)
-    scheduler._target_lost()
+    scheduler.supervisor.target_lost()
     for task in (first, second):
         with pytest.raises(Unavailable):
             await asyncio.wait_for(task, 2)
@@ -187,7 +188,7 @@ async def test_fair_share_charges_each_items_target_rows_by_weight():
 async def test_unexpected_verdict_batch_is_ignored():
     scheduler, target, draft, policy = _scheduler(SpeculationMode.OFF)
     seq = scheduler._add(_request(), policy)
-    scheduler._on_verdict_batch(
+    scheduler.on_verdict_batch(
         pb.VerdictBatch(batch_id=999, verdicts=[pb.Verdict(seq_id=seq.seq_id, kind=pb.NEXT_TOKEN_KIND_BONUS, next_token=7)])
     )
     assert seq.committed == [1, 2, 3]
@@ -474,7 +475,7 @@ def _head_verdict(scheduler, target, seq, n_accepted, kind, next_token, features
     """A verdict carrying the hidden states of the item's committed positions, as the target returns
     them for a head drafter's sequence."""
     features = pb.Features(start_pos=features_from, hidden_size=4, fp16=b"\x00\x3c" * (4 * n_features))
-    scheduler._on_verdict_batch(pb.VerdictBatch(batch_id=target.sent[-1].batch_id, verdicts=[pb.Verdict(
+    scheduler.on_verdict_batch(pb.VerdictBatch(batch_id=target.sent[-1].batch_id, verdicts=[pb.Verdict(
         seq_id=seq.seq_id, epoch=seq.epoch, n_accepted=n_accepted, kind=kind, next_token=next_token,
         features=features)]))
 
@@ -484,10 +485,7 @@ async def test_a_head_drafter_goes_on_empty_rounds_and_hears_their_hidden_states
     them while the free target takes the next token on an empty round; that round's hidden state
     follows it (the head re-feeds the row it predicted), and its chunk continues the sequence when it
     guessed the decided token."""
-    import dataclasses
-
-    scheduler, target, draft, _ = _scheduler()
-    scheduler.info = dataclasses.replace(scheduler.info, draft_method="eagle")
+    scheduler, target, draft, _ = _scheduler(draft_method="eagle")
     policy = _adaptive_pearl(scheduler)
     scheduler.patience.first_draft_s.observe(0.01)  # the restart is measured: waiting for it does not pay
     seq = scheduler._add(_request(n=40), policy)

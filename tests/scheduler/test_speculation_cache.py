@@ -26,7 +26,7 @@ def _cache_policy(mode=SpeculationMode.PEARL, hedges=4, tree_nodes=0):
 
 
 def _hedge(scheduler, seq, pos, token, start, tokens, epoch=None):
-    scheduler._on_draft_batch(pb.DraftChunkBatch(chunks=[pb.DraftChunk(
+    scheduler.on_draft_batch(pb.DraftChunkBatch(chunks=[pb.DraftChunk(
         seq_id=seq.seq_id, epoch=seq.epoch if epoch is None else epoch, start_pos=start, tokens=tokens,
         hedge=pb.HedgeKey(pos=pos, token=token))]))
 
@@ -156,7 +156,7 @@ async def test_a_sampled_cache_hit_sends_each_hedge_token_with_its_own_q():
     from duospec.sampling import SamplingParams
 
     def chunk(pos, tokens, probs, hedge=None):
-        scheduler._on_draft_batch(pb.DraftChunkBatch(chunks=[pb.DraftChunk(
+        scheduler.on_draft_batch(pb.DraftChunkBatch(chunks=[pb.DraftChunk(
             seq_id=seq.seq_id, epoch=seq.epoch, start_pos=pos, tokens=tokens, draft_probs=probs,
             hedge=pb.HedgeKey(pos=hedge[0], token=hedge[1]) if hedge else None)]))
 
@@ -179,7 +179,7 @@ async def test_a_sampled_cache_hit_sends_each_hedge_token_with_its_own_q():
 async def test_the_drafter_dying_with_hedges_cached_loses_nothing():
     scheduler, target, draft, seq = _prefilled(_cache_policy())
     _hedge(scheduler, seq, 5, 40, 6, [60, 61])
-    scheduler._on_draft_batch(pb.DraftChunkBatch(failed_seq_ids=[seq.seq_id]))
+    scheduler.on_draft_batch(pb.DraftChunkBatch(failed_seq_ids=[seq.seq_id]))
     _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_RECOVERED, 40)
     # Target-only from here: the hedge is not used (no drafter to adopt it), nothing is duplicated.
     assert seq.committed == [1, 2, 3, 10, 11, 40] and seq.stats.cache_hits == 0
@@ -213,7 +213,7 @@ def _tree_setup(tree_nodes=8, cont=(41, 42), n=20):
 
 def _tree_verdict(scheduler, target, seq, path, kind, next_token):
     batch = target.sent[-1]
-    scheduler._on_verdict_batch(pb.VerdictBatch(batch_id=batch.batch_id, verdicts=[pb.Verdict(
+    scheduler.on_verdict_batch(pb.VerdictBatch(batch_id=batch.batch_id, verdicts=[pb.Verdict(
         seq_id=seq.seq_id, epoch=seq.epoch, n_accepted=len(path), kind=kind, next_token=next_token, path=path)]))
 
 
@@ -292,14 +292,14 @@ async def test_a_cache_hit_near_the_requests_end_keeps_only_what_fits():
 
 async def test_every_drafts_runner_up_is_a_sibling_in_the_tree():
     scheduler, target, draft, seq = _prefilled(_cache_policy(tree_nodes=8))
-    scheduler._on_draft_batch(pb.DraftChunkBatch(chunks=[pb.DraftChunk(
+    scheduler.on_draft_batch(pb.DraftChunkBatch(chunks=[pb.DraftChunk(
         seq_id=seq.seq_id, epoch=seq.epoch, start_pos=6, tokens=[13, 14], alternatives=[23, -1])]))
     _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_BONUS, 13)  # [12] accepted, bonus 13 = the draft
     item = target.sent[-1].items[0]
     assert list(item.draft_tokens) == [14] and not item.draft_parents  # 13's runner-up is decided now
     scheduler, target, draft, seq = _prefilled(_cache_policy(tree_nodes=8))
     _chunks(scheduler, seq, 6, [13])
-    scheduler._on_draft_batch(pb.DraftChunkBatch(chunks=[pb.DraftChunk(
+    scheduler.on_draft_batch(pb.DraftChunkBatch(chunks=[pb.DraftChunk(
         seq_id=seq.seq_id, epoch=seq.epoch, start_pos=7, tokens=[14, 15], alternatives=[24, 25])]))
     _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_BONUS, 13)
     item = target.sent[-1].items[0]  # [14, 15] with runners-up 24 (beside 14) and 25 (beside 15)
@@ -473,6 +473,7 @@ def test_hedges_never_keep_a_new_sequence_out(draft_dir):
 
 async def test_adaptive_pearl_hedges_less_the_more_its_drafts_are_accepted():
     from duospec.coordinator.adaptive import AcceptanceTracker
+    from duospec.coordinator.draft_commands import max_hedges
 
     scheduler, target, draft, _ = _scheduler()
     adaptive = SpeculationPolicy(mode=SpeculationMode.PEARL, max_draft_tokens=4, max_lookahead=8, adaptive=True,
@@ -480,7 +481,7 @@ async def test_adaptive_pearl_hedges_less_the_more_its_drafts_are_accepted():
     seq = scheduler._add(_request(n=20), adaptive)
     for alpha, hedges in ((0.5, 4), (0.75, 2), (0.95, 1)):
         seq.acceptance = AcceptanceTracker.with_prior(alpha)
-        assert scheduler._max_hedges(seq) == hedges, alpha
+        assert max_hedges(seq) == hedges, alpha
     fixed = scheduler._add(_request(n=20, tenant="b"), _cache_policy())  # adaptive off: the configured number
     fixed.acceptance = AcceptanceTracker.with_prior(0.95)
-    assert scheduler._max_hedges(fixed) == 4
+    assert max_hedges(fixed) == 4
