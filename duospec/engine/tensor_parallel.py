@@ -155,19 +155,25 @@ def shard_state_dict(config, state_dict: dict[str, torch.Tensor], rank: int, wor
 # argument): the group stays in step. Anything else leaves it out of step.
 SAME_ON_EVERY_RANK = (ValueError, SlotsExhausted)
 
+# The runner calls that run the model (collectives inside): every rank makes them together.
+FORWARD_CALLS = frozenset({"forward", "forward_last", "forward_with_hidden", "forward_for_verify"})
 # The runner calls that change a rank's state or run the model: every rank must make them, in order.
-MIRRORED_CALLS = frozenset({
-    "allocate_slot", "free_slot", "truncate", "copy_prefix", "commit", "match_prefix", "keep_path",
-    "forward", "forward_last", "forward_with_hidden", "forward_for_verify",
-})
+MIRRORED_CALLS = FORWARD_CALLS | {"allocate_slot", "free_slot", "truncate", "copy_prefix", "commit", "match_prefix",
+                                  "keep_path"}
 
 
 class TensorParallelRunner:
     """Rank 0's view of a tensor-parallel runner: the worker uses it as its ModelRunner. Each call in
-    MIRRORED_CALLS is broadcast to the other ranks (which run `follow`) before it runs here, so every
+    MIRRORED_CALLS is made on the other ranks too (which run `follow`), in the same order, so every
     rank's block tables and lengths stay the same and the collectives inside a forward pair up; what
     only reads (sizes, free slots, stats) is answered by rank 0's runner alone. Mirrored calls from
     several threads go one at a time, so the order they are sent in is the order they run in.
+
+    Only a forward needs the other ranks at once. The bookkeeping calls before it (a verify round's
+    truncate and commit per sequence, allocations, prefix matches: each is decided on rank 0 alone, and
+    every rank's runner computes the same answer from the same calls) run here at once and travel
+    with the next forward, in one broadcast: a broadcast costs two collectives, and on CPU each one
+    costs about as much as a small forward's matmuls (docs/benchmarks.md#tensor-parallelism-and-replicas).
 
     `on_broken(exc)`: called when a mirrored call fails otherwise than SAME_ON_EVERY_RANK (a rank died,
     a collective failed): the ranks may be out of step, so the group must not serve on. A Ray group
@@ -180,6 +186,7 @@ class TensorParallelRunner:
         self._tp = tp
         self._on_broken = on_broken
         self._lock = threading.Lock()
+        self._pending: list[tuple] = []  # bookkeeping calls made here, not yet sent to the other ranks
 
     def __getattr__(self, name: str):
         attr = getattr(self._runner, name)
@@ -189,8 +196,12 @@ class TensorParallelRunner:
         def mirrored(*args, **kwargs):
             with self._lock:
                 try:
-                    _broadcast(self._tp, (name, tuple(map(_picklable, args)),
+                    # (copied now: the caller may change a list it passed before the call is sent)
+                    self._pending.append((name, tuple(map(_picklable, args)),
                                           {k: _picklable(v) for k, v in kwargs.items()}))
+                    if name in FORWARD_CALLS:
+                        calls, self._pending = self._pending, []
+                        _broadcast(self._tp, calls)
                     return attr(*args, **kwargs)
                 except SAME_ON_EVERY_RANK:
                     raise
@@ -204,26 +215,29 @@ class TensorParallelRunner:
     def close(self) -> None:
         """Tell the other ranks to return from `follow`."""
         with self._lock:
-            _broadcast(self._tp, None)
+            calls, self._pending = self._pending, []
+            _broadcast(self._tp, calls + [None])
 
 
 def follow(runner, tp: TensorParallel) -> None:
-    """Ranks 1 .. R-1: make rank 0's calls on this rank's runner until rank 0 closes the group. A call
-    that fails fails alike on every rank (the checks come before any collective), so it is skipped."""
+    """Ranks 1 .. R-1: make rank 0's calls on this rank's runner, as they arrive with each forward,
+    until rank 0 closes the group (a None call). A call that fails fails alike on every rank (the
+    checks come before any collective), so it is skipped."""
     while True:
-        message = _broadcast(tp, None)
-        if message is None:
-            return
-        name, args, kwargs = message
-        try:
-            getattr(runner, name)(*args, **kwargs)
-        except SAME_ON_EVERY_RANK:  # rank 0 raised the same and answered its caller
-            continue
+        for call in _broadcast(tp, None):
+            if call is None:
+                return
+            name, args, kwargs = call
+            try:
+                getattr(runner, name)(*args, **kwargs)
+            except SAME_ON_EVERY_RANK:  # rank 0 raised the same and answered its caller
+                continue
 
 
 def _picklable(value):
-    """A sequence a caller passed as another container (a protobuf repeated field) as a list."""
-    if isinstance(value, collections.abc.Sequence) and not isinstance(value, (str, bytes, list, tuple)):
+    """A list, or a sequence a caller passed as another container (a protobuf repeated field), as a
+    list of its own (sent later, so a copy); anything else as it is."""
+    if isinstance(value, collections.abc.Sequence) and not isinstance(value, (str, bytes, tuple)):
         return list(value)
     return value
 

@@ -1,6 +1,7 @@
 """Rank 0's TensorParallelRunner: a call that fails alike on every rank is the caller's error; any other
 failure leaves the ranks out of step and goes to `on_broken` (a Ray group ends its process there);
-arguments a worker passes as protobuf repeated fields travel to the other ranks as lists."""
+arguments a worker passes as protobuf repeated fields travel to the other ranks as lists; bookkeeping
+calls travel with the next forward, in one broadcast, as they were when made."""
 
 from __future__ import annotations
 
@@ -56,3 +57,21 @@ def test_protobuf_repeated_arguments_are_sent_as_lists(one_rank_group):
     item = pb.VerifyItem(context=[5, 6, 7])
     assert TensorParallelRunner(runner, one_rank_group).match_prefix(0, 2, item.context) == 2
     assert runner.calls == [("match_prefix", 0, 2, item.context)]  # rank 0 itself runs what it was given
+
+
+def test_bookkeeping_calls_travel_with_the_next_forward_as_they_were_made(one_rank_group, monkeypatch):
+    import duospec.engine.tensor_parallel as tensor_parallel
+
+    sent = []
+    monkeypatch.setattr(tensor_parallel, "_broadcast", lambda tp, message: sent.append(message))
+    runner = FakeRunner()
+    runner.forward = lambda chunks: "logits"
+    group = TensorParallelRunner(runner, one_rank_group)
+    tokens = [5, 6, 7]
+    assert group.match_prefix(0, 2, tokens) == 2 and runner.calls  # made on rank 0 at once
+    tokens.append(8)  # the caller reuses its list before the others hear of the call
+    assert sent == []
+    assert group.forward(["chunk"]) == "logits"
+    assert sent == [[("match_prefix", (0, 2, [5, 6, 7]), {}), ("forward", (["chunk"],), {})]]
+    group.close()
+    assert sent[-1] == [None]
