@@ -1,60 +1,16 @@
 """`duospec serve` configuration: typed, validated at load, errors that name the field and the fix.
 
-    server:   {host: 0.0.0.0, port: 50051, http_port: 8000 (OpenAI-compatible HTTP; 0 = off), metrics_port: 9400,
-               metrics_host: 127.0.0.1, max_concurrent_requests: 64,
-               max_queued_requests: 256, max_new_tokens_limit: 2048, grace_period_s: 10,
-               send_timeout_s: 30,   # a stream whose client reads nothing this long ends, freeing its slots
-               max_request_body_bytes: 4194304,  # HTTP bodies past this get 413, checked while reading
-               tls: {cert_file: ..., key_file: ..., client_ca_file: ...},
-               internal_tls: {cert_file: ..., key_file: ..., ca_file: ..., server_name: duospec-worker}}
-                                             # internal_tls: mutual TLS between coordinator and workers
+Each key is declared once, on the dataclass field that holds it (`setting`: default, description,
+bounds or choices; duospec/settings.py); the loader below reads its bounds from there, and
+`duospec config-reference` prints every key (docs/configuration.md). A small file:
+
+    server: {host: 0.0.0.0, port: 50051}
     ledger: /var/lib/duospec/usage.db
-    ledger_retention_days: 90                # rows older than this are deleted (hourly); 0 = keep forever
-    tenants: /etc/duospec/tenants.yaml       # optional; see coordinator/tenancy.py
     models:
       - name: python-tiny                    # first model = default
         target: /opt/duospec/models/target
-        draft: /opt/duospec/models/draft     # optional; no draft -> only mode off. Or a mapping:
-                                             #   {method: model, path: DIR, tensor_parallel_size: 1}
-                                             #   {method: layers, layers: K, path: DIR?}  target's first K layers
-                                             #   {method: eagle, path: DIR} / {method: medusa, path: DIR}
-                                             #     a head from `duospec train-heads` on the target's features
-                                             #   {method: ngram, min_ngram: 2, max_ngram: 8, max_proposal: 16,
-                                             #    pool: tenant|sequence, pool_tokens: 16000, max_pools: 16}
-        device: auto                         # auto|cpu|cuda
-        placement: auto                      # auto|separate|colocated: separate = a GPU each (two
-                                             # needed); colocated = both on one GPU; auto = separate
-                                             # with two GPUs, colocated with one
-        dtype: auto                          # auto|float32|bfloat16|float16
-        max_batch_size: 8                    # sequences per verify forward
-        max_num_seqs: 16                     # live sequences (KV slots per worker); more wait in the
-                                             # server's weighted queue
-        restart_timeout_s: 600               # how long live requests wait for a restarted worker (a large
-                                             # model's load time); the server keeps reconnecting past it
-        hang_timeout_s: 10                   # a worker silent this long (a verify far past its cost, unanswered
-                                             # keepalive pings) counts as hung: Ray kills and restarts it
-        prefill_chunk_tokens: 512            # prompt tokens per forward (both workers): long prompts are
-                                             # prefilled in chunks that share rounds with others' decode
-        tensor_parallel_size: 1              # the target split over this many GPUs of one node (a Ray actor
-                                             # per rank); the model drafter's own: draft: {..., tensor_parallel_size}
-        replicas: 1                          # independent draft/target pairs of the model; each request goes
-                                             # to the one with the least outstanding work
-        placement_timeout_s: 30              # how long each replica's GPUs may take to be free (an
-                                             # autoscaling cluster adds a node meanwhile)
-        kv_cache_memory_bytes: 4294967296    # optional; KV memory of each worker (a pool of 16-position
-                                             # blocks); the draft may get its own: draft: {..., kv_cache_memory_bytes}
-        gpu_memory_utilization: 0.9          # on CUDA without kv_cache_memory_bytes: the fraction of the GPU
-                                             # a worker may fill (weights, activations, KV blocks)
-        prefix_cache: tenant                 # tenant|shared|off: whose cached prompt blocks a request reuses
-        max_model_len: 8192                  # optional; positions per sequence (default: the model's
-                                             # max_position_embeddings); KV memory is sized from it
-        speculation: {mode: pearl, max_draft_tokens: 8, gamma: 4, max_lookahead: 9, adaptive: true,
-                      # max_draft_tokens: pearl's most drafts per verify (its adaptive length picks
-                      # fewer when they do not pay); gamma: vanilla's fixed drafts per verify
-                      cache: true, hedges: 4,   # cache: the speculation cache, hedges per sequence
-                      tree: true, tree_nodes: 8,  # tree: verify hedges as token-tree branches
-                      lookup: true}  # lookup: a round without a draft (after a rejection, or the
-                                     # drafter paused) verifies tokens found in the sequence's own text
+        draft: /opt/duospec/models/draft     # or {method: ngram}, {method: layers, layers: 4}, ...
+        speculation: {mode: pearl}
 
 YAML or TOML (chosen by the file suffix). Relative paths are resolved against the config file's folder.
 """
@@ -64,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from duospec.cluster.placement import PLACEMENTS
@@ -72,81 +28,95 @@ from duospec.coordinator.config_fields import ConfigError, Fields, existing_file
 from duospec.coordinator.api import MAX_DRAFT_TOKENS, SpeculationMode
 from duospec.engine.errors import CheckpointError
 from duospec.coordinator.kv_budget import PREFIX_CACHE_SCOPES
-from duospec.draft_worker.proposer import POOL_SCOPES, DraftMethod, DraftSpec, NgramOptions
+from duospec.draft_worker.proposer import MAX_TENSOR_PARALLEL, DraftMethod, DraftSpec, NgramOptions
+from duospec.settings import REQUIRED, declared, setting
 
 DEVICES = ("auto", "cpu", "cuda")
 MAX_GRACE_PERIOD_S = 3600.0  # server.grace_period_s and `duospec serve --grace-period`
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
-MAX_TENSOR_PARALLEL = 64  # ranks of one worker: GPUs of one node
 MAX_REPLICAS = 256
+DEFAULT_LEDGER = "duospec-usage.db"
+_PORT = {"lo": 0, "hi": 65535}
 
 
 @dataclass(frozen=True)
 class TlsSettings:
-    cert_file: str
-    key_file: str
-    client_ca_file: str | None = None  # set = mutual TLS: clients must present a cert signed by it
+    cert_file: str = setting(REQUIRED, "PEM certificate the gRPC and HTTP APIs present")
+    key_file: str = setting(REQUIRED, "its PEM private key")
+    client_ca_file: str | None = setting(
+        None, "set = mutual TLS: clients must present a certificate signed by this CA (PEM)")
 
 
 @dataclass(frozen=True)
 class InternalTlsSettings:
     """Mutual TLS on the coordinator-worker streams; the certificate needs the DNS SAN `server_name`."""
 
-    cert_file: str
-    key_file: str
-    ca_file: str
-    server_name: str = "duospec-worker"
+    cert_file: str = setting(REQUIRED, "PEM certificate the coordinator and the workers present to each other")
+    key_file: str = setting(REQUIRED, "its PEM private key")
+    ca_file: str = setting(REQUIRED, "PEM CA both sides verify the other's certificate against")
+    server_name: str = setting("duospec-worker", "the DNS SAN the workers' certificate holds")
 
 
 @dataclass(frozen=True)
 class ServerSettings:
-    host: str = "127.0.0.1"
-    port: int = 50051
-    http_port: int = 8000  # the OpenAI-compatible HTTP API, on `host`; 0 = off
-    metrics_port: int = 9400  # 0 = no metrics endpoint
-    # Where /metrics listens: loopback unless configured, whatever `host` is. Metrics name tenants and
-    # models, so an operator opens them (KubeRay: the pod IP, behind a NetworkPolicy) on purpose.
-    metrics_host: str = "127.0.0.1"
-    max_concurrent_requests: int = 64  # streams generating at once (all tenants)
-    max_queued_requests: int = 256  # waiting for a generation slot; beyond this RESOURCE_EXHAUSTED
-    max_new_tokens_limit: int = 2048  # a request asking for more is INVALID_ARGUMENT
-    default_max_new_tokens: int = 256  # used when a request leaves max_new_tokens at 0
-    grace_period_s: float = 10.0  # SIGTERM: how long in-flight streams may finish before cancel
-    # How long a stream may wait for its client to take the next message (nginx's send_timeout): a
-    # client that stopped reading fills the connection's buffers, and past this its stream ends as a
-    # cancelled one does, giving its KV slots and admission ticket back instead of holding them forever.
-    send_timeout_s: float = 30.0
-    # The largest HTTP request body accepted (bytes), as gRPC's default 4 MiB message limit: a longer
-    # body gets 413 as soon as its Content-Length, or the bytes read so far, pass it (never read whole).
-    max_request_body_bytes: int = 4 << 20
-    tls: TlsSettings | None = None
-    internal_tls: InternalTlsSettings | None = None
+    host: str = setting("127.0.0.1", "address the gRPC and HTTP APIs listen on")
+    port: int = setting(50051, "gRPC port", **_PORT)
+    http_port: int = setting(8000, "the OpenAI-compatible HTTP API's port, on `host`; 0 = off", **_PORT)
+    metrics_port: int = setting(9400, "Prometheus /metrics port; 0 = no metrics endpoint", **_PORT)
+    # Metrics name tenants and models, so an operator opens them (KubeRay: the pod IP, behind a
+    # NetworkPolicy) on purpose: loopback unless configured, whatever `host` is.
+    metrics_host: str = setting("127.0.0.1", "address /metrics listens on (loopback unless set, whatever `host` is)")
+    max_concurrent_requests: int = setting(64, "streams generating at once (all tenants)", lo=1, hi=1 << 20)
+    max_queued_requests: int = setting(
+        256, "requests waiting for a generation slot; beyond this RESOURCE_EXHAUSTED", lo=0, hi=1 << 20)
+    max_new_tokens_limit: int = setting(2048, "a request asking for more is INVALID_ARGUMENT", lo=1, hi=1 << 24)
+    default_max_new_tokens: int = setting(
+        256, "used when a request leaves max_new_tokens at 0; at most max_new_tokens_limit", lo=1, hi=1 << 24)
+    grace_period_s: float = setting(
+        10.0, "SIGTERM: how long in-flight streams may finish before they are cancelled", lo=0.0, hi=MAX_GRACE_PERIOD_S)
+    # nginx's send_timeout: a client that stopped reading fills the connection's buffers; past this
+    # its stream ends as a cancelled one does, giving its KV slots and admission ticket back.
+    send_timeout_s: float = setting(
+        30.0, "how long a stream waits for its client to take the next message; past it the stream ends "
+        "and frees its slots", lo=1.0, hi=3600.0)
+    # As gRPC's default 4 MiB message limit; a longer body is never read whole.
+    max_request_body_bytes: int = setting(
+        4 << 20, "largest HTTP request body; a longer one gets 413 as soon as its Content-Length, or the "
+        "bytes read so far, pass it", lo=1024, hi=1 << 30)
+    tls: TlsSettings | None = setting(None, "TLS on the gRPC and HTTP APIs; absent = plaintext")
+    internal_tls: InternalTlsSettings | None = setting(
+        None, "mutual TLS between the coordinator and the workers; absent = plaintext")
 
 
 @dataclass(frozen=True)
 class SpeculationDefaults:
-    mode: SpeculationMode = SpeculationMode.PEARL
-    # pearl: the most drafts one verify takes; the adaptive length (coordinator/adaptive.py) picks fewer
-    # when the verify cost and the acceptance say so. Above vanilla's γ because pearl drafts while the
-    # target verifies: a longer chunk costs it no waiting, only verify rows (on a GPU nearly free)
-    max_draft_tokens: int = 8
-    max_lookahead: int = 9
-    adaptive: bool = True  # pearl: adapt the draft length to acceptance and load (coordinator/adaptive.py)
-    # pearl: the speculation cache (draft_worker/hedges.py): the drafter hedges the likeliest verdicts
-    # in its spare steps, up to `hedges` per sequence; a verdict that hits one skips the pipeline drain
-    cache: bool = True
-    hedges: int = 4
-    # pearl, greedy: verify the cached hedges as token-tree branches next to the main chain, in the same
-    # forward (at most tree_nodes extra tokens); needs the cache
-    tree: bool = True
-    tree_nodes: int = 8
-    # pearl, greedy: a round sent without a draft (before the restarted drafter's first, or while the
-    # goodput guard pauses it) verifies what followed the sequence's last tokens where they occurred
-    # before in its text (coordinator/lookup.py)
-    lookup: bool = True
-    # vanilla: the textbook baseline's fixed drafts per verify (γ drafts, then the verify, in turn)
-    gamma: int = 4
+    mode: SpeculationMode = setting(
+        SpeculationMode.PEARL, "pearl: draft and target overlap; vanilla: γ drafts, then a verify, in turn; "
+        "off: the target alone. A request may ask for another; without a draft, off",
+        choices=[m.value for m in SpeculationMode])
+    # Above vanilla's γ because pearl drafts while the target verifies: a longer chunk costs it no
+    # waiting, only verify rows (on a GPU nearly free); the adaptive length (coordinator/adaptive.py)
+    # picks fewer when the verify cost and the acceptance say so.
+    max_draft_tokens: int = setting(
+        8, "pearl: the most drafts one verify takes (the adaptive length picks fewer when they do not pay)",
+        lo=1, hi=MAX_DRAFT_TOKENS)
+    max_lookahead: int = setting(9, "pearl: how far past the committed text the drafter may run", lo=1, hi=1024)
+    adaptive: bool = setting(True, "pearl: adapt the draft length to acceptance and load")
+    cache: bool = setting(
+        True, "pearl: the speculation cache: the drafter hedges the likeliest verdicts in its spare steps; "
+        "a verdict that hits one skips the pipeline drain")
+    hedges: int = setting(4, "pearl: hedges per sequence in the speculation cache", lo=1, hi=16)
+    tree: bool = setting(
+        True, "pearl, greedy: verify the cached hedges as token-tree branches next to the main chain, in the "
+        "same forward; needs the cache")
+    tree_nodes: int = setting(8, "pearl, greedy: the most extra tokens the tree branches add per verify", lo=1, hi=64)
+    # The rounds without a draft: before a restarted drafter's first, or while the goodput guard pauses it
+    # (coordinator/lookup.py).
+    lookup: bool = setting(
+        True, "pearl, greedy: a round without a draft verifies what followed the sequence's last tokens "
+        "where they occurred before in its own text")
+    gamma: int = setting(4, "vanilla: the textbook baseline's fixed drafts per verify (γ)", lo=1, hi=MAX_DRAFT_TOKENS)
 
     @property
     def request_cap(self) -> int:
@@ -160,55 +130,63 @@ class SpeculationDefaults:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str
-    target: str
-    # What drafts: a DraftSpec; a plain path (str) is read as {method: model, path: ...}
-    draft: DraftSpec | str | None = None
-    device: str = "auto"
-    placement: str = "auto"  # auto | separate | colocated (cluster/placement.py)
-    dtype: str = "auto"
-    max_batch_size: int = 8
-    max_num_seqs: int = 16  # live sequences at once (vLLM's name); past what the KV pools hold, some are preempted
-    # How long live requests wait for a killed worker to come back (Ray restarts it) before they fail
-    # with UNAVAILABLE; the coordinator keeps reconnecting after that, and serves again once it is back.
-    restart_timeout_s: float = 600.0
-    # A worker that stops answering without closing its streams (a hung GPU, a stopped process, a node
-    # gone silent) counts as hung after this many seconds: a verify outstanding this long (or many
-    # times its predicted cost, if longer), keepalive pings on an internal stream unanswered for about
-    # this long, or a stalled drafter that does not answer within it. Ray then kills and restarts it,
-    # and the requests go on as after a crash (coordinator/recovery.py). Keep it above the slowest
-    # legitimate forward (a prefill chunk on a cold GPU).
-    hang_timeout_s: float = 10.0
-    # Prompt tokens per forward, on the target (per verify batch) and the drafter (per sequence).
-    prefill_chunk_tokens: int = 512
-    # The target split over this many devices of one node (Megatron-style, one Ray actor per rank,
-    # joined by torch.distributed; cluster/tp_group.py); must divide its attention and KV heads and MLP
-    # width. The model drafter's own size is draft.tensor_parallel_size (DraftSpec).
-    tensor_parallel_size: int = 1
-    # Independent draft/target pairs (or groups) of the model, placed across the cluster; each request
-    # goes to the one with the least outstanding work (coordinator/replicas.py). Tenancy, fair share,
-    # quotas and the ledger stay per model.
-    replicas: int = 1
-    # How long starting waits for each replica's placement groups (its GPUs) before failing with what
-    # is missing. On an autoscaling cluster a pending group is the autoscaler's cue to add a node: give
-    # it the minutes a node takes to boot and join.
-    placement_timeout_s: float = 30.0
-    speculation: SpeculationDefaults = field(default_factory=SpeculationDefaults)
-    # Positions per sequence (prompt + output), on every layer alike: request validation, the
-    # coordinator, the drafter and the target. None = the model's max_position_embeddings.
-    max_model_len: int | None = None
-    # Each worker's KV memory, in bytes of 16-position blocks from one pool (duospec/engine/kv_memory.py);
-    # None: gpu_memory_utilization on CUDA, else max_num_seqs sequences of max_model_len positions. The
-    # pool must hold one request of max_model_len; past what it holds, sequences are preempted and
-    # resumed by recompute (coordinator/kv_budget.py). draft.kv_cache_memory_bytes: the draft's own.
-    kv_cache_memory_bytes: int | None = None
-    # On CUDA without kv_cache_memory_bytes: the fraction of the GPU's memory a worker may fill in all
-    # (vLLM's meaning); its KV blocks get what its weights and everything else leave of it. A draft
-    # placed on its target's GPU holds max_num_seqs x max_model_len positions instead.
-    gpu_memory_utilization: float = 0.9
-    # Whose cached prompt blocks a request reuses (coordinator/kv_budget.py): its own tenant's
-    # (tenant), every request's of the model (shared), or none (off).
-    prefix_cache: str = "tenant"
+    name: str = setting(REQUIRED, "the model's name in requests; letters, digits, '.', '_', '-'")
+    target: str = setting(REQUIRED, "the target checkpoint: a directory, or a hub id")
+    # A DraftSpec; a plain path (str) is read as {method: model, path: ...}
+    draft: DraftSpec | str | None = setting(
+        None, "what drafts: a draft checkpoint's directory, or a mapping with `method:` and its options "
+        "(models[].draft); absent = no drafter, mode off")
+    device: str = setting("auto", "where both workers run", choices=DEVICES)
+    placement: str = setting(
+        "auto", "separate = a GPU each (two needed); colocated = both on one GPU; auto = separate with two "
+        "GPUs, colocated with one", choices=PLACEMENTS)  # cluster/placement.py
+    dtype: str = setting("auto", "the weights' dtype", choices=DTYPES)
+    max_batch_size: int = setting(8, "sequences per verify forward", lo=1, hi=4096)
+    max_num_seqs: int = setting(
+        16, "live sequences at once (KV slots per worker); more wait in the server's weighted queue, and "
+        "past what the KV pools hold some are preempted", lo=1, hi=4096)
+    # The coordinator keeps reconnecting after it, and serves again once the worker is back.
+    restart_timeout_s: float = setting(
+        600.0, "how long live requests wait for a killed worker to come back (a large model's load time) "
+        "before they fail with UNAVAILABLE", lo=1.0, hi=86400.0)
+    # A verify outstanding this long (or many times its predicted cost, if longer), keepalive pings on
+    # an internal stream unanswered for about this long, or a stalled drafter that does not answer
+    # within it; the requests then go on as after a crash (coordinator/recovery.py).
+    hang_timeout_s: float = setting(
+        10.0, "a worker silent this long counts as hung: Ray kills and restarts it. Keep it above the "
+        "slowest legitimate forward (a prefill chunk on a cold GPU)", lo=1.0, hi=3600.0)
+    prefill_chunk_tokens: int = setting(
+        512, "prompt tokens per forward (both workers): long prompts are prefilled in chunks that share "
+        "rounds with others' decode", lo=16, hi=1 << 20)
+    # Megatron-style, one Ray actor per rank joined by torch.distributed (cluster/tp_group.py).
+    tensor_parallel_size: int = setting(
+        1, "the target split over this many GPUs of one node; must divide its attention and KV heads and "
+        "MLP width (the model drafter's own: draft.tensor_parallel_size)", lo=1, hi=MAX_TENSOR_PARALLEL)
+    # Tenancy, fair share, quotas and the ledger stay per model (coordinator/replicas.py).
+    replicas: int = setting(
+        1, "independent draft/target pairs of the model; each request goes to the one with the least "
+        "outstanding work", lo=1, hi=MAX_REPLICAS)
+    placement_timeout_s: float = setting(
+        30.0, "how long starting waits for each replica's GPUs to be free; on an autoscaling cluster give "
+        "it the minutes a node takes to boot and join", lo=1.0, hi=86400.0)
+    speculation: SpeculationDefaults = setting(
+        None, "the model's speculation defaults (a mapping); a request may ask for others", factory=SpeculationDefaults)
+    max_model_len: int | None = setting(
+        None, "positions per sequence (prompt + output) on every layer; KV memory is sized from it. "
+        "Absent = the model's max_position_embeddings", lo=2, hi=1 << 24)
+    # Pools of 16-position blocks (duospec/engine/kv_memory.py); past what a pool holds, sequences are
+    # preempted and resumed by recompute (coordinator/kv_budget.py).
+    kv_cache_memory_bytes: int | None = setting(
+        None, "each worker's KV memory in bytes; it must hold one request of max_model_len. Absent = "
+        "gpu_memory_utilization on CUDA, else max_num_seqs sequences of max_model_len (the draft's "
+        "own: draft.kv_cache_memory_bytes)", lo=1 << 10, hi=1 << 50)
+    # vLLM's meaning. A draft placed on its target's GPU holds max_num_seqs x max_model_len positions.
+    gpu_memory_utilization: float = setting(
+        0.9, "on CUDA without kv_cache_memory_bytes: the fraction of the GPU a worker may fill (weights, "
+        "activations, KV blocks)", lo=0.01, hi=1.0)
+    prefix_cache: str = setting(
+        "tenant", "whose cached prompt blocks a request reuses: its own tenant's, every request's of the "
+        "model (shared), or none", choices=PREFIX_CACHE_SCOPES)
 
     def __post_init__(self) -> None:
         if isinstance(self.draft, str):
@@ -217,15 +195,15 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ServeConfig:
-    server: ServerSettings
-    models: list[ModelConfig]
-    ledger: str
-    tenants: str | None = None  # tenants file; None = auth off (loopback only, or --insecure-no-auth)
-    # Usage rows finished more than this many days ago are deleted (checked hourly); 0 keeps them forever.
-    ledger_retention_days: float = 90.0
-
-
-DEFAULT_LEDGER = "duospec-usage.db"
+    server: ServerSettings = setting(REQUIRED, "the APIs' listeners and limits (a file may leave it out)")
+    models: list[ModelConfig] = setting(REQUIRED, "the served models, at least one; the first listed is the default")
+    ledger: str = setting(DEFAULT_LEDGER, "the SQLite usage ledger (a row per request)")
+    tenants: str | None = setting(
+        None, "the tenants file (`duospec tenants add`); absent = auth off (loopback only, or "
+        "--insecure-no-auth)")
+    ledger_retention_days: float = setting(
+        90.0, "usage rows finished more than this many days ago are deleted (checked hourly); 0 keeps them "
+        "forever", lo=0.0, hi=36500.0)
 
 
 def load_serve_config(path: str | pathlib.Path) -> ServeConfig:
@@ -248,9 +226,9 @@ def parse_serve_config(raw: Any, *, source: str = "config", base_dir: pathlib.Pa
         if model.name in seen:
             raise ConfigError(f"{source}: models[{i}].name: {model.name!r} is listed twice; names must be unique")
         seen.add(model.name)
-    ledger = top.get("ledger", str, default=DEFAULT_LEDGER)
-    tenants = top.get("tenants", str, default=None)
-    retention = top.float_in("ledger_retention_days", 0.0, 36500.0, default=ServeConfig.ledger_retention_days)
+    ledger = top.setting(ServeConfig, "ledger")
+    tenants = top.setting(ServeConfig, "tenants")
+    retention = top.setting(ServeConfig, "ledger_retention_days")
     top.reject_unknown()
     return ServeConfig(
         server=server,
@@ -269,33 +247,21 @@ def _certificates(f: "Fields", section: str, base_dir: pathlib.Path, cls, *,
         return None
     values = {name: existing_file(fields, name, base_dir, required=True) for name in files}
     values.update({name: existing_file(fields, name, base_dir, required=False) for name in optional_files})
-    values.update({name: fields.get(name, str) for name in names if fields.raw.get(name) is not None})
+    values.update({name: fields.setting(cls, name) for name in names if fields.raw.get(name) is not None})
     fields.reject_unknown()
     return cls(**values)
 
 
+_SERVER_SCALARS = [f.name for f, _ in declared(ServerSettings) if f.name not in ("tls", "internal_tls")]
+
+
 def _parse_server(f: "Fields", base_dir: pathlib.Path) -> ServerSettings:
-    d = ServerSettings()
     tls = _certificates(f, "tls", base_dir, TlsSettings, optional_files=("client_ca_file",))
     internal_tls = _certificates(f, "internal_tls", base_dir, InternalTlsSettings,
                                  files=("cert_file", "key_file", "ca_file"),
                                  names=("server_name",))
-    settings = ServerSettings(
-        host=f.get("host", str, default=d.host),
-        port=f.int_in("port", 0, 65535, default=d.port),
-        http_port=f.int_in("http_port", 0, 65535, default=d.http_port),
-        metrics_port=f.int_in("metrics_port", 0, 65535, default=d.metrics_port),
-        metrics_host=f.get("metrics_host", str, default=d.metrics_host),
-        max_concurrent_requests=f.int_in("max_concurrent_requests", 1, 1 << 20, default=d.max_concurrent_requests),
-        max_queued_requests=f.int_in("max_queued_requests", 0, 1 << 20, default=d.max_queued_requests),
-        max_new_tokens_limit=f.int_in("max_new_tokens_limit", 1, 1 << 24, default=d.max_new_tokens_limit),
-        default_max_new_tokens=f.int_in("default_max_new_tokens", 1, 1 << 24, default=d.default_max_new_tokens),
-        grace_period_s=f.float_in("grace_period_s", 0.0, MAX_GRACE_PERIOD_S, default=d.grace_period_s),
-        send_timeout_s=f.float_in("send_timeout_s", 1.0, 3600.0, default=d.send_timeout_s),
-        max_request_body_bytes=f.int_in("max_request_body_bytes", 1024, 1 << 30, default=d.max_request_body_bytes),
-        tls=tls,
-        internal_tls=internal_tls,
-    )
+    scalars = {name: f.setting(ServerSettings, name) for name in _SERVER_SCALARS}
+    settings = ServerSettings(**scalars, tls=tls, internal_tls=internal_tls)
     if not settings.metrics_host.strip():
         raise ConfigError(f"{f.where('metrics_host')}: empty; give the address /metrics listens on "
                           "(127.0.0.1, the address your Prometheus reaches, or 0.0.0.0 for every interface)")
@@ -309,30 +275,19 @@ def _parse_server(f: "Fields", base_dir: pathlib.Path) -> ServerSettings:
 
 
 def _parse_model(f: "Fields", base_dir: pathlib.Path) -> ModelConfig:
-    name = f.get("name", str, required=True)
+    name = f.setting(ModelConfig, "name")
     if not _MODEL_NAME.match(name):
         raise ConfigError(
             f"{f.where('name')}: {name!r} is not a valid model name; use letters, digits, '.', '_', '-' "
             "(it names Ray actors duospec-target-<name>)"
         )
-    target = f.get("target", str, required=True)
+    target = f.setting(ModelConfig, "target")
     draft = _draft_tensor_parallel(f, _parse_draft(f, base_dir, resolve_model_path(target, base_dir)))
     spec_fields = f.section("speculation", required=False)
     spec = SpeculationDefaults()
     if spec_fields is not None:
-        mode_name = spec_fields.choice("mode", [m.value for m in SpeculationMode], default=spec.mode.value)
-        spec = SpeculationDefaults(
-            mode=SpeculationMode(mode_name),
-            max_draft_tokens=spec_fields.int_in("max_draft_tokens", 1, MAX_DRAFT_TOKENS, default=spec.max_draft_tokens),
-            max_lookahead=spec_fields.int_in("max_lookahead", 1, 1024, default=spec.max_lookahead),
-            adaptive=spec_fields.get("adaptive", bool, default=spec.adaptive),
-            cache=spec_fields.get("cache", bool, default=spec.cache),
-            hedges=spec_fields.int_in("hedges", 1, 16, default=spec.hedges),
-            tree=spec_fields.get("tree", bool, default=spec.tree),
-            tree_nodes=spec_fields.int_in("tree_nodes", 1, 64, default=spec.tree_nodes),
-            lookup=spec_fields.get("lookup", bool, default=spec.lookup),
-            gamma=spec_fields.int_in("gamma", 1, MAX_DRAFT_TOKENS, default=spec.gamma),
-        )
+        spec = SpeculationDefaults(**{g.name: spec_fields.setting(SpeculationDefaults, g.name)
+                                      for g, _ in declared(SpeculationDefaults)})
         spec_fields.reject_unknown()
     if draft is None and spec.mode is not SpeculationMode.OFF and spec_fields is not None and "mode" in spec_fields.raw:
         raise ConfigError(
@@ -340,28 +295,14 @@ def _parse_model(f: "Fields", base_dir: pathlib.Path) -> ModelConfig:
         )
     if draft is None:
         spec = dataclasses.replace(spec, mode=SpeculationMode.OFF)
-    model = ModelConfig(
-        name=name,
-        target=resolve_model_path(target, base_dir),
-        draft=draft,
-        device=f.choice("device", DEVICES, default="auto"),
-        placement=f.choice("placement", PLACEMENTS, default="auto"),
-        dtype=f.choice("dtype", DTYPES, default="auto"),
-        max_batch_size=f.int_in("max_batch_size", 1, 4096, default=8),
-        max_num_seqs=f.int_in("max_num_seqs", 1, 4096, default=16),
-        restart_timeout_s=f.float_in("restart_timeout_s", 1.0, 86400.0, default=600.0),
-        hang_timeout_s=f.float_in("hang_timeout_s", 1.0, 3600.0, default=ModelConfig.hang_timeout_s),
-        prefill_chunk_tokens=f.int_in("prefill_chunk_tokens", 16, 1 << 20, default=512),
-        tensor_parallel_size=_tensor_parallel(f, resolve_model_path(target, base_dir), ModelConfig.tensor_parallel_size),
-        replicas=f.int_in("replicas", 1, MAX_REPLICAS, default=ModelConfig.replicas),
-        placement_timeout_s=f.float_in("placement_timeout_s", 1.0, 86400.0, default=ModelConfig.placement_timeout_s),
-        speculation=spec,
-        max_model_len=f.int_in("max_model_len", 2, 1 << 24, default=2) if f.raw.get("max_model_len") is not None else None,
-        kv_cache_memory_bytes=_memory_bytes(f),
-        gpu_memory_utilization=f.float_in("gpu_memory_utilization", 0.01, 1.0,
-                                          default=ModelConfig.gpu_memory_utilization),
-        prefix_cache=f.choice("prefix_cache", PREFIX_CACHE_SCOPES, default=ModelConfig.prefix_cache),
-    )
+    values = {}
+    for g, _ in declared(ModelConfig):
+        if g.name == "tensor_parallel_size":
+            values[g.name] = _tensor_parallel(f, resolve_model_path(target, base_dir), ModelConfig)
+        elif g.name not in ("name", "target", "draft", "speculation"):
+            values[g.name] = f.setting(ModelConfig, g.name)
+    model = ModelConfig(name=name, target=resolve_model_path(target, base_dir), draft=draft, speculation=spec,
+                        **values)
     f.reject_unknown()
     return model
 
@@ -375,17 +316,10 @@ _DRAFT_KEYS = {
 }
 
 
-def _memory_bytes(f: "Fields") -> int | None:
-    """An optional `kv_cache_memory_bytes` (at least one 16-position block of a tiny model)."""
-    if f.raw.get("kv_cache_memory_bytes") is None:
-        return None
-    return f.int_in("kv_cache_memory_bytes", 1 << 10, 1 << 50, default=1 << 10)
-
-
-def _tensor_parallel(f: "Fields", checkpoint: str | None, default: int) -> int:
-    """`tensor_parallel_size` of `f`'s worker, refused with the sizes that work when it does not divide
-    a local checkpoint's heads (a hub id is checked when its workers load)."""
-    size = f.int_in("tensor_parallel_size", 1, MAX_TENSOR_PARALLEL, default=default)
+def _tensor_parallel(f: "Fields", checkpoint: str | None, cls) -> int:
+    """`tensor_parallel_size` of `f`'s worker (as `cls` declares it), refused with the sizes that work
+    when it does not divide a local checkpoint's heads (a hub id is checked when its workers load)."""
+    size = f.setting(cls, "tensor_parallel_size")
     config = _local_config(checkpoint) if size > 1 and checkpoint else None
     if config is not None and all(k in config for k in ("num_attention_heads", "intermediate_size")):
         from types import SimpleNamespace
@@ -405,8 +339,7 @@ def _draft_tensor_parallel(f: "Fields", draft: DraftSpec | None) -> DraftSpec | 
     if draft is None or not isinstance(raw, dict) or raw.get("tensor_parallel_size") is None:
         return draft
     fields = Fields(raw, f.source, f"{f.prefix}.draft")
-    return dataclasses.replace(draft, tensor_parallel_size=_tensor_parallel(fields, draft.path,
-                                                                            DraftSpec.tensor_parallel_size))
+    return dataclasses.replace(draft, tensor_parallel_size=_tensor_parallel(fields, draft.path, DraftSpec))
 
 
 def _parse_draft(f: "Fields", base_dir: pathlib.Path, target: str) -> DraftSpec | None:
@@ -429,15 +362,15 @@ def _parse_draft(f: "Fields", base_dir: pathlib.Path, target: str) -> DraftSpec 
                 f"{d.where(key)}: not an option of method {method.value}{hint}; its options: "
                 f"{', '.join(_DRAFT_KEYS[method])}"
             )
-    path = d.get("path", str, default=None)
+    path = d.setting(DraftSpec, "path")
     if path == "":
         raise ConfigError(f"{d.where('path')}: empty; give the draft checkpoint's directory or remove the key")
-    memory = _memory_bytes(d)
+    memory = d.setting(DraftSpec, "kv_cache_memory_bytes")
     if method in (DraftMethod.MODEL, DraftMethod.EAGLE, DraftMethod.MEDUSA):
         return DraftSpec(method, path=resolve_model_path(d.get("path", str, required=True), base_dir),
                          kv_cache_memory_bytes=memory)
     if method is DraftMethod.LAYERS:
-        layers = d.int_in("layers", 1, 1 << 16, default=0) if "layers" in d.raw else None
+        layers = d.setting(DraftSpec, "layers")
         if layers is None:
             raise ConfigError(f"{d.where('layers')}: missing; how many of the target's first layers draft (e.g. 4)")
         total = _local_layer_count(target)
@@ -448,15 +381,7 @@ def _parse_draft(f: "Fields", base_dir: pathlib.Path, target: str) -> DraftSpec 
             )
         return DraftSpec(method, path=resolve_model_path(path, base_dir) if path else None, layers=layers,
                          kv_cache_memory_bytes=memory)
-    n = NgramOptions()
-    options = NgramOptions(
-        min_ngram=d.int_in("min_ngram", 1, 64, default=n.min_ngram),
-        max_ngram=d.int_in("max_ngram", 1, 64, default=n.max_ngram),
-        max_proposal=d.int_in("max_proposal", 1, 256, default=n.max_proposal),
-        pool=d.choice("pool", POOL_SCOPES, default=n.pool),
-        pool_tokens=d.int_in("pool_tokens", 1, 1 << 30, default=n.pool_tokens),
-        max_pools=d.int_in("max_pools", 1, 1 << 20, default=n.max_pools),
-    )
+    options = NgramOptions(**{g.name: d.setting(NgramOptions, g.name) for g, _ in declared(NgramOptions)})
     if options.min_ngram > options.max_ngram:
         raise ConfigError(
             f"{d.where('min_ngram')}: {options.min_ngram} is above max_ngram {options.max_ngram}; lower it"

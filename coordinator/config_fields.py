@@ -4,9 +4,12 @@ folder. What the keys mean lives in coordinator/config.py."""
 
 from __future__ import annotations
 
+import enum
 import math
 import pathlib
 from typing import Any
+
+from duospec.settings import REQUIRED, declaration, default_of, kind_of
 
 
 class ConfigError(ValueError):
@@ -112,6 +115,28 @@ class Fields:
         if value not in options:
             raise ConfigError(f"{self.where(key)}: {value!r} is not one of {', '.join(options)}")
         return value
+
+    def setting(self, cls, key: str) -> Any:
+        """`key` read as dataclass `cls` declares it (duospec/settings.py): its type, its bounds or
+        choices, and its default when the file leaves it out. A key whose default is None is optional:
+        left out it stays None, given it is checked."""
+        f, s = declaration(cls, key)
+        default = default_of(f)
+        if default is None:
+            self._seen.add(key)
+            if self.raw.get(key) is None:
+                return None
+        kind = kind_of(f)
+        if s.choices is not None:
+            value = self.choice(key, s.choices, default=default)
+            return type(f.default)(value) if isinstance(f.default, enum.Enum) else value
+        if s.lo is not None and kind is int:
+            return self.int_in(key, s.lo, s.hi, default=default)
+        if s.lo is not None and kind is float:
+            return self.float_in(key, s.lo, s.hi, default=default)
+        if default is REQUIRED:
+            return self.get(key, kind, required=True)
+        return self.get(key, kind, default=default)
 
     def reject_unknown(self) -> None:
         unknown = sorted(set(self.raw) - self._seen)

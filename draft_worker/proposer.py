@@ -54,6 +54,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from duospec.settings import REQUIRED, setting
+
 if TYPE_CHECKING:  # this module is read by the config loader: no torch at import time
     from duospec.qcodec import DraftProbs
     from duospec.sampling import SamplingParams
@@ -80,35 +82,47 @@ class DraftMethod(str, enum.Enum):
 
 
 POOL_SCOPES = ("tenant", "sequence")
+MAX_TENSOR_PARALLEL = 64  # ranks of one worker: GPUs of one node
 
 
 @dataclass(frozen=True)
 class NgramOptions:
-    """`models[].draft` options of the n-gram drafter (validated in coordinator/config.py)."""
+    """`models[].draft` options of the n-gram drafter (read by coordinator/config.py)."""
 
-    min_ngram: int = 2  # shortest context that may predict (shorter matches are mostly noise)
-    max_ngram: int = 8  # longest context matched
-    max_proposal: int = 16  # tokens proposed per step (the lookahead bound also applies)
-    pool: str = "tenant"  # "tenant": also match the tenant's recent sequences; "sequence": its own text only
-    # Per tenant pool; the oldest sequences are evicted past it. A trie costs ~2.7 KB per indexed
-    # token at max_ngram 8 (measured on stdlib code), so the defaults hold at most ~16 x 43 MB.
-    pool_tokens: int = 16_000
-    max_pools: int = 16  # tenants with a pool; the least recently used is evicted past it
+    min_ngram: int = setting(2, "ngram: the shortest context that may predict (shorter matches are mostly "
+                             "noise); at most max_ngram", lo=1, hi=64)
+    max_ngram: int = setting(8, "ngram: the longest context matched", lo=1, hi=64)
+    max_proposal: int = setting(16, "ngram: tokens proposed per step (the lookahead bound also applies)",
+                                lo=1, hi=256)
+    pool: str = setting("tenant", "ngram: tenant = also match the tenant's recent sequences; sequence = its own "
+                        "text only", choices=POOL_SCOPES)
+    # A trie costs ~2.7 KB per indexed token at max_ngram 8 (measured on stdlib code), so the defaults
+    # hold at most ~16 x 43 MB.
+    pool_tokens: int = setting(16_000, "ngram: tokens per tenant pool; the oldest sequences are evicted past it",
+                               lo=1, hi=1 << 30)
+    max_pools: int = setting(16, "ngram: tenants with a pool; the least recently used is evicted past it",
+                             lo=1, hi=1 << 20)
 
 
 @dataclass(frozen=True)
 class DraftSpec:
     """What drafts for a model: `models[].draft` in the serve config, typed."""
 
-    method: DraftMethod
-    # model: the draft checkpoint (required); layers: a fine-tuned shallow draft (optional)
-    path: str | None = None
-    layers: int | None = None  # layers: K, the target's first K layers
-    ngram: NgramOptions = field(default_factory=NgramOptions)
-    # the draft worker's own KV memory (models[].draft.kv_cache_memory_bytes); None = the model's setting
-    kv_cache_memory_bytes: int | None = None
-    # model: the draft's tensor-parallel group size (models[].draft.tensor_parallel_size), ranks on one node
-    tensor_parallel_size: int = 1
+    method: DraftMethod = setting(
+        REQUIRED, "model: a small checkpoint with the target's tokenizer; layers: the target's first K "
+        "layers; ngram: suffix matches in the text, no checkpoint; eagle / medusa: a head from "
+        "`duospec train-heads`", choices=[m.value for m in DraftMethod])
+    path: str | None = setting(
+        None, "model, eagle, medusa: the checkpoint's or head's directory (required); layers: a fine-tuned "
+        "shallow draft (optional)")
+    layers: int | None = setting(None, "layers: K, the target's first K layers (required; fewer than it has)",
+                                 lo=1, hi=1 << 16)
+    ngram: NgramOptions = field(default_factory=NgramOptions)  # the ngram keys, declared on NgramOptions
+    kv_cache_memory_bytes: int | None = setting(
+        None, "model, layers, eagle: the draft worker's own KV memory in bytes; absent = the model's setting",
+        lo=1 << 10, hi=1 << 50)
+    tensor_parallel_size: int = setting(
+        1, "model: the draft's tensor-parallel group size, ranks on one node", lo=1, hi=MAX_TENSOR_PARALLEL)
 
     def checkpoint(self, target_path: str) -> str | None:
         """The checkpoint the draft worker loads (None: no model); a head's directory for eagle/medusa."""

@@ -14,6 +14,7 @@ import sys
 # Order is the order shown in `duospec --help`.
 COMMAND_MODULES = [
     "duospec.cli.serve",      # serve
+    "duospec.cli.reference",  # config-reference
     "duospec.cli.client",     # generate, models
     "duospec.cli.admin",      # tenants, usage
     "duospec.cli.train",      # train-tiny, distill
