@@ -24,6 +24,7 @@ class BenchPair:
     device: str = "cpu"
     draft_method: str = "model"  # --draft-method: model | ngram | layers:K
     placement: str = "auto"  # --placement: auto | separate | colocated (the server runs)
+    tensor_parallel_size: int = 1  # the target's (benchmarks/tensor_parallel.py)
 
     def draft_spec(self):
         from duospec.coordinator.config import draft_from_flag
@@ -43,7 +44,8 @@ def model_config(pair: BenchPair, speculation, name: str = MODEL_NAME):
     from duospec.coordinator.config import ModelConfig
 
     return ModelConfig(name=name, target=pair.target, draft=pair.draft_spec(), device=pair.device,
-                       placement=pair.placement, speculation=speculation)
+                       placement=pair.placement, speculation=speculation,
+                       tensor_parallel_size=pair.tensor_parallel_size)
 
 
 def request_for(prompt: EncodedPrompt, mode: str, max_new_tokens: int, tag: str):
