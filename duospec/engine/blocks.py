@@ -134,6 +134,7 @@ class CacheStats:
     queries: int  # prompt positions looked up in the prefix cache
     hits: int  # of those, positions served from it
     evictions: int  # cached blocks taken for new content
+    block_size: int  # positions per block
 
     @property
     def usage(self) -> float:
@@ -356,4 +357,4 @@ class BlockTables:
     def stats(self) -> CacheStats:
         return CacheStats(num_blocks=self.pool.num_blocks, free_blocks=self.pool.num_free,
                           cached_blocks=self.pool.num_cached, queries=self.queries, hits=self.hits,
-                          evictions=self.pool.evictions)
+                          evictions=self.pool.evictions, block_size=self.block_size)

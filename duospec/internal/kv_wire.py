@@ -16,7 +16,7 @@ def kv_usage_to_proto(stats: CacheStats | None) -> pb.KVUsage | None:
     if stats is None:
         return None
     return pb.KVUsage(num_blocks=stats.num_blocks, free_blocks=stats.free_blocks,
-                      prefix_cache_queries=stats.queries, prefix_cache_hits=stats.hits)
+                      prefix_cache_queries=stats.queries, prefix_cache_hits=stats.hits, block_size=stats.block_size)
 
 
 def kv_usage_report(kv: pb.KVUsage | None) -> dict:

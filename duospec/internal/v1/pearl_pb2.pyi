@@ -165,16 +165,18 @@ class DraftChunkBatch(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[DraftChunk, _Mapping]]] = ..., busy_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., failed_seq_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ...) -> None: ...
 
 class KVUsage(_message.Message):
-    __slots__ = ("num_blocks", "free_blocks", "prefix_cache_queries", "prefix_cache_hits")
+    __slots__ = ("num_blocks", "free_blocks", "prefix_cache_queries", "prefix_cache_hits", "block_size")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     free_blocks: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    def __init__(self, num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
+    block_size: int
+    def __init__(self, num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
     __slots__ = ("seq_id", "epoch", "start_pos", "context", "draft_tokens", "draft_probs", "sampling", "bonus", "draft_parents", "logprobs", "top_logprobs", "features", "cache_salt", "max_compute")
