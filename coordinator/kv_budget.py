@@ -55,6 +55,7 @@ class KVPreemption:
         # the workers' KV pools as their latest batches reported them (pearl.proto KVUsage; None: not yet)
         self.target_kv = None
         self.draft_kv = None
+        self.waiting_for_blocks = 0  # ready sequences the last dispatch held back for want of free blocks
 
     def observe(self, batch, role: str) -> None:
         """Keeps the KV usage a worker's batch (VerdictBatch: "target", DraftChunkBatch: "draft") reports."""
@@ -79,6 +80,30 @@ class KVPreemption:
         if len(running) <= 1:
             return None
         return min(running, key=lambda s: (s.request.priority_weight, -s.seq_id))
+
+    def admit(self, ready: list, live: Iterable) -> list:
+        """Admission by free blocks (vLLM's): of the `ready` sequences, those the target has not started
+        (a new prompt, or a preempted sequence's recompute) go only while the target's last-reported
+        free blocks hold their tokens and a block to decode into, oldest first; the rest wait,
+        counted in `waiting_for_blocks`. So a full pool turns new prompts away instead of taking them
+        in and preempting running sequences for them. When no other sequence holds the target's
+        blocks the oldest goes anyway (the pool holds one request of max_model_len: checked at load).
+        Before the target's first report every sequence goes."""
+        kv = self.target_kv
+        starting = sorted((s for s in ready if s.target_len == 0), key=lambda s: s.started_at)
+        if kv is None or not kv.block_size or not starting:
+            self.waiting_for_blocks = 0
+            return ready
+        free = kv.free_blocks
+        others_hold = any(s.target_len > 0 and s.finish_reason is None for s in live)
+        admitted = []
+        for seq in starting:
+            need = -(-len(seq.committed) // kv.block_size) + 1
+            if need <= free or not (others_hold or admitted):
+                admitted.append(seq)
+                free -= need
+        self.waiting_for_blocks = len(starting) - len(admitted)
+        return [s for s in ready if s.target_len > 0 or any(s is a for a in admitted)]
 
     def preempt(self, seq, drafter: Drafter) -> None:
         """Frees `seq`'s blocks on the drafter; the caller has the target release it with its next batch."""

@@ -179,7 +179,8 @@ class ServerMetrics:
         for model, entry in per_model_stats(stats).items():
             for replica, values in _replica_stats(entry).items():
                 self._update_replica(model, replica, values)
-                preempted += _number(values.get("preempted_sequences")) or 0.0
+                for key in ("preempted_sequences", "waiting_for_blocks"):  # hold a slot, not KV
+                    preempted += _number(values.get(key)) or 0.0
         self._preempted = int(preempted)
         self._publish_requests()
 

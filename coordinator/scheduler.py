@@ -240,7 +240,8 @@ class Scheduler:
         self.drafter.flush()
         if self.inflight is not None or self.closed or not self.supervisor.target_up:
             return
-        ready = [s for s in self.sequences.values() if s.finish_reason is None and self._ready(s)]
+        ready = self.kv.admit([s for s in self.sequences.values() if s.finish_reason is None and self._ready(s)],
+                              self.sequences.values())
         if not ready and not self._target_releases:
             self.patience.end()  # nothing is waiting for the target (e.g. the held sequence was aborted)
             return
@@ -563,6 +564,7 @@ class Scheduler:
         return {
             "live_sequences": len(self.sequences),
             "preempted_sequences": len(self.kv.preempted(self.sequences.values())),
+            "waiting_for_blocks": self.kv.waiting_for_blocks,  # not started: the target's pool is full
             "num_preemptions": self.kv.num_preemptions,
             "verify_in_flight": self.inflight is not None,
             "target": {

@@ -76,15 +76,16 @@ def test_kv_pools_and_preemptions_become_gauges_and_counters():
 
 
 def test_preempted_requests_count_as_waiting_not_running():
-    """vLLM's meaning: a request whose KV was freed by preemption waits (to resume), though admission
-    still holds its slot; the split follows both admission's counts and the coordinator's stats."""
+    """vLLM's meaning: a request whose KV was freed by preemption waits (to resume), and so does one
+    the target's full pool has not let start, though admission holds a slot for both; the split
+    follows both admission's counts and the coordinator's stats."""
     m = ServerMetrics()
     get = m.registry.get_sample_value
     m.set_admission(6, 2)
     assert (get("duospec:num_requests_running"), get("duospec:num_requests_waiting")) == (6, 2)
     m.update_from_coordinator({"ready": True, "models": {
         "a": {"live_sequences": 4, "preempted_sequences": 1},
-        "b": {"replicas": {"0": {"live_sequences": 1, "preempted_sequences": 1}, "1": {"live_sequences": 1}}}}})
+        "b": {"replicas": {"0": {"live_sequences": 1, "waiting_for_blocks": 1}, "1": {"live_sequences": 1}}}}})
     assert (get("duospec:num_requests_running"), get("duospec:num_requests_waiting")) == (4, 4)
     m.set_admission(5, 0)  # one finished, the queue drained
     assert (get("duospec:num_requests_running"), get("duospec:num_requests_waiting")) == (3, 2)
