@@ -13,6 +13,15 @@ import torch
 NEAR_TIE_RTOL = 1e-4
 
 
+def reference_model(path):
+    """transformers' model of the checkpoint at `path`, in float32 (the engine's dtype on CPU): left to
+    transformers' dtype="auto" a checkpoint saved in float16 (the bundled pair) would load as float16,
+    a coarser reference and, on CPU, a far slower one."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
 def hf_greedy(model, prompt_ids, max_new_tokens: int) -> list[int]:
     """transformers generate(do_sample=False) of the target alone, EOS ignored."""
     from transformers import GenerationConfig

@@ -31,6 +31,7 @@ from duospec.coordinator.router import scheduler_config
 from duospec.coordinator.server import DuospecServer
 from duospec.v1 import generation_pb2 as pb
 from duospec.v1 import generation_pb2_grpc as pb_grpc
+from exactness import reference_model
 
 MODEL = "tiny"
 MAX_CONTEXT = 256
@@ -56,11 +57,11 @@ class TargetOnlyCoordinator:
     def __init__(self, target: pathlib.Path, draft: pathlib.Path | None = None, name: str = MODEL,
                  step_delay_s: float = 0.0):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         torch.set_num_threads(1)
         self._torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(str(target)).eval()
+        self.model = reference_model(str(target))
         tok = AutoTokenizer.from_pretrained(str(target))
         self.info = ModelInfo(name=name, target_path=str(target), draft_path=str(draft) if draft else None,
                               vocab_size=len(tok), max_context=MAX_CONTEXT, eos_token_id=tok.eos_token_id)

@@ -7,11 +7,10 @@ import time
 
 import numpy as np
 import pytest
-from transformers import AutoModelForCausalLM
 
 from duospec.cluster.actors import actor_name
 from duospec.cluster.runtime import NAMESPACE
-from exactness import assert_greedy_equal, hf_greedy
+from exactness import assert_greedy_equal, hf_greedy, reference_model
 from pipeline_support import BackgroundLoop, model_config, request, run_all
 from tiny_models import make_tiny_checkpoint
 
@@ -29,7 +28,7 @@ def setup(ray_runtime, tmp_path_factory):
     draft = make_tiny_checkpoint(root / "draft", "llama", seed=22, hidden_size=32, num_layers=1)
     loop = BackgroundLoop()
     coordinator = start_pipeline([model_config(MODEL, target, draft)])
-    hf = AutoModelForCausalLM.from_pretrained(target).eval()
+    hf = reference_model(target)
     yield coordinator, loop, hf
     loop.run(coordinator.close())
     loop.close()

@@ -14,7 +14,6 @@ import collections
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from duospec.coordinator.api import FinishReason, SpeculationMode
 from duospec.coordinator.config import ModelConfig, SpeculationDefaults
@@ -23,7 +22,7 @@ from duospec.draft_worker.proposer import DraftMethod, DraftSpec, NgramOptions
 from duospec.decoding import _request, stream_events
 from duospec.engine import load_checkpoint
 from duospec.sampling import SamplingParams, probs_from_logits
-from exactness import assert_greedy_equal, chi_square_pvalue, hf_greedy
+from exactness import assert_greedy_equal, chi_square_pvalue, hf_greedy, reference_model
 from pipeline_support import BackgroundLoop, request, run_all
 from tiny_models import make_tiny_checkpoint
 
@@ -41,7 +40,7 @@ def target_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_target(target_dir):
-    return AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    return reference_model(target_dir)
 
 
 def _prompts(n=N_PROMPTS, vocab=384, seed=7) -> list[list[int]]:

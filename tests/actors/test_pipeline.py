@@ -7,12 +7,11 @@ import pathlib
 
 import numpy as np
 import pytest
-from transformers import AutoModelForCausalLM
 
 from duospec.coordinator.api import FinishReason, InvalidRequest
 from duospec.coordinator.models import ModelPairError
 from duospec.sampling import SamplingParams
-from exactness import assert_greedy_equal, hf_greedy
+from exactness import assert_greedy_equal, hf_greedy, reference_model
 from pipeline_support import BackgroundLoop, model_config, request, run_all
 from tiny_models import make_tiny_checkpoint
 
@@ -51,7 +50,7 @@ def pipeline(ray_runtime, loop, tiny_pair):
 
 @pytest.fixture(scope="module")
 def hf_target(tiny_pair):
-    return AutoModelForCausalLM.from_pretrained(tiny_pair[0]).eval()
+    return reference_model(tiny_pair[0])
 
 
 def _prompts(n=N_PROMPTS, vocab=384, seed=5):
@@ -148,7 +147,7 @@ def test_bundled_pair_greedy_through_actors(ray_runtime, loop):
     from duospec.coordinator.pipeline import start_pipeline
     from duospec.engine import load_tokenizer
 
-    hf = AutoModelForCausalLM.from_pretrained(BUNDLED / "target").eval()
+    hf = reference_model(BUNDLED / "target")
     tok = load_tokenizer(BUNDLED / "target")
     snippets = [
         "def fibonacci(n):\n    ",

@@ -122,15 +122,14 @@ async def test_a_replicas_target_killed_mid_stream_leaves_the_other_streaming_an
     import time
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
-    from transformers import AutoModelForCausalLM
 
     from duospec.coordinator.pipeline import start_pipeline
-    from exactness import assert_greedy_equal, hf_greedy
+    from exactness import assert_greedy_equal, hf_greedy, reference_model
 
     target, draft = tiny_pair
     coordinator = start_pipeline([dataclasses.replace(model_config("tiny", target, draft), replicas=2)])
     policy = coordinator.entries["tiny"].replicas.policy = RecordingPolicy()
-    hf = AutoModelForCausalLM.from_pretrained(str(target)).eval()
+    hf = reference_model(str(target))
     prompts, n_new = _prompts(16), 160
     arrivals: dict[int, list[tuple[float, str]]] = collections.defaultdict(list)  # stream -> (time, request id)
     tokens: dict[int, list[int]] = collections.defaultdict(list)

@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from duospec.bench.prompts import load_prompts
 from duospec.coordinator.config import ServerSettings
 from duospec.v1 import generation_pb2 as pb
-from exactness import assert_greedy_equal, chi_square_pvalue, hf_greedy
+from exactness import assert_greedy_equal, chi_square_pvalue, hf_greedy, reference_model
 from pipeline_support import model_config
 from server_support import collect, running_server
 
@@ -36,7 +36,7 @@ MODES = (pb.SPECULATION_MODE_OFF, pb.SPECULATION_MODE_PEARL, pb.SPECULATION_MODE
 @pytest.fixture(scope="module")
 def reference():
     tokenizer = AutoTokenizer.from_pretrained(str(TARGET))
-    hf = AutoModelForCausalLM.from_pretrained(str(TARGET)).eval()
+    hf = reference_model(str(TARGET))
     prompts = [tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in load_prompts(limit=N_PROMPTS)]
     return hf, prompts, [hf_greedy(hf, p, N_NEW) for p in prompts]
 

@@ -19,13 +19,12 @@ import time
 
 import grpc
 import pytest
-from transformers import AutoModelForCausalLM
 
 from duospec.cluster.actors import actor_name
 from duospec.cluster.runtime import NAMESPACE
 from duospec.coordinator.config import ServerSettings
 from duospec.v1 import generation_pb2 as pb
-from exactness import assert_greedy_equal
+from exactness import assert_greedy_equal, reference_model
 from pipeline_support import BackgroundLoop, model_config
 from test_health import NOT_SERVING, SERVING, _greedy_request, _health, _wait_health
 from server_support import collect, running_server
@@ -51,7 +50,7 @@ def served(ray_runtime, tmp_path_factory):
     coordinator = start_pipeline([config])
     server = running_server(coordinator, ServerSettings(host="127.0.0.1", port=0, metrics_port=0, http_port=0))
     h = loop.run(server.__aenter__())
-    hf = AutoModelForCausalLM.from_pretrained(str(target)).eval()
+    hf = reference_model(str(target))
     try:
         yield h, loop, hf
     finally:

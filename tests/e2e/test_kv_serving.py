@@ -18,6 +18,7 @@ from duospec.engine.loader import KVOptions
 from duospec.v1 import generation_pb2 as pb
 from server_support import collect, running_server, wait_until_nothing_held
 from tiny_models import make_tiny_checkpoint
+from exactness import reference_model
 
 MODEL = "kv"
 CONTEXT = 256
@@ -51,9 +52,8 @@ def coordinator(pair, target_blocks: int, draft_blocks: int, **config) -> LocalC
 
 def hf_greedy(path, prompt: list[int], n: int) -> list[int]:
     """transformers alone, greedy, end tokens not special (the requests ignore EOS)."""
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    model = reference_model(str(path))
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
                              pad_token_id=0)

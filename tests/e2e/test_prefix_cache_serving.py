@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from duospec.coordinator.config import ModelConfig, ServerSettings
 from duospec.coordinator.local import LocalCoordinator
@@ -16,6 +16,7 @@ from duospec.coordinator.tenancy import Tenant, hash_api_key, new_api_key
 from duospec.v1 import generation_pb2 as pb
 from test_server_http import _free_port, chat_pair  # noqa: F401  (fixture)
 from server_support import MODEL, collect, running_server
+from exactness import reference_model
 
 KEYS = {name: new_api_key() for name in ("alpha", "beta")}
 TENANTS = [Tenant(name, key_hashes=(hash_api_key(key),)) for name, key in KEYS.items()]
@@ -44,7 +45,7 @@ def transformers_greedy(target, messages: list[dict], n: int = 12) -> list[int]:
     tok = AutoTokenizer.from_pretrained(str(target))
     ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
                      add_special_tokens=False)
-    model = AutoModelForCausalLM.from_pretrained(str(target)).eval()
+    model = reference_model(str(target))
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
                              pad_token_id=0)

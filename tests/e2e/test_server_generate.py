@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from duospec.coordinator.metrics import live_sequences
 from duospec.v1 import generation_pb2 as pb
 from server_support import MAX_CONTEXT, MODEL, collect, request, rpc_error, running_server, server_coordinator
+from exactness import reference_model
 
 
 @pytest.fixture
@@ -23,9 +24,8 @@ async def harness(tiny_pair):
 
 def hf_greedy(target_dir, prompt_ids: list[int], n: int) -> list[int]:
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir)).eval()
+    model = reference_model(str(target_dir))
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                              pad_token_id=0)
@@ -230,9 +230,8 @@ def hf_logprobs(target_dir, prompt_ids: list[int], ids: list[int], temperature: 
     """transformers' log-softmax of the target (of logits / temperature when sampling) at each
     generated position: [len(ids), vocab]."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir)).eval()
+    model = reference_model(str(target_dir))
     with torch.no_grad():
         logits = model(torch.tensor([prompt_ids + ids])).logits[0, len(prompt_ids) - 1: -1].float()
     return torch.log_softmax(logits / (temperature or 1.0), dim=-1)

@@ -111,7 +111,7 @@ async def test_internal_streams_use_mutual_tls_and_refuse_plaintext_or_certless_
     from duospec.coordinator.pipeline import start_pipeline
     from duospec.internal.v1 import pearl_pb2 as ipb
     from duospec.internal.v1 import pearl_pb2_grpc as ipb_grpc
-    from exactness import hf_greedy
+    from exactness import hf_greedy, reference_model
     from pipeline_support import model_config
     from tiny_models import make_tiny_checkpoint
 
@@ -128,9 +128,8 @@ async def test_internal_streams_use_mutual_tls_and_refuse_plaintext_or_certless_
             if isinstance(event, TokensEvent):
                 tokens.extend(event.token_ids)
             assert not isinstance(event, FinishEvent) or event.completion_tokens == 16
-        from transformers import AutoModelForCausalLM
 
-        assert tokens == hf_greedy(AutoModelForCausalLM.from_pretrained(str(target)).eval(), prompt, 16)
+        assert tokens == hf_greedy(reference_model(str(target)), prompt, 16)
         pair = coordinator.pairs["mtls"]
         secret = pair.deployment_secret
         for info in (pair.target_info, pair.draft_info):

@@ -12,6 +12,7 @@ import torch
 from duospec.training import answers as A
 from duospec.training.data import collect_data_files
 from tiny_models import CHAT_TEMPLATE, make_tiny_checkpoint
+from exactness import reference_model
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +37,10 @@ def test_prompts_are_fixed_mixed_and_split():
 
 
 def _transformers_reply(target: Path, prompt: A.InstructionPrompt, max_new_tokens: int) -> str:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(target))
-    model = AutoModelForCausalLM.from_pretrained(str(target)).eval()
+    model = reference_model(str(target))
     ids = A.chat_prompt_ids(tok, prompt)
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,

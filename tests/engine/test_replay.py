@@ -9,7 +9,6 @@ import time
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from duospec.coordinator.api import FinishEvent
 from duospec.bench.simulate import record_tables, synthetic_drafts, table_depth, write_replay_checkpoint
@@ -17,7 +16,7 @@ from duospec.decoding import _request, stream_events
 from duospec.engine import CheckpointError, SlotChunk, load_checkpoint
 from duospec.engine.replay import REPLAY_FILE, CostModel, ReplayEntry, ReplayRunner
 from duospec.sampling import SamplingParams
-from exactness import assert_greedy_equal, hf_greedy
+from exactness import assert_greedy_equal, hf_greedy, reference_model
 from tiny_models import make_tiny_checkpoint
 
 N_PROMPTS, N_NEW, GAMMA, LOOKAHEAD = 6, 40, 4, 8
@@ -133,7 +132,7 @@ def real_pair(tmp_path_factory):
     draft = make_tiny_checkpoint(root / "draft", "llama", seed=22, hidden_size=32, num_layers=1)
     rng = np.random.default_rng(8)
     prompts = [rng.integers(3, 300, size=int(rng.integers(3, 12))).tolist() for _ in range(N_PROMPTS)]
-    return root, str(target), str(draft), prompts, AutoModelForCausalLM.from_pretrained(target).eval()
+    return root, str(target), str(draft), prompts, reference_model(target)
 
 
 @pytest.mark.parametrize("draft_kind", ["random draft", "draft = target"])

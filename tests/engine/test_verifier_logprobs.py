@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from duospec.engine import load_model
 from duospec.internal.sampling_wire import sampling_to_proto
@@ -13,6 +12,7 @@ from duospec.internal.v1 import pearl_pb2 as pb
 from duospec.sampling import SamplingParams
 from duospec.target_worker.verifier import Verifier
 from tiny_models import make_tiny_checkpoint
+from exactness import reference_model
 
 PROMPT = [5, 17, 42, 9, 77, 3, 120]
 
@@ -20,7 +20,7 @@ PROMPT = [5, 17, 42, 9, 77, 3, 120]
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("lp") / "t", "llama", seed=6)
-    hf = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    hf = reference_model(str(path))
     with torch.no_grad():
         greedy = hf.generate(torch.tensor([PROMPT]), max_new_tokens=6, do_sample=False,
                              pad_token_id=0)[0, len(PROMPT):].tolist()

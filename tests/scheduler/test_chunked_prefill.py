@@ -12,7 +12,7 @@ import torch
 
 from duospec.coordinator.api import FinishEvent, GenerationRequest, SpeculationMode, TokensEvent
 from duospec.engine import SlotChunk, load_model
-from exactness import assert_greedy_equal, hf_greedy
+from exactness import assert_greedy_equal, hf_greedy, reference_model
 from pipeline_support import model_config
 from tiny_models import make_tiny_checkpoint
 
@@ -57,7 +57,6 @@ async def _run(coordinator, prompt, n, mode, model="m", request_id="r"):
 
 @pytest.mark.parametrize("mode", [SpeculationMode.OFF, SpeculationMode.VANILLA, SpeculationMode.PEARL])
 async def test_a_long_prompt_in_chunks_gives_transformers_greedy(pair, mode):
-    from transformers import AutoModelForCausalLM
 
     from duospec.coordinator.local import LocalCoordinator
 
@@ -66,7 +65,7 @@ async def test_a_long_prompt_in_chunks_gives_transformers_greedy(pair, mode):
     try:
         prompt = _prompt(200, seed=3)
         tokens, stats, _ = await _run(coordinator, prompt, 16, mode)
-        hf = AutoModelForCausalLM.from_pretrained(str(pair[0])).eval()
+        hf = reference_model(str(pair[0]))
         assert_greedy_equal(hf, prompt, tokens, hf_greedy(hf, prompt, 16))
         assert stats.target_forwards >= 200 // 32  # the prompt took several forwards
     finally:

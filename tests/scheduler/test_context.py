@@ -6,7 +6,6 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from duospec.coordinator.config import ConfigError, ModelConfig, parse_serve_config
 from duospec.coordinator.models import ModelPairError, model_info
@@ -15,6 +14,7 @@ from duospec.engine.kv_memory import check_kv_fits
 from duospec.v1 import generation_pb2 as pb
 from server_support import collect, running_server
 from tiny_models import make_tiny_checkpoint
+from exactness import reference_model
 
 LONG = 5000  # past the engine's old silent cap of 4,096
 
@@ -47,7 +47,7 @@ async def test_a_request_past_position_4096_is_served_exactly(long_pair):
                                      stopping=pb.StoppingCriteria(max_new_tokens=20, ignore_eos=True),
                                      speculation=pb.SpeculationParams(mode=mode))
             got = [t for m in await collect(h.stub, req, timeout=120) for t in m.token_ids]
-            model = AutoModelForCausalLM.from_pretrained(str(target)).eval()
+            model = reference_model(str(target))
             with torch.no_grad():
                 want = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
                                       pad_token_id=0)[0, len(prompt):].tolist()

@@ -13,13 +13,12 @@ import asyncio
 import random
 
 import pytest
-from transformers import AutoModelForCausalLM
 
 from duospec.coordinator.api import SpeculationMode
 from duospec.coordinator.config import ModelConfig, ServerSettings, SpeculationDefaults
 from duospec.sampling import SamplingParams
 from duospec.v1 import generation_pb2 as pb
-from exactness import assert_greedy_equal
+from exactness import assert_greedy_equal, reference_model
 from pipeline_support import request, run_one
 from server_support import collect, running_server
 from tiny_models import make_tiny_checkpoint
@@ -70,7 +69,7 @@ async def test_every_request_that_fills_the_context_completes_exactly_in_every_m
     from duospec.coordinator.local import LocalCoordinator
 
     coordinator = LocalCoordinator([fill_config(pair)])
-    hf = AutoModelForCausalLM.from_pretrained(str(pair[0])).eval()
+    hf = reference_model(str(pair[0]))
     totals = {"tree_nodes": 0, "tree_hits": 0, "rejections": 0, "cache_hits": 0}
     try:
         prompts = random_cases(seed=38, n=CASES)
@@ -99,7 +98,7 @@ async def test_requests_that_fill_the_context_complete_through_the_server_on_ray
     from duospec.coordinator.pipeline import start_pipeline
 
     coordinator = start_pipeline([fill_config(pair, "fill-ray")])
-    hf = AutoModelForCausalLM.from_pretrained(str(pair[0])).eval()
+    hf = reference_model(str(pair[0]))
     settings = ServerSettings(host="127.0.0.1", port=0, metrics_port=0, http_port=0)
     async with running_server(coordinator, settings) as h:  # (its shutdown closes the coordinator)
         for prompt in random_cases(seed=380, n=2):

@@ -7,13 +7,12 @@ import collections
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from duospec.coordinator.api import FinishEvent, FinishReason, SpeculationMode
 from duospec.decoding import _request, autoregressive, stream_events, stream_text, vanilla_speculative
 from duospec.engine import load_checkpoint
 from duospec.sampling import SamplingParams, probs_from_logits
-from exactness import assert_greedy_equal, chi_square_pvalue, hf_greedy
+from exactness import assert_greedy_equal, chi_square_pvalue, hf_greedy, reference_model
 from tiny_models import make_tiny_checkpoint
 
 N_PROMPTS, N_NEW = 20, 64
@@ -28,7 +27,7 @@ def pair(tmp_path_factory):
     draft_dir = make_tiny_checkpoint(root / "draft", "llama", seed=12, hidden_size=32, num_layers=1)
     target = load_checkpoint(target_dir, device="cpu", dtype="float32", max_slots=32)
     draft = load_checkpoint(draft_dir, device="cpu", dtype="float32", max_slots=32)
-    hf = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    hf = reference_model(target_dir)
     return target, draft, hf
 
 

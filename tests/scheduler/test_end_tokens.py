@@ -9,12 +9,13 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer, GenerationConfig
 
 from duospec.coordinator.config import ModelConfig
 from duospec.v1 import generation_pb2 as pb
 from server_support import collect, running_server
 from tiny_models import CHAT_TEMPLATE, make_tiny_checkpoint
+from exactness import reference_model
 
 TEMPLATE = CHAT_TEMPLATE
 MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def fib(n):"}]
@@ -35,7 +36,7 @@ def chat_checkpoint(tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(str(target))
     tok.chat_template = TEMPLATE
     prompt_ids = _chat_ids(tok)
-    model = AutoModelForCausalLM.from_pretrained(str(target)).eval()
+    model = reference_model(str(target))
     with torch.no_grad():
         free = model.generate(torch.tensor([prompt_ids]), max_new_tokens=30, do_sample=False, eos_token_id=None,
                               pad_token_id=tok.pad_token_id)[0, len(prompt_ids):].tolist()
@@ -56,7 +57,7 @@ def chat_checkpoint(tmp_path_factory):
 
 def _transformers_reference(target, max_new_tokens):
     tok = AutoTokenizer.from_pretrained(str(target))
-    model = AutoModelForCausalLM.from_pretrained(str(target)).eval()  # its generation_config: both end ids
+    model = reference_model(str(target))  # its generation_config: both end ids
     prompt_ids = _chat_ids(tok)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
