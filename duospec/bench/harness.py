@@ -121,6 +121,7 @@ class Collected:
     runs: list[Run] = field(default_factory=list)
     overhead: list[dict] = field(default_factory=list)
     sweep: list[dict] = field(default_factory=list)
+    kv: dict = field(default_factory=dict)  # summary.kv_counters of the served run
 
 
 class _Progress:
@@ -186,6 +187,7 @@ async def _in_process(config: BenchConfig, pair: BenchPair, prompts, hf: HFGener
 
 async def _through_server(config: BenchConfig, pair: BenchPair, prompts, progress, out: Collected):
     from duospec.bench.served import round_overhead, run_client_mode, served_pipeline, sweep_point
+    from duospec.bench.summary import kv_counters
 
     ours = [m for m in config.modes if m in OUR_MODES]
     async with served_pipeline(pair, config.speculation(), config.ray_address) as served:
@@ -206,6 +208,7 @@ async def _through_server(config: BenchConfig, pair: BenchPair, prompts, progres
                     point = await sweep_point(served, prompts, mode, streams, config.sweep_requests_per_stream,
                                               config.max_new_tokens, progress.tick)
                     out.sweep.append({**point, "repeat": repeat})
+        out.kv = kv_counters(await served.coordinator.stats())
 
 
 def run_bench(config: BenchConfig) -> dict:

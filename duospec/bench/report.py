@@ -94,12 +94,27 @@ def render_markdown(report: dict) -> str:
                  if setup.get("features_bytes_per_token") else ""), ""]
     for path, block in report["paths"].items():
         lines += _mode_table(path, block)
-    lines += _overhead_lines(report["overhead"]) + _sweep_lines(report["sweep"]) + _exactness_lines(report)
+    lines += _overhead_lines(report["overhead"]) + _sweep_lines(report["sweep"]) + _kv_lines(report.get("kv"))
+    lines += _exactness_lines(report)
     lines += ["## Targets", "", "| target | threshold | measured | met |", "|---|---:|---:|---|"]
     for t in report["targets"]:
         met = {True: "yes", False: "**no**", None: "not measured"}[t["met"]]
         lines.append(f"| {t['what']} | {t['target']} | {_num(t['measured'])} | {met} |")
     return "\n".join(lines) + "\n"
+
+
+def _kv_lines(kv: dict | None) -> list[str]:
+    if not kv:
+        return []
+    lines = ["## KV cache (the server runs)", "", "| worker | KV blocks | prompt positions looked up | read from the "
+             "prefix cache | hit rate |", "|---|---:|---:|---:|---:|"]
+    for role in ("target", "draft"):
+        if role in kv:
+            w = kv[role]
+            rate = w["prefix_cache_hits"] / w["prefix_cache_queries"] if w["prefix_cache_queries"] else None
+            lines.append(f"| {role} | {w['kv_blocks']} | {w['prefix_cache_queries']} | {w['prefix_cache_hits']} | "
+                         f"{_num(rate)} |")
+    return lines + ["", f"Sequences preempted for want of KV blocks: {kv.get('num_preemptions', 0)}.", ""]
 
 
 def _overhead_lines(overhead: list[dict]) -> list[str]:

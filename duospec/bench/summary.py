@@ -119,6 +119,22 @@ def exactness(runs: list[Run]) -> dict:
     return out
 
 
+def kv_counters(stats: dict) -> dict:
+    """What the served run did with the workers' KV pools, from `coordinator.stats()` at its end: per
+    worker the pool's blocks and its prefix cache's queried and hit prompt positions, and the
+    sequences preempted (the bench's model is the only one)."""
+    from duospec.coordinator.metrics import per_model_stats
+
+    out: dict = {}
+    for entry in per_model_stats(stats).values():
+        out["num_preemptions"] = entry.get("num_preemptions", 0)
+        for role in ("target", "draft"):
+            worker = entry.get(role) or {}
+            if "kv_blocks" in worker:
+                out[role] = {key: worker[key] for key in ("kv_blocks", "prefix_cache_queries", "prefix_cache_hits")}
+    return out
+
+
 def summarise(collected, prompts) -> dict:
     paths: dict[str, dict] = {}
     for path in ("in-process", "server"):
@@ -134,7 +150,7 @@ def summarise(collected, prompts) -> dict:
         }
     report = {"paths": paths, "overhead": collected.overhead, "sweep": sweep_medians(collected.sweep),
               "sweep_runs": collected.sweep,
-              "exactness": exactness(collected.runs)}
+              "exactness": exactness(collected.runs), "kv": collected.kv}
     report["targets"] = targets(report)
     return report
 

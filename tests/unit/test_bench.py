@@ -324,3 +324,21 @@ def test_replay_table_reaches_vanilla_and_pearl():
 
     assert table_depth(2, 3, gamma=16) >= 16 + 1  # vanilla's γ past a short pearl reach
     assert table_depth(8, 9) >= 17 + 8  # pearl: its lookahead (2·8 + 1) plus a chunk in flight
+
+
+def test_the_served_runs_kv_counters_are_read_from_the_coordinator_and_reported():
+    from duospec.bench.report import _kv_lines
+    from duospec.bench.summary import kv_counters
+
+    stats = {"ready": True, "models": {"bench": {
+        "num_preemptions": 2, "live_sequences": 0,
+        "target": {"kv_blocks": 512, "prefix_cache_queries": 400, "prefix_cache_hits": 100, "busy_s": 1.0},
+        "draft": {"kv_blocks": 256, "prefix_cache_queries": 0, "prefix_cache_hits": 0}}}}
+    kv = kv_counters(stats)
+    assert kv == {"num_preemptions": 2,
+                  "target": {"kv_blocks": 512, "prefix_cache_queries": 400, "prefix_cache_hits": 100},
+                  "draft": {"kv_blocks": 256, "prefix_cache_queries": 0, "prefix_cache_hits": 0}}
+    lines = _kv_lines(kv)
+    assert "| target | 512 | 400 | 100 | 0.25 |" in lines and "| draft | 256 | 0 | 0 | – |" in lines
+    assert any("preempted for want of KV blocks: 2" in line for line in lines)
+    assert _kv_lines({}) == [] and kv_counters({"models": {}}) == {}
