@@ -63,14 +63,19 @@ def run_serve(args: argparse.Namespace) -> int:
     import asyncio
     import logging
 
+    from duospec.cluster.placement import PlacementError
     from duospec.coordinator.config import ConfigError
+    from duospec.coordinator.models import ModelPairError
     from duospec.coordinator.tenancy import TenantsFileError
+    from duospec.engine.errors import CheckpointError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = build_config(args)
         return asyncio.run(_serve(config, args))
-    except (ConfigError, TenantsFileError, OSError) as exc:
+    # What a user fixes in the config, the checkpoints or the cluster: the message says what, and a
+    # traceback would only bury it.
+    except (ConfigError, TenantsFileError, OSError, CheckpointError, ModelPairError, PlacementError) as exc:
         print(f"duospec serve: error: {exc}", file=sys.stderr)
         return 2
 

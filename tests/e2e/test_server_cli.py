@@ -65,6 +65,23 @@ def test_serve_refuses_non_loopback_without_tenants(tiny_pair, tmp_path):
     assert "--insecure-no-auth" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("problem, message", [
+    ("missing", "not a checkpoint directory (no config.json)"),
+    ("tp", "tensor_parallel_size=3 does not divide"),
+])
+def test_serve_names_a_checkpoint_it_cannot_serve_without_a_traceback(tiny_pair, tmp_path, problem, message):
+    target = str(tmp_path / "nowhere") if problem == "missing" else str(tiny_pair[0])
+    model = {"name": "m", "target": target, "draft": str(tiny_pair[1])}
+    if problem == "tp":
+        model["tensor_parallel_size"] = 3
+    (tmp_path / "serve.yaml").write_text(yaml.safe_dump({"models": [model]}))
+    proc = subprocess.run(duospec_cmd("serve", "--config", str(tmp_path / "serve.yaml"), "--backend", "local",
+                                      "--port", "0", "--metrics-port", "0", "--http-port", "0"),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_serve_subprocess_streams_and_drains_on_sigterm(tiny_pair, tmp_path):
     pytest.importorskip("duospec.coordinator.local", reason="needs LocalCoordinator (the lead's coordinator/local.py)")
     model_dir = tiny_pair[0].parent
