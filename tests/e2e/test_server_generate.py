@@ -13,23 +13,13 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from duospec.coordinator.metrics import live_sequences
 from duospec.v1 import generation_pb2 as pb
 from server_support import MAX_CONTEXT, MODEL, collect, request, rpc_error, running_server, server_coordinator
-from exactness import reference_model
+from exactness import hf_greedy, reference_model
 
 
 @pytest.fixture
 async def harness(tiny_pair):
     async with running_server(server_coordinator(tiny_pair)) as h:
         yield h
-
-
-def hf_greedy(target_dir, prompt_ids: list[int], n: int) -> list[int]:
-    import torch
-
-    model = reference_model(str(target_dir))
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
 
 
 async def test_stream_deltas_concatenate_to_the_full_text_and_match_target_greedy(harness, tiny_pair):
@@ -50,7 +40,7 @@ async def test_stream_deltas_concatenate_to_the_full_text_and_match_target_greed
     assert final.usage.prompt_tokens == len(prompt_ids)
     assert final.usage.completion_tokens == len(ids) == 24
     assert text == tok.decode(ids, skip_special_tokens=True)
-    assert ids == hf_greedy(tiny_pair[0], prompt_ids, 24)
+    assert ids == hf_greedy(reference_model(tiny_pair[0]), prompt_ids, 24)
     assert len({m.request_id for m in messages}) == 1 and messages[0].request_id
 
 
