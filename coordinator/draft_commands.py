@@ -1,6 +1,7 @@
 """What the drafter is told: every DraftCommand the scheduler sends (docs/design.md#the-pearl-protocol) — start a sequence,
 advance it after a verdict, abort + roll back (a RESET, or the adoption of a hedge's branch), forward
 the target's hidden states to a head drafter, release it — queued per event and sent as one message.
+After a verdict, `after_verdict` turns its outcome (Sequence.apply_verdict) into the command it needs.
 
 `DraftChannel` owns the drafter's side of the scheduler: its link, whether it is up (the worker
 supervisor, coordinator/recovery.py, takes it down and brings it back) and the commands queued for
@@ -10,9 +11,10 @@ the next message.
 from __future__ import annotations
 
 import logging
+import time
 
 from duospec.coordinator.kv_budget import cache_salt
-from duospec.coordinator.sequence import Sequence
+from duospec.coordinator.sequence import DraftAction, Sequence, VerdictOutcome
 from duospec.draft_worker.proposer import DraftMethod
 from duospec.internal.sampling_wire import sampling_to_proto
 from duospec.internal.v1 import pearl_pb2 as pb
@@ -119,11 +121,7 @@ class DraftChannel:
         start = seq.start_new_epoch()
         tail = seq.committed[start:]
         if hedge is not None:
-            n = min(len(hedge[0]), seq.remaining)
-            seq.drafts, seq.draft_probs = list(hedge[0][:n]), list(hedge[1][:n])
-            seq.hedge_drafts = n
-            seq.draft_fed_len = len(seq.committed) - 1 + n  # what the branch has fed
-            tail = tail + seq.drafts
+            tail = tail + seq.adopt_hedge(hedge)
         self.command(
             pb.DraftCommand(
                 seq_id=seq.seq_id,
@@ -137,3 +135,57 @@ class DraftChannel:
                 adopt=key if hedge is not None else None,
             )
         )
+
+    # -- after a verdict ----------------------------------------------------------------------------
+    def after_verdict(self, seq: Sequence, outcome: VerdictOutcome, backed_off: bool) -> None:
+        """Tells the drafter what a verdict means for it. `backed_off`: the scheduler wants no drafts
+        for `seq` now (load, or the goodput guard): the drafter stops, and a paused one resumes with
+        a catch-up RESET once drafts are wanted again."""
+        if outcome.action is DraftAction.NONE:
+            return
+        if backed_off:
+            self._pause(seq, outcome)
+        elif seq.draft_paused:
+            self._resume(seq, outcome)
+        else:
+            match outcome.action:
+                case DraftAction.ADVANCE:
+                    if outcome.kept:  # (nothing committed, e.g. a prefill-only round: nothing new to hear)
+                        self.advance(seq)
+                case DraftAction.ABORT:
+                    self._restart(seq)
+                case DraftAction.ADOPT:
+                    self._adopt(seq, outcome)
+
+    def _pause(self, seq: Sequence, outcome: VerdictOutcome) -> None:
+        """Back-off: stop the drafter, go target-only."""
+        if seq.draft_paused:
+            seq.drop_drafts()
+            return
+        seq.pause_drafting()
+        if outcome.new_epoch:  # the drafter's rejected tokens must go, not just stop
+            self.abort(seq)
+        else:
+            self.advance(seq)
+
+    def _resume(self, seq: Sequence, outcome: VerdictOutcome) -> None:
+        """Drafts are wanted again: a RESET brings the drafter up to date (no cache lookup, no restart
+        timed: it drafted nothing while paused)."""
+        seq.draft_paused = False
+        if outcome.action is DraftAction.ADOPT:
+            self._adopt(seq, outcome)
+        else:
+            self.abort(seq)
+
+    def _restart(self, seq: Sequence) -> None:
+        """A rejection: the speculation cache's hedge for the correction, if it holds one, becomes the
+        drafts at once; else the drafter starts over from the correction, its first draft timed."""
+        cached = seq.take_hedge() if max_hedges(seq) else None
+        self.abort(seq, cached)
+        if cached is None:
+            seq.spec.restarted = (seq.epoch, time.monotonic())
+
+    def _adopt(self, seq: Sequence, outcome: VerdictOutcome) -> None:
+        """The verdict's path went into a hedge's branch: the drafter continues on that branch."""
+        branch = outcome.branch
+        self.abort(seq, (branch.drafts, branch.probs), branch.key)

@@ -33,7 +33,7 @@ from duospec.coordinator.adaptive import (AcceptanceTracker, Ewma, VerifyCostMod
                                           drafts_worth_waiting_for, wait_for_drafts_s)
 from duospec.coordinator.api import (CoordinatorError, FinishEvent, FinishReason, GenerationRequest, ModelInfo,
                                      TokenLogprob, TokensEvent, Unavailable)
-from duospec.coordinator.draft_commands import DraftChannel, max_hedges
+from duospec.coordinator.draft_commands import DraftChannel
 from duospec.coordinator.guard import GoodputGuard
 from duospec.coordinator.kv_budget import KVPreemption, kv_full_error
 from duospec.coordinator.links import Link, Reconnect, verify_error
@@ -42,7 +42,7 @@ from duospec.coordinator.patience import Patience
 from duospec.coordinator.recovery import WorkerSupervisor, waits_for_drafter
 from duospec.coordinator.verify_items import VerifyBatchBuilder, fed_to, item_rows
 from duospec.coordinator.policies import SpeculationPolicy, fair_share
-from duospec.coordinator.sequence import DraftAction, Sequence
+from duospec.coordinator.sequence import Sequence
 from duospec.internal.kv_wire import kv_usage_report
 from duospec.internal.v1 import pearl_pb2 as pb
 
@@ -152,12 +152,10 @@ class Scheduler:
             request=request,
             policy=policy,
             committed=list(request.prompt_token_ids),
-            prompt_len=len(request.prompt_token_ids),
             eos_token_ids=self.info.end_token_ids,
             draft_alive=use_draft,
             needs_features=use_draft and self.drafter.reads_features,
         )
-        seq.round_start = seq.prompt_len
         seq.acceptance = self._acceptance_prior()
         # A tenant (re)joining starts at the least-served active tenant's virtual time: no catch-up burst.
         others = [self._vtime.get(s.request.tenant, 0.0) for s in self.sequences.values()]
@@ -204,10 +202,11 @@ class Scheduler:
                 if chunk.epoch == seq.epoch and not seq.draft_paused:
                     seq.add_hedge(chunk.hedge.pos, chunk.hedge.token, chunk.start_pos, chunk.tokens, chunk.draft_probs)
                 continue
-            if chunk.tokens and seq.restarted is not None and chunk.epoch == seq.restarted[0]:
+            restarted = seq.spec.restarted
+            if chunk.tokens and restarted is not None and chunk.epoch == restarted[0]:
                 # timed even when the epoch has moved on since: a slow restart must not go unmeasured
-                self.patience.first_draft_s.observe(heard_at - seq.restarted[1])
-                seq.restarted = None
+                self.patience.first_draft_s.observe(heard_at - restarted[1])
+                seq.spec.restarted = None
             if chunk.epoch != seq.epoch or seq.draft_paused:  # an aborted branch, or drafted before a pause
                 seq.stats.wasted_draft_tokens += len(chunk.tokens)
                 continue
@@ -437,49 +436,28 @@ class Scheduler:
 
     def _apply_verdict(self, seq: Sequence, verdict: pb.Verdict) -> int:
         """Commits a verdict and tells the drafter what it needs; returns the tokens committed."""
-        k = len(seq.verify_tokens or ())
-        if seq.lookup_tokens:
-            looked_up = len(seq.lookup_tokens)
-            self.lookup_acceptance.observe(min(verdict.n_accepted, looked_up), int(verdict.n_accepted < looked_up))
         if seq.needs_features and seq.draft_started and seq.draft_alive:
             self.drafter.forward_features(seq, verdict)
         if len(seq.committed) == seq.prompt_len:  # the prompt's first prefill (not a recompute's)
             seq.stats.cached_prompt_tokens += verdict.cached_tokens
         fed_to(seq, verdict)
         next_token = verdict.next_token if verdict.kind != pb.NEXT_TOKEN_KIND_NONE else None
-        kept, action, branch = seq.apply_verdict(verdict.n_accepted, next_token,
-                                                 verdict.kind == pb.NEXT_TOKEN_KIND_RECOVERED, verdict.path)
-        if k:
+        outcome = seq.apply_verdict(verdict.n_accepted, next_token, verdict.kind == pb.NEXT_TOKEN_KIND_RECOVERED,
+                                    verdict.path)
+        if outcome.looked_up:
+            self.lookup_acceptance.observe(min(verdict.n_accepted, outcome.looked_up),
+                                           int(verdict.n_accepted < outcome.looked_up))
+        if outcome.drafted:
             self.recent_acceptance.observe(seq.acceptance.alpha)
-        if kept:
+        if outcome.kept:
             logprobs = tuple(TokenLogprob(t, lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs)))
-                             for t, lp in zip(kept, verdict.logprobs))
-            seq.events.put_nowait(TokensEvent(tuple(kept), seq.stats, logprobs))
+                             for t, lp in zip(outcome.kept, verdict.logprobs))
+            seq.events.put_nowait(TokensEvent(outcome.kept, seq.stats, logprobs))
         if seq.finish_reason is not None:
             self._finish(seq, seq.finish_reason)
-        elif action is DraftAction.NONE:
-            pass
-        elif self._draft_limit(seq) == 0:  # back-off (load or guard): stop the drafter, go target-only
-            if not seq.draft_paused:
-                seq.pause_drafting()
-                if action is DraftAction.ABORT:  # the drafter's rejected tokens must go, not just stop
-                    self.drafter.abort(seq)
-                else:
-                    self.drafter.advance(seq)
-            else:
-                seq.drop_drafts()
-        elif seq.draft_paused or action is DraftAction.ABORT:  # resuming needs a catch-up reset too
-            resuming, seq.draft_paused = seq.draft_paused, False
-            if branch is not None:  # the path went into a hedge: the drafter continues on that branch
-                self.drafter.abort(seq, (branch.drafts, branch.probs), branch.key)
-            else:
-                cached = None if resuming or not max_hedges(seq) else seq.take_hedge()
-                self.drafter.abort(seq, cached)
-                if cached is None and not resuming:  # the drafter starts over: time its first draft
-                    seq.restarted = (seq.epoch, time.monotonic())
-        elif kept:  # (nothing committed, e.g. a prefill-only round: the drafter has nothing new to hear)
-            self.drafter.advance(seq)
-        return len(kept)
+        else:
+            self.drafter.after_verdict(seq, outcome, backed_off=self._draft_limit(seq) == 0)
+        return len(outcome.kept)
 
     # -- endings -------------------------------------------------------------------------------
     def _release(self, seq: Sequence) -> None:

@@ -6,8 +6,9 @@ messages. Positions: committed[i] sits at position i. Drafts come in two groups:
 
     committed ... | verify_tokens (sent to the target, awaiting the verdict) | drafts (arrived since)
 
-plus the speculation cache: hedges, the drafter's continuations of hypothetical verdicts, keyed by
-(position, token) — "the target puts token at position" (draft_worker/hedges.py).
+Beside them (`spec`, coordinator/speculation.py): the speculation cache — hedges, the drafter's
+continuations of hypothetical verdicts, keyed by (position, token), "the target puts token at
+position" (draft_worker/hedges.py) — the token tree in flight, and the empty rounds' state.
 """
 
 from __future__ import annotations
@@ -19,26 +20,33 @@ from dataclasses import dataclass, field
 
 from duospec.coordinator.adaptive import AcceptanceTracker
 from duospec.coordinator.api import FinishReason, GenerationRequest, SpecStats, SpeculationMode
-from duospec.coordinator.lookup import TextLookup
 from duospec.coordinator.policies import SpeculationPolicy
-
-
-@dataclass(frozen=True)
-class BranchTaken:
-    """A verdict's path went into the branch of hedge `key`: the drafter adopts that branch, and the
-    hedge's tokens past the verdict (`drafts`, `probs`) are the next round's drafts."""
-
-    key: tuple[int, int]
-    drafts: list[int]
-    probs: list[bytes]
+from duospec.coordinator.speculation import BranchTaken, Hedge, SpeculationState
 
 
 class DraftAction(enum.Enum):
     """What the drafter must be told after a verdict."""
 
-    NONE = "none"  # nothing: the drafter is not used
+    NONE = "none"  # nothing: the sequence finished, or the drafter is not used
     ADVANCE = "advance"  # the committed prefix grew; the drafter's speculation still stands
     ABORT = "abort"  # rejection (or an unguessed bonus): new epoch, roll back, continue from the fix
+    ADOPT = "adopt"  # the path went into a hedge's branch: new epoch, the drafter goes on on that branch
+
+
+@dataclass(frozen=True)
+class VerdictOutcome:
+    """What a verdict did to a sequence (Sequence.apply_verdict)."""
+
+    kept: tuple[int, ...]  # the tokens committed (cut at a stop token or the length limit)
+    action: DraftAction
+    branch: BranchTaken | None = None  # ADOPT: the branch, and what of its hedge is left to draft on
+    drafted: int = 0  # the drafter's tokens the verdict judged (its main chain)
+    looked_up: int = 0  # the looked-up tokens an empty round verified (coordinator/lookup.py)
+
+    @property
+    def new_epoch(self) -> bool:
+        """The drafter's line is wrong past the verdict: it must roll back, not just go on."""
+        return self.action in (DraftAction.ABORT, DraftAction.ADOPT)
 
 
 @dataclass
@@ -47,7 +55,6 @@ class Sequence:
     request: GenerationRequest
     policy: SpeculationPolicy
     committed: list[int]  # prompt + generated, all verified
-    prompt_len: int
     eos_token_ids: frozenset[int]  # the model's end tokens (ModelInfo.end_token_ids)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     stats: SpecStats = field(default_factory=SpecStats)
@@ -69,38 +76,23 @@ class Sequence:
     target_len: int = 0  # the target's KV cache holds committed[:target_len]
     # where the in-flight verify item's context ends: None = all committed tokens; less for a prefill chunk
     verify_context_end: int | None = None
-    round_start: int = 0  # position of the first draft of the current round (after start/abort)
+    # position of the first draft of the current round: the prompt's end, then where the last abort left
+    round_start: int = field(init=False)
     finish_reason: FinishReason | None = None
     acceptance: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     started_at: float = field(default_factory=time.monotonic)
-    # (pos, token) -> (tokens at pos + 1 ..., their q): this epoch's hedges
-    hedges: dict[tuple[int, int], tuple[list[int], list[bytes]]] = field(default_factory=dict)
-    # The in-flight verify's token tree past its main chain (verify_tokens): node tokens, their parents
-    # (indices into main chain + branches; -1 = the context), and for each branch root node its hedge key
-    branch_tokens: list[int] = field(default_factory=list)
-    branch_parents: list[int] = field(default_factory=list)
-    branch_keys: dict[int, tuple[int, int]] = field(default_factory=dict)
-    alternatives: dict[int, int] = field(default_factory=dict)  # pos -> the drafter's next-best token there
-    # How many of `drafts`, from the front, a hedge drafted (a cache hit's continuation, or what is left
-    # of a taken branch's), and how many of the in-flight chunk: for stats.hedge_tokens_kept
-    hedge_drafts: int = 0
-    verify_from_hedge: int = 0
-    # (epoch, when) a rejection restarted the drafter with nothing cached, until that epoch's first draft
-    # arrives: the restart time patience weighs (Patience.first_draft_s)
-    restarted: tuple[int, float] | None = None
-    # the in-flight item is an empty round: no draft, sent rather than idle for the restarted drafter
-    empty_round: bool = False
-    # ... and these tokens, found in the sequence's own text, ride in it as drafts (coordinator/lookup.py)
-    lookup_tokens: list[int] = field(default_factory=list)
-    lookup: TextLookup = field(default_factory=TextLookup)
-    # The first committed position an empty round decided that the drafter has not yet been seen to
-    # hold (its chunk for it has not come, or came short): what it holds there is its own guess, so it
-    # is told only the positions before as verified (drafter_verified_len).
-    unconfirmed_from: int | None = None
+    spec: SpeculationState = field(default_factory=SpeculationState)  # hedges, tree, empty rounds
     # set (monotonic time): preempted, its KV freed on both workers, until it resumes (coordinator/kv_budget.py)
     preempted_at: float | None = None
 
+    def __post_init__(self) -> None:
+        self.round_start = self.prompt_len
+
     # -- facts ------------------------------------------------------------------------------------
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_token_ids)
+
     @property
     def greedy(self) -> bool:
         return self.request.sampling.greedy
@@ -140,7 +132,7 @@ class Sequence:
         """Stop speculating for now. Only the committed prefix of the drafter's cache stays trusted:
         what it drafted past it may not be what the target commits meanwhile."""
         self.draft_paused = True
-        self.hedges, self.alternatives = {}, {}
+        self.spec.clear_cache()
         self.drop_drafts()
         self.draft_fed_len = min(self.draft_fed_len, len(self.committed))
 
@@ -157,7 +149,7 @@ class Sequence:
             return False
         self.drafts.extend(tokens)
         self.draft_probs.extend(probs)
-        self.alternatives.update((start_pos + i, a) for i, a in enumerate(alternatives) if a >= 0)
+        self.spec.add_alternatives(start_pos, alternatives)
         # Drafting position P needed P-1 fed; an empty (exhausted) chunk at P says the same of P-1,
         # so the next RESET does not resend what the drafter already holds.
         self.draft_fed_len = max(self.draft_fed_len, start_pos + len(tokens) - 1)
@@ -180,96 +172,37 @@ class Sequence:
     def drafter_holds(self, start_pos: int, n: int) -> None:
         """A current-epoch chunk starting at `start_pos` showed that the drafter holds the committed
         tokens at its first `n` positions (decided_prefix)."""
-        if self.unconfirmed_from is not None and start_pos <= self.unconfirmed_from < start_pos + n:
-            end = start_pos + n
-            self.unconfirmed_from = end if end < len(self.committed) else None
+        self.spec.drafter_holds(start_pos, n, len(self.committed))
 
     def drafter_verified_len(self) -> int:
-        """How much of the committed text the drafter holds as committed: all of it, except after
-        empty rounds whose tokens its chunks have not yet confirmed. (Told more, it would count its
-        own guess as verified text: an n-gram drafter would teach it to the tenant's pool.)"""
-        return len(self.committed) if self.unconfirmed_from is None else self.unconfirmed_from
+        """How much of the committed text the drafter holds as committed (SpeculationState.verified_len)."""
+        return self.spec.verified_len(len(self.committed))
 
     def add_hedge(self, pos: int, token: int, start_pos: int, tokens, probs) -> bool:
         """Appends a hedge chunk of the current epoch; False if its key is decided or it does not
         continue what the cache holds for the key."""
-        held, held_probs = self.hedges.get((pos, token), ([], []))
-        if pos < len(self.committed) or start_pos != pos + 1 + len(held):
-            return False
-        self.hedges[(pos, token)] = (held + list(tokens), held_probs + list(probs))
-        return True
+        return self.spec.add_hedge(len(self.committed), pos, token, start_pos, tokens, probs)
 
-    def take_hedge(self) -> tuple[list[int], list[bytes]] | None:
+    def take_hedge(self) -> Hedge | None:
         """The cached continuation for the verdict just committed (its last token at its position), or
         None on a miss. Called after a rejection, before the new epoch clears the cache."""
         self.stats.cache_lookups += 1
-        hit = self.hedges.get((len(self.committed) - 1, self.committed[-1]))
-        if hit is None or not hit[0]:
+        hit = self.spec.hit((len(self.committed) - 1, self.committed[-1]))
+        if hit is None:
             return None
         self.stats.cache_hits += 1
         return hit
 
     def add_branches(self, max_nodes: int) -> tuple[list[int], list[int]]:
-        """Hangs this epoch's hedges off the main chain just taken for verification (a token tree):
-        a hedge at the position of main-chain draft i (or the bonus position after the last) becomes a
-        sibling of that draft, its continuation a chain below it; at most `max_nodes` nodes, nearest
-        positions first, none past the request's length limit. Returns the tree's tokens and parents
-        (no parents: no branch fitted, a chain)."""
-        chain = self.verify_tokens or []
-        first = len(self.committed)
-        self._clear_branches()
-        # Every draft's runner-up becomes a sibling leaf (free for the drafter: it comes with the
-        # draft's own logits); a hedge for it, where one exists, brings its continuation along.
-        candidates = dict(self.hedges)
-        for i, token in enumerate(chain):
-            alt = self.alternatives.get(first + i)
-            if alt is not None and alt != token:
-                candidates.setdefault((first + i, alt), ([], []))
-        roots = []  # first every candidate's own token (nearest positions first), then continuations
-        for (pos, token), (tokens, _) in sorted(candidates.items()):
-            offset = pos - first  # the main-chain draft this one replaces (len(chain): the bonus)
-            if not 0 <= offset <= len(chain) or offset >= self.remaining or (
-                    offset < len(chain) and chain[offset] == token) or len(self.branch_tokens) >= max_nodes:
-                continue
-            node = len(chain) + len(self.branch_tokens)
-            self.branch_keys[node] = (pos, token)
-            self.branch_tokens.append(token)
-            self.branch_parents.append(offset - 1)
-            roots.append((node, offset, tokens))
-        for node, offset, tokens in roots:
-            room = min(max_nodes - len(self.branch_tokens), self.remaining - offset - 1)
-            for i, token in enumerate(tokens[: max(0, room)]):
-                self.branch_parents.append(node if i == 0 else len(chain) + len(self.branch_tokens) - 1)
-                self.branch_tokens.append(token)
-        if not self.branch_tokens:
-            return list(chain), []
-        return chain + self.branch_tokens, [*range(-1, len(chain) - 1), *self.branch_parents]
-
-    def _tree_outcome(self, path) -> tuple[list[int], tuple[int, int] | None, int]:
-        """A verdict's accepted tokens from its path through the in-flight tree, the hedge key of the
-        branch it went into (None: it stayed on the main chain) and how many of that branch's nodes
-        it accepted."""
-        tokens = (self.verify_tokens or []) + self.branch_tokens
-        accepted = [tokens[i] for i in path]
-        for depth, node in enumerate(path):
-            if node in self.branch_keys:
-                return accepted, self.branch_keys[node], len(path) - depth
-        return accepted, None, 0
-
-    def _branch_rest(self, key, branch_accepted: int, next_token: int | None) -> tuple[list[int], list[bytes]]:
-        """After a path into hedge `key`'s branch: the hedge's tokens past the verdict's next token when
-        the hedge guessed that token too (the next round's drafts), else none."""
-        hedge = self.hedges.get(key)
-        rest = hedge[0][branch_accepted - 1:] if hedge else []
-        if next_token is None or rest[:1] != [next_token]:
-            return [], []
-        return rest[1:], hedge[1][branch_accepted:]
+        """Hangs this epoch's hedges off the main chain just taken for verification, as a token tree
+        of at most `max_nodes` branch nodes (SpeculationState.add_branches): its tokens and parents."""
+        return self.spec.add_branches(self.verify_tokens or [], len(self.committed), self.remaining, max_nodes)
 
     def drop_drafts(self) -> int:
         """Discards the drafts not under verification (the in-flight chunk still gets its verdict)."""
         n = len(self.drafts)
         self.drafts, self.draft_probs = [], []
-        self.hedge_drafts = 0
+        self.spec.hedge_drafts = 0
         self.stats.wasted_draft_tokens += n
         return n
 
@@ -278,47 +211,50 @@ class Sequence:
         tokens, probs = self.drafts[:k], self.draft_probs[:k]
         self.drafts, self.draft_probs = self.drafts[k:], self.draft_probs[k:]
         self.verify_tokens, self.verify_probs = tokens, probs
-        self.verify_from_hedge = min(len(tokens), self.hedge_drafts)
-        self.hedge_drafts -= self.verify_from_hedge
-        self._clear_branches()
+        self.spec.chunk_taken(len(tokens))
+        self.spec.clear_branches()
         return tokens, probs
 
-    def _clear_branches(self) -> None:
-        self.branch_tokens, self.branch_parents, self.branch_keys = [], [], {}
+    def adopt_hedge(self, hedge: Hedge) -> list[int]:
+        """Right after a new epoch: a hedge's tokens (within the length limit) are its drafts, fed on the
+        drafter's branch already. Returns them."""
+        n = min(len(hedge[0]), self.remaining)
+        self.drafts, self.draft_probs = list(hedge[0][:n]), list(hedge[1][:n])
+        self.spec.hedge_drafts = n
+        self.draft_fed_len = len(self.committed) - 1 + n  # what the branch has fed
+        return self.drafts
 
     def forget_verify(self) -> None:
         """The verdict for the in-flight chunk will not come (stale, or the target restarted)."""
-        self._clear_branches()
-        self.empty_round, self.lookup_tokens = False, []
+        self.spec.clear_branches()
+        self.spec.end_round()
         if self.verify_tokens is not None:
             # Back in front of the later drafts; they are re-verified (or dropped by an abort).
             self.drafts = self.verify_tokens + self.drafts
             self.draft_probs = self.verify_probs + self.draft_probs
-            self.hedge_drafts += self.verify_from_hedge
-        self.verify_tokens, self.verify_probs, self.verify_from_hedge = None, [], 0
+            self.spec.chunk_returned()
+        self.verify_tokens, self.verify_probs, self.spec.verify_from_hedge = None, [], 0
 
-    def apply_verdict(self, n_accepted: int, next_token: int | None, recovered: bool,
-                      path=()) -> tuple[list[int], DraftAction, BranchTaken | None]:
+    def apply_verdict(self, n_accepted: int, next_token: int | None, recovered: bool, path=()) -> VerdictOutcome:
         """Commits the verdict of the in-flight chunk (`recovered`: its next token is a correction;
-        `path`: the accepted nodes of a token tree). Returns (tokens kept, what the drafter needs, and
-        when the path went into a hedge's branch, which one and what of it is left to draft on).
-        Draft statistics count the main chain; tree_nodes the branches."""
-        accepted, branch, branch_accepted = self._tree_outcome(path) if path else (None, None, 0)
+        `path`: the accepted nodes of a token tree) and says what the drafter needs: nothing, an
+        ADVANCE, an ABORT, or to ADOPT the hedge's branch the path went into. Draft statistics count
+        the main chain; tree_nodes the branches."""
+        spec = self.spec
+        chunk = self.verify_tokens or []
+        accepted, branch, branch_accepted = spec.tree_outcome(chunk, path) if path else (None, None, 0)
         taken = None
         if branch is not None:  # the drafter's main line differs from the committed tokens from the branch on
             self.stats.tree_hits += 1
             self.draft_fed_len = min(self.draft_fed_len, branch[0])
-            taken = BranchTaken(branch, *self._branch_rest(branch, branch_accepted, next_token))
+            taken = BranchTaken(branch, *spec.branch_rest(branch, branch_accepted, next_token))
         else:
             accepted = None
-        chunk = self.verify_tokens or []
-        empty_round, self.empty_round = self.empty_round, False
-        lookup, self.lookup_tokens = self.lookup_tokens, []  # an empty round's drafts, not the drafter's
+        empty_round, lookup = spec.end_round()  # an empty round's drafts, not the drafter's
         rejected = recovered and (branch is not None or n_accepted < len(chunk))
         self.verify_tokens, self.verify_probs = None, []
         k = len(chunk)
-        self.stats.tree_nodes += len(self.branch_tokens)
-        self._clear_branches()
+        self.stats.tree_nodes += spec.clear_branches()
         new_tokens = ((chunk or lookup)[:n_accepted] if accepted is None else accepted) + (
             [next_token] if next_token is not None else [])
         old_len = len(self.committed)
@@ -329,7 +265,7 @@ class Sequence:
         kept = self._commit(new_tokens)
         n_accepted -= branch_accepted  # of the main chain
         # a hedge's own tokens kept: below a taken branch's root (its key), or a hit's continuation here
-        from_hedge, self.verify_from_hedge = self.verify_from_hedge, 0
+        from_hedge = spec.chunk_verified()
         self.stats.hedge_tokens_kept += min(len(kept), max(0, branch_accepted - 1) + min(n_accepted, from_hedge))
         if lookup:
             self.stats.lookup_tokens += len(lookup)
@@ -337,11 +273,15 @@ class Sequence:
             n_accepted = 0  # of the drafter's tokens
         if chunk_end == old_len:  # a prefill chunk is not a round: it commits and drafts nothing
             self._count(k, n_accepted, len(kept), rejected, first_of_round=old_len == self.round_start)
+
+        def outcome(action: DraftAction, branch_taken: BranchTaken | None = None) -> VerdictOutcome:
+            return VerdictOutcome(tuple(kept), action, branch_taken, drafted=k, looked_up=len(lookup))
+
         if self.finish_reason is not None or not self.uses_draft:
-            return kept, DraftAction.NONE, None
-        if rejected or accepted is not None:  # a path into a branch leaves the main line too
+            return outcome(DraftAction.NONE)
+        if rejected or taken is not None:  # a path into a branch leaves the main line too
             self.stats.wasted_draft_tokens += (k - n_accepted) + len(self.drafts)
-            return kept, DraftAction.ABORT, taken
+            return outcome(DraftAction.ABORT) if taken is None else outcome(DraftAction.ADOPT, taken)
         if next_token is not None:  # bonus: keep the speculation past it only if the drafter guessed it
             # The tokens decided past the drafter's verified chunk: the bonus, or everything an empty
             # round committed (its lookup tokens and its next token); the drafts that arrived meanwhile
@@ -351,44 +291,35 @@ class Sequence:
                         min(len(self.drafts), len(beyond)))  # how many of them the drafts guessed
             if same == len(beyond):
                 self.drafts, self.draft_probs = self.drafts[same:], self.draft_probs[same:]
-                self.hedge_drafts = max(0, self.hedge_drafts - same)
-                self._decided()
-                return kept, DraftAction.ADVANCE, None
+                spec.hedge_drafts = max(0, spec.hedge_drafts - same)
+                spec.decided(len(self.committed))
+                return outcome(DraftAction.ADVANCE)
             if empty_round and same == len(self.drafts) and not self.draft_paused:
                 # An empty round beat the restarted drafter's chunks: keep the epoch, and check the
                 # next chunk against the tokens decided past these drafts when it comes (decided_prefix).
-                self.drafts, self.draft_probs, self.hedge_drafts = [], [], 0
-                if self.unconfirmed_from is None:
-                    self.unconfirmed_from = old_len + same
-                self._decided()
-                return kept, DraftAction.ADVANCE, None
+                self.drafts, self.draft_probs, spec.hedge_drafts = [], [], 0
+                spec.unconfirmed(old_len + same)
+                spec.decided(len(self.committed))
+                return outcome(DraftAction.ADVANCE)
             # The drafter's line parts from the decided tokens where its drafts do: only what it
             # holds before that stands, in its cache and in the hedges it drafted on that prefix
             # (an empty round may have decided several positions the drafter guessed otherwise).
             parted = old_len + k + same
             self.draft_fed_len = min(self.draft_fed_len, parted)
-            self.hedges = {key: hedge for key, hedge in self.hedges.items() if key[0] <= parted}
+            spec.parted_at(parted)
             self.stats.wasted_draft_tokens += len(self.drafts)
-            return kept, DraftAction.ABORT, taken
-        self._decided()
-        return kept, DraftAction.ADVANCE, None
-
-    def _decided(self) -> None:
-        """Hedges and alternatives at committed positions can no longer be hit."""
-        if self.hedges:
-            self.hedges = {key: hedge for key, hedge in self.hedges.items() if key[0] >= len(self.committed)}
-        self.alternatives = {pos: a for pos, a in self.alternatives.items() if pos >= len(self.committed)}
+            return outcome(DraftAction.ABORT)
+        spec.decided(len(self.committed))
+        return outcome(DraftAction.ADVANCE)
 
     def start_new_epoch(self) -> int:
         """After an abort: drafts are gone (a verdict still in flight is now stale and will be
         dropped); returns where the drafter's cache stops matching the committed prefix."""
         self.epoch += 1
         self.draft_exhausted = False
-        self.unconfirmed_from = None  # the RESET carries the committed tokens
-        self.hedges, self.alternatives = {}, {}
-        self.drafts, self.draft_probs, self.hedge_drafts = [], [], 0
-        self.verify_tokens, self.verify_probs, self.verify_from_hedge = None, [], 0
-        self._clear_branches()
+        self.spec.new_epoch()
+        self.drafts, self.draft_probs = [], []
+        self.verify_tokens, self.verify_probs = None, []
         self.draft_fed_len = min(self.draft_fed_len, len(self.committed) - 1)
         self.round_start = len(self.committed)
         return self.draft_fed_len

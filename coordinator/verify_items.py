@@ -64,16 +64,17 @@ class VerifyBatchBuilder:
         bonus = pb.BONUS_POLICY_SKIP if self._prefill_only(seq, k) else seq.policy.bonus(seq.greedy, drafting)
         tokens, probs = seq.take_verify_chunk(k)
         # an empty round (Scheduler._may_verify_without_drafts): its bonus keeps the drafter's epoch
-        seq.empty_round = not tokens and self._may_verify_without_drafts(seq)
-        if seq.empty_round and seq.policy.lookup and not seq.needs_features and bonus != pb.BONUS_POLICY_SKIP:
+        spec = seq.spec
+        spec.empty_round = not tokens and self._may_verify_without_drafts(seq)
+        if spec.empty_round and seq.policy.lookup and not seq.needs_features and bonus != pb.BONUS_POLICY_SKIP:
             # (not in a prompt's prefill round, which leaves the next token to the drafter's first
             # draft; not for a head drafter, whose features would cover positions it never drafted)
-            tokens = seq.lookup_tokens = seq.lookup.propose(seq.committed, self._lookup_length(seq))
+            tokens = spec.lookup_tokens = spec.lookup.propose(seq.committed, self._lookup_length(seq))
         parents: list[int] = []
         # A tree's nodes sit at their depth's position but take one KV row each after the main chain:
         # near the end of the context only as many branch nodes as rows are left.
         kv_room = self._max_context - len(seq.committed) - len(tokens)
-        if tokens and not seq.empty_round and seq.greedy and seq.policy.tree_nodes and max_hedges(seq) \
+        if tokens and not spec.empty_round and seq.greedy and seq.policy.tree_nodes and max_hedges(seq) \
                 and kv_room > 0:
             tokens, parents = seq.add_branches(min(seq.policy.tree_nodes, kv_room))  # hedges ride along as a tree
         return pb.VerifyItem(

@@ -84,7 +84,7 @@ async def test_an_exhausted_drafter_is_reset_with_the_tokens_decided_without_it(
     _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_BONUS, 21)  # 20 accepted, bonus 21: not guessed
     assert seq.committed[3:] == [50, 20, 21] and len(_commands(draft, pb.DRAFT_COMMAND_KIND_RESET)) == resets + 1
     empty = target.sent[-1].items[0]  # the restarted drafter has sent nothing: an empty round
-    assert list(empty.draft_tokens) == [] and list(empty.context) == [21] and seq.empty_round
+    assert list(empty.draft_tokens) == [] and list(empty.context) == [21] and seq.spec.empty_round
     epoch = seq.epoch
     _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_BONUS, 22)
     assert seq.epoch == epoch and seq.committed[-1] == 22  # kept: the drafter's chunk is checked later

@@ -55,15 +55,16 @@ def _sequence_in_empty_round(lookup_tokens):
     scheduler, _, _, policy = _scheduler()
     seq = scheduler._add(_request(prompt=(5, 6, 7, 8, 9, 5, 6, 7), n=20), policy)
     seq.target_len = len(seq.committed) - 1
-    seq.verify_tokens, seq.empty_round, seq.lookup_tokens = [], True, list(lookup_tokens)
+    seq.verify_tokens, seq.spec.empty_round, seq.spec.lookup_tokens = [], True, list(lookup_tokens)
     return seq
 
 
 def test_a_round_commits_the_looked_up_tokens_it_accepted_and_keeps_the_drafters_epoch():
     seq = _sequence_in_empty_round([8, 9, 5, 6])
-    kept, action, branch = seq.apply_verdict(2, 11, recovered=True)
-    assert kept == [8, 9, 11] and seq.committed[8:] == [8, 9, 11]
-    assert action.name == "ADVANCE" and branch is None and seq.epoch == 0  # not the drafter's rejection
+    outcome = seq.apply_verdict(2, 11, recovered=True)
+    assert outcome.kept == (8, 9, 11) and seq.committed[8:] == [8, 9, 11]
+    assert outcome.action.name == "ADVANCE" and outcome.branch is None and seq.epoch == 0  # not the drafter's rejection
+    assert (outcome.drafted, outcome.looked_up) == (0, 4)
     assert seq.drafter_verified_len() == 8  # what the drafter holds past 8 is its own guess
     assert (seq.stats.lookup_tokens, seq.stats.lookup_accepted) == (4, 2)
     assert (seq.stats.drafted_tokens, seq.stats.accepted_tokens, seq.stats.rejections) == (0, 0, 0)
@@ -73,14 +74,14 @@ def test_a_round_commits_the_looked_up_tokens_it_accepted_and_keeps_the_drafters
 def test_drafts_that_came_during_the_round_ride_on_when_they_guessed_every_decided_token():
     seq = _sequence_in_empty_round([8, 9, 5, 6])
     assert seq.add_drafts(8, [8, 9, 11, 12], [])
-    _, action, _ = seq.apply_verdict(2, 11, recovered=True)
+    action = seq.apply_verdict(2, 11, recovered=True).action
     assert action.name == "ADVANCE" and seq.drafts == [12] and seq.drafter_verified_len() == 11
 
 
 def test_drafts_that_came_during_the_round_and_guessed_short_confirm_what_they_hold():
     seq = _sequence_in_empty_round([8, 9, 5, 6])
     assert seq.add_drafts(8, [8], [])
-    _, action, _ = seq.apply_verdict(2, 11, recovered=True)
+    action = seq.apply_verdict(2, 11, recovered=True).action
     assert action.name == "ADVANCE" and seq.drafts == [] and seq.drafter_verified_len() == 9
     assert seq.decided_prefix(9, [9, 11, 13]) == 2  # its next chunk is checked against 9 and 11
 
@@ -88,7 +89,7 @@ def test_drafts_that_came_during_the_round_and_guessed_short_confirm_what_they_h
 def test_drafts_that_guessed_a_decided_token_wrong_restart_the_drafter():
     seq = _sequence_in_empty_round([8, 9, 5, 6])
     assert seq.add_drafts(8, [8, 4, 4], [])
-    _, action, _ = seq.apply_verdict(2, 11, recovered=True)
+    action = seq.apply_verdict(2, 11, recovered=True).action
     assert action.name == "ABORT" and seq.committed[8:] == [8, 9, 11]
 
 
@@ -143,7 +144,7 @@ async def test_without_lookup_or_a_match_the_empty_round_stays_empty(monkeypatch
     for prompt, lookup in (((5, 6, 7, 8, 9, 5, 6), False), ((1, 2, 3, 4, 5, 6, 8), True)):
         scheduler, target, _, seq = await _after_a_rejection(monkeypatch, prompt, lookup=lookup)
         item = target.sent[-1].items[0]
-        assert list(item.context) == [7] and list(item.draft_tokens) == [] and seq.empty_round
+        assert list(item.context) == [7] and list(item.draft_tokens) == [] and seq.spec.empty_round
         await scheduler.close()
 
 
@@ -177,7 +178,7 @@ def test_a_drafter_wrong_at_the_first_looked_up_position_is_reset_from_there_and
     seq = _sequence_in_empty_round([8, 9, 5, 6])
     assert seq.add_drafts(8, [4, 3, 2], [])
     assert seq.add_hedge(12, 7, 13, [21, 22], [])  # drafted after ... 4, 3, 2, ?: not after 8, 9, 5, 6
-    _, action, _ = seq.apply_verdict(4, 7, recovered=False)
+    action = seq.apply_verdict(4, 7, recovered=False).action
     assert action.name == "ABORT" and seq.committed[8:] == [8, 9, 5, 6, 7]
     assert seq.take_hedge() is None
     assert seq.start_new_epoch() == 8  # the RESET re-feeds from position 8

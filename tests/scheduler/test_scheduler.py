@@ -391,8 +391,8 @@ def test_a_short_late_chunk_confirms_only_the_decided_tokens_it_holds():
     scheduler, _, _, policy = _scheduler()
     seq = scheduler._add(_request(n=20), policy)
     for token in (40, 41):
-        seq.verify_tokens, seq.empty_round = [], True
-        assert seq.apply_verdict(0, token, recovered=False)[1].name == "ADVANCE"
+        seq.verify_tokens, seq.spec.empty_round = [], True
+        assert seq.apply_verdict(0, token, recovered=False).action.name == "ADVANCE"
     assert seq.committed == [1, 2, 3, 40, 41] and seq.drafter_verified_len() == 3
     assert seq.decided_prefix(3, [40]) == 1
     seq.drafter_holds(3, 1)
@@ -400,7 +400,7 @@ def test_a_short_late_chunk_confirms_only_the_decided_tokens_it_holds():
     assert seq.decided_prefix(4, [41, 42]) == 1
     seq.drafter_holds(4, 1)
     assert seq.drafter_verified_len() == 5
-    seq.verify_tokens, seq.empty_round = [], True
+    seq.verify_tokens, seq.spec.empty_round = [], True
     seq.apply_verdict(0, 43, recovered=False)
     assert seq.drafter_verified_len() == 5
     seq.start_new_epoch()  # a RESET carries every committed token

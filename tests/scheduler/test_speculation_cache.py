@@ -81,15 +81,15 @@ async def test_a_hits_tokens_are_counted_as_the_hedges_wherever_they_are_verifie
     scheduler, target, draft, seq = _prefilled(_cache_policy())
     _hedge(scheduler, seq, 5, 40, 6, [60, 61, 62])
     _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_RECOVERED, 40)  # a hit: [60, 61, 62] goes out
-    assert (seq.verify_from_hedge, seq.hedge_drafts) == (3, 0)
+    assert (seq.spec.verify_from_hedge, seq.spec.hedge_drafts) == (3, 0)
     seq.forget_verify()  # e.g. the target restarted: the chunk goes back in front of the drafts
-    assert seq.drafts == [60, 61, 62] and (seq.verify_from_hedge, seq.hedge_drafts) == (0, 3)
+    assert seq.drafts == [60, 61, 62] and (seq.spec.verify_from_hedge, seq.spec.hedge_drafts) == (0, 3)
     _chunks(scheduler, seq, 9, [63])  # the drafter's own next draft, after the adopted branch
     seq.take_verify_chunk(2)
-    assert (seq.verify_from_hedge, seq.hedge_drafts) == (2, 1)
+    assert (seq.spec.verify_from_hedge, seq.spec.hedge_drafts) == (2, 1)
     seq.apply_verdict(2, 62, recovered=False)  # 60, 61 accepted; the bonus 62 is the hedge's last draft
     assert seq.stats.hedge_tokens_kept == 2 and seq.drafts == [63]
-    assert (seq.verify_from_hedge, seq.hedge_drafts) == (0, 0)  # 63 is the drafter's own
+    assert (seq.spec.verify_from_hedge, seq.spec.hedge_drafts) == (0, 0)  # 63 is the drafter's own
     seq.take_verify_chunk(1)
     seq.apply_verdict(1, 64, recovered=False)
     assert seq.stats.hedge_tokens_kept == 2
@@ -102,7 +102,7 @@ async def test_a_miss_takes_the_reset_path():
     assert seq.stats.cache_lookups == 1 and seq.stats.cache_hits == 0
     reset = _commands(draft, RESET)[-1]
     assert not reset.HasField("adopt") and list(reset.tail)[-1] == 42
-    assert seq.drafts == [] and seq.hedges == {}
+    assert seq.drafts == [] and seq.spec.hedges == {}
     # Nothing is verified until the drafter drafts again (target-only sequences aside).
     _chunks(scheduler, seq, 6, [80])
     assert list(target.sent[-1].items[0].draft_tokens) == [80]
@@ -113,12 +113,12 @@ async def test_stale_and_decided_hedges_are_never_used():
     _hedge(scheduler, seq, 5, 40, 6, [60], epoch=seq.epoch + 1)  # another epoch
     _hedge(scheduler, seq, 4, 40, 5, [60])  # position 4 is committed already
     _hedge(scheduler, seq, 5, 41, 9, [70])  # does not start right after its key
-    assert seq.hedges == {}
+    assert seq.spec.hedges == {}
     _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_RECOVERED, 40)
     assert seq.stats.cache_hits == 0 and not _commands(draft, RESET)[-1].HasField("adopt")
     # A hedge of the old epoch arriving after the abort is dropped too.
     _hedge(scheduler, seq, 6, 50, 7, [51], epoch=0)
-    assert seq.hedges == {}
+    assert seq.spec.hedges == {}
 
 
 async def test_an_accepted_chunk_drops_only_the_hedges_it_decided():
@@ -129,7 +129,7 @@ async def test_an_accepted_chunk_drops_only_the_hedges_it_decided():
     _hedge(scheduler, seq, 7, 41, 8, [70])
     _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_BONUS, 13)  # [12] accepted, bonus 13 = the draft
     assert seq.committed == [1, 2, 3, 10, 11, 12, 13]
-    assert list(seq.hedges) == [(7, 41)]  # position 5 is decided; 7 (under verification now) is not
+    assert list(seq.spec.hedges) == [(7, 41)]  # position 5 is decided; 7 (under verification now) is not
     _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_RECOVERED, 41)
     assert seq.stats.cache_hits == 1 and list(target.sent[-1].items[0].draft_tokens) == [70]
 
@@ -147,7 +147,7 @@ async def test_a_bonus_the_main_line_did_not_guess_can_hit_the_cache():
     assert (list(item.context), list(item.draft_tokens)) == ([30], [31, 32])
     reset = _commands(draft, RESET)[-1]
     assert (reset.adopt.pos, reset.adopt.token) == (6, 30) and list(reset.tail)[-3:] == [30, 31, 32]
-    assert seq.hedges == {}  # the new epoch starts with none
+    assert seq.spec.hedges == {}  # the new epoch starts with none
 
 
 async def test_a_sampled_cache_hit_sends_each_hedge_token_with_its_own_q():
@@ -231,7 +231,7 @@ async def test_hedges_ride_along_as_a_tree_and_a_path_into_one_is_adopted():
     reset = _commands(draft, RESET)[-1]
     assert (reset.adopt.pos, reset.adopt.token) == (7, 40)
     assert reset.start_pos <= 7 and list(reset.tail)[-3:] == [40, 41, 99]  # the main line parts at 7
-    assert seq.drafts == [] and seq.hedges == {}
+    assert seq.drafts == [] and seq.spec.hedges == {}
 
 
 async def test_a_bonus_past_a_branch_leaf_and_a_path_that_stays_on_the_main_chain():
