@@ -183,7 +183,7 @@ class DraftChannel:
         cached = seq.take_hedge() if max_hedges(seq) else None
         self.abort(seq, cached)
         if cached is None:
-            seq.spec.restarted = (seq.epoch, time.monotonic())
+            seq.spec.drafter_restarted(seq.epoch, time.monotonic())
 
     def _adopt(self, seq: Sequence, outcome: VerdictOutcome) -> None:
         """The verdict's path went into a hedge's branch: the drafter continues on that branch."""

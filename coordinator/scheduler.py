@@ -202,11 +202,9 @@ class Scheduler:
                 if chunk.epoch == seq.epoch and not seq.draft_paused:
                     seq.add_hedge(chunk.hedge.pos, chunk.hedge.token, chunk.start_pos, chunk.tokens, chunk.draft_probs)
                 continue
-            restarted = seq.spec.restarted
-            if chunk.tokens and restarted is not None and chunk.epoch == restarted[0]:
+            if chunk.tokens and (restarted_at := seq.spec.first_draft(chunk.epoch)) is not None:
                 # timed even when the epoch has moved on since: a slow restart must not go unmeasured
-                self.patience.first_draft_s.observe(heard_at - restarted[1])
-                seq.spec.restarted = None
+                self.patience.first_draft_s.observe(heard_at - restarted_at)
             if chunk.epoch != seq.epoch or seq.draft_paused:  # an aborted branch, or drafted before a pause
                 seq.stats.wasted_draft_tokens += len(chunk.tokens)
                 continue

@@ -202,7 +202,7 @@ class Sequence:
         """Discards the drafts not under verification (the in-flight chunk still gets its verdict)."""
         n = len(self.drafts)
         self.drafts, self.draft_probs = [], []
-        self.spec.hedge_drafts = 0
+        self.spec.drafts_dropped()
         self.stats.wasted_draft_tokens += n
         return n
 
@@ -220,7 +220,7 @@ class Sequence:
         drafter's branch already. Returns them."""
         n = min(len(hedge[0]), self.remaining)
         self.drafts, self.draft_probs = list(hedge[0][:n]), list(hedge[1][:n])
-        self.spec.hedge_drafts = n
+        self.spec.drafts_adopted(n)
         self.draft_fed_len = len(self.committed) - 1 + n  # what the branch has fed
         return self.drafts
 
@@ -232,8 +232,8 @@ class Sequence:
             # Back in front of the later drafts; they are re-verified (or dropped by an abort).
             self.drafts = self.verify_tokens + self.drafts
             self.draft_probs = self.verify_probs + self.draft_probs
-            self.spec.chunk_returned()
-        self.verify_tokens, self.verify_probs, self.spec.verify_from_hedge = None, [], 0
+        self.spec.chunk_forgotten(back_in_front=self.verify_tokens is not None)
+        self.verify_tokens, self.verify_probs = None, []
 
     def apply_verdict(self, n_accepted: int, next_token: int | None, recovered: bool, path=()) -> VerdictOutcome:
         """Commits the verdict of the in-flight chunk (`recovered`: its next token is a correction;
@@ -291,13 +291,14 @@ class Sequence:
                         min(len(self.drafts), len(beyond)))  # how many of them the drafts guessed
             if same == len(beyond):
                 self.drafts, self.draft_probs = self.drafts[same:], self.draft_probs[same:]
-                spec.hedge_drafts = max(0, spec.hedge_drafts - same)
+                spec.drafts_decided(same)
                 spec.decided(len(self.committed))
                 return outcome(DraftAction.ADVANCE)
             if empty_round and same == len(self.drafts) and not self.draft_paused:
                 # An empty round beat the restarted drafter's chunks: keep the epoch, and check the
                 # next chunk against the tokens decided past these drafts when it comes (decided_prefix).
-                self.drafts, self.draft_probs, spec.hedge_drafts = [], [], 0
+                self.drafts, self.draft_probs = [], []
+                spec.drafts_dropped()
                 spec.unconfirmed(old_len + same)
                 spec.decided(len(self.committed))
                 return outcome(DraftAction.ADVANCE)

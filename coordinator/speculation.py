@@ -164,16 +164,52 @@ class SpeculationState:
         self.verify_from_hedge = min(k, self.hedge_drafts)
         self.hedge_drafts -= self.verify_from_hedge
 
-    def chunk_returned(self) -> None:
-        """The in-flight chunk went back in front of the drafts (its verdict will not come)."""
-        self.hedge_drafts += self.verify_from_hedge
+    def chunk_forgotten(self, back_in_front: bool) -> None:
+        """The in-flight chunk's verdict will not come; `back_in_front`: its tokens went back in front
+        of the drafts."""
+        if back_in_front:
+            self.hedge_drafts += self.verify_from_hedge
+        self.verify_from_hedge = 0
+
+    def drafts_adopted(self, n: int) -> None:
+        """A new epoch's drafts are `n` tokens of a hedge."""
+        self.hedge_drafts = n
+
+    def drafts_decided(self, n: int) -> None:
+        """The first `n` drafts were decided (committed as drafted) and leave the drafts."""
+        self.hedge_drafts = max(0, self.hedge_drafts - n)
+
+    def drafts_dropped(self) -> None:
+        self.hedge_drafts = 0
 
     def chunk_verified(self) -> int:
         """The in-flight chunk got its verdict: how many of its tokens a hedge drafted."""
         n, self.verify_from_hedge = self.verify_from_hedge, 0
         return n
 
+    # -- the drafter's restart ----------------------------------------------------------------------
+    def drafter_restarted(self, epoch: int, at: float) -> None:
+        """A rejection restarted the drafter with nothing cached at `at`: its first draft of `epoch` is timed."""
+        self.restarted = (epoch, at)
+
+    def first_draft(self, epoch: int) -> float | None:
+        """A chunk with drafts of `epoch` arrived: when the drafter restarted for that epoch (timed once),
+        or None."""
+        if self.restarted is None or epoch != self.restarted[0]:
+            return None
+        at, self.restarted = self.restarted[1], None
+        return at
+
     # -- empty rounds -----------------------------------------------------------------------------
+    def start_round(self, empty: bool) -> None:
+        """The in-flight item is an empty round (`empty`) or carries drafts."""
+        self.empty_round = empty
+
+    def look_up(self, committed: list[int], k: int) -> list[int]:
+        """This empty round's drafts: up to `k` tokens found in the sequence's own text."""
+        self.lookup_tokens = self.lookup.propose(committed, k)
+        return self.lookup_tokens
+
     def end_round(self) -> tuple[bool, list[int]]:
         """The in-flight item got its verdict (or never will): whether it was an empty round, and the
         looked-up tokens it verified (an empty round's drafts, not the drafter's)."""

@@ -65,11 +65,11 @@ class VerifyBatchBuilder:
         tokens, probs = seq.take_verify_chunk(k)
         # an empty round (Scheduler._may_verify_without_drafts): its bonus keeps the drafter's epoch
         spec = seq.spec
-        spec.empty_round = not tokens and self._may_verify_without_drafts(seq)
+        spec.start_round(empty=not tokens and self._may_verify_without_drafts(seq))
         if spec.empty_round and seq.policy.lookup and not seq.needs_features and bonus != pb.BONUS_POLICY_SKIP:
             # (not in a prompt's prefill round, which leaves the next token to the drafter's first
             # draft; not for a head drafter, whose features would cover positions it never drafted)
-            tokens = spec.lookup_tokens = spec.lookup.propose(seq.committed, self._lookup_length(seq))
+            tokens = spec.look_up(seq.committed, self._lookup_length(seq))
         parents: list[int] = []
         # A tree's nodes sit at their depth's position but take one KV row each after the main chain:
         # near the end of the context only as many branch nodes as rows are left.
