@@ -12,7 +12,7 @@
 # wheel is ~80 MB) the bench runs its in-process modes only, both models in one process on the one
 # GPU — colocated by construction; with Ray it adds the server runs with `--placement colocated`.
 # Writes into OUT_DIR: gpu.txt (device), tests.txt (pytest), bench/results.{md,json,png}, kv_context.md,
-# verify_rule.md.
+# verify_rule.md, and with three GPUs and Ray tensor_parallel.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${1:-${OUT:-gpu-check-out}}"
@@ -74,5 +74,16 @@ timeout 60 "$PY" benchmarks/verify_rule.py --device cuda --vocab 32000 128256 --
     | tee "$OUT_DIR/verify_rule.md"
 verify_rc=${PIPESTATUS[0]}
 
-step "done: tests rc=$tests_rc, bench rc=$bench_rc, kv_context rc=$kv_rc, verify_rule rc=$verify_rc; tables in $OUT_DIR"
-[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$kv_rc" = 0 ] && [ "$verify_rc" = 0 ]
+tp_rc=0
+gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+if [ "$has_ray" = 1 ] && [ "$gpus" -ge 3 ]; then
+    step "tensor parallelism: off through the server at TP=1 and TP=2 (NCCL), side by side"
+    timeout 240 "$PY" benchmarks/tensor_parallel.py --device cuda --rounds 2 --streams 1 4 2>&1 \
+        | grep -v -i "loading weights" | tee "$OUT_DIR/tensor_parallel.md"
+    tp_rc=${PIPESTATUS[0]}
+else
+    step "tensor parallelism: skipped ($gpus GPU(s), ray installed: $has_ray; TP=2 needs two GPUs and Ray)"
+fi
+
+step "done: tests rc=$tests_rc, bench rc=$bench_rc, kv_context rc=$kv_rc, verify_rule rc=$verify_rc, tp rc=$tp_rc; tables in $OUT_DIR"
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$kv_rc" = 0 ] && [ "$verify_rc" = 0 ] && [ "$tp_rc" = 0 ]

@@ -58,8 +58,11 @@ def main(argv: list[str] | None = None) -> int:
 
     models = REPO / "models"
     prompts = encode_prompts(load_tokenizer(str(models / "target")), load_prompts(), 256)
+    # On GPUs each pair's draft shares its target's first GPU (colocated): TP=1 and TP=2 side by side
+    # take 3 GPUs.
+    placement = "colocated" if args.device == "cuda" else "auto"
     pairs = {f"tp{tp}": BenchPair(str(models / "target"), str(models / "draft"), device=args.device,
-                                  tensor_parallel_size=tp) for tp in SIZES}
+                                  placement=placement, tensor_parallel_size=tp) for tp in SIZES}
     if args.device == "cpu":  # 1 + 2 target ranks and two drafters: logical CPUs past the cores are fine
         connect(None, num_cpus=2 + sum(SIZES) * 2)
     results = asyncio.run(measure(pairs, prompts, args.streams, args.rounds, args.max_new_tokens))
