@@ -82,7 +82,7 @@ if [ "$has_ray" = 1 ] && [ "$gpus" -ge 3 ]; then
         | grep -v -i "loading weights" | tee "$OUT_DIR/tensor_parallel.md"
     tp_rc=${PIPESTATUS[0]}
 else
-    step "tensor parallelism: skipped ($gpus GPU(s), ray installed: $has_ray; TP=2 needs two GPUs and Ray)"
+    step "tensor parallelism: skipped ($gpus GPU(s), ray installed: $has_ray; TP=1 and TP=2 side by side need three GPUs and Ray)"
 fi
 
 step "done: tests rc=$tests_rc, bench rc=$bench_rc, kv_context rc=$kv_rc, verify_rule rc=$verify_rc, tp rc=$tp_rc; tables in $OUT_DIR"
