@@ -165,13 +165,28 @@ def stop(pidfile: pathlib.Path, timeout_s: float) -> int:
         return 0
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s + 5.0  # the supervisor itself kills its command at timeout_s
-    while running_supervisor(pidfile) == pid:
+    # The supervisor removes its pidfile a moment before it exits: "stopped" waits for the process too.
+    while running_supervisor(pidfile) == pid or not _exited(pid):
         if time.monotonic() > deadline:
             print(f"duospec-supervise: pid {pid} did not exit within {timeout_s + 5.0:g} s", file=sys.stderr)
             return 1
         time.sleep(POLL_S)
     print(f"duospec-supervise: stopped pid {pid}", file=sys.stderr)
     return 0
+
+
+def _exited(pid: int) -> bool:
+    """Whether process `pid` is gone, or has exited and waits only for its parent to reap it."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process of that pid: ours is gone
+        return True
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def main(argv: list[str] | None = None) -> int:

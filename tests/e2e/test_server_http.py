@@ -10,7 +10,7 @@ import pytest
 from duospec.coordinator.config import ServerSettings
 from duospec.coordinator.tenancy import Tenant, TenantLimits, hash_api_key, new_api_key
 from duospec.v1 import generation_pb2 as pb
-from test_server_generate import hf_greedy
+from exactness import hf_greedy, reference_model
 from server_support import MAX_CONTEXT, MODEL, collect, running_server, server_coordinator
 
 openai = pytest.importorskip("openai")
@@ -72,7 +72,8 @@ async def test_completions_plain_and_streamed_match_grpc_and_transformers_in_eve
 
     req = pb.GenerateRequest(prompt=PROMPT, stopping=pb.StoppingCriteria(max_new_tokens=20, ignore_eos=True))
     expected = await grpc_ids(harness, req)
-    assert expected == hf_greedy(chat_pair[0], AutoTokenizer.from_pretrained(str(chat_pair[0])).encode(PROMPT), 20)
+    assert expected == hf_greedy(reference_model(chat_pair[0]),
+                                 AutoTokenizer.from_pretrained(str(chat_pair[0])).encode(PROMPT), 20)
     async with client(harness) as c:
         for mode in ("off", "vanilla", "pearl"):
             extra = {"ignore_eos": True, "speculation": {"mode": mode}}
