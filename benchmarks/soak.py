@@ -69,7 +69,7 @@ def model_pair(model_dir: pathlib.Path | None, scratch: pathlib.Path) -> tuple[s
 
 
 def make_tenants():
-    from duospec.coordinator.tenancy import Tenant, TenantLimits, hash_api_key, new_api_key
+    from duospec.coordinator.tenants.tenancy import Tenant, TenantLimits, hash_api_key, new_api_key
 
     keys = {name: new_api_key() for name in ("gold", "silver", "bronze")}
     tenants = [
@@ -239,7 +239,7 @@ async def soak(args: argparse.Namespace, target: str, draft: str, scratch: pathl
     import grpc
 
     from duospec.coordinator.config import ServerSettings
-    from duospec.coordinator.server import DuospecServer
+    from duospec.coordinator.serving.server import DuospecServer
     from duospec.v1 import generation_pb2_grpc as pb_grpc
 
     tenants, keys = make_tenants()

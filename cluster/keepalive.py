@@ -3,7 +3,7 @@
 The coordinator pings each worker's connection; a worker that answers no ping for about the model's
 `hang_timeout_s` (its process stopped, hung in the kernel, its node unreachable — anything that
 leaves the socket open but silent) breaks the stream, and the coordinator replaces the worker
-(coordinator/recovery.py). The ping is answered by gRPC's own threads, so a worker that is merely
+(coordinator/scheduling/recovery.py). The ping is answered by gRPC's own threads, so a worker that is merely
 busy in a long forward still answers it.
 """
 

@@ -15,7 +15,7 @@ Its constructor, through `start_group`:
 The followers are rank 0's children, so Ray ends them when rank 0 dies. A follower that dies, or whose
 loop fails, ends rank 0's process (`_group_lost`): Ray restarts rank 0 (max_restarts), whose
 constructor starts the whole group afresh. To the coordinator that is a restarted target (or drafter),
-recovered as any other (coordinator/recovery.py).
+recovered as any other (coordinator/scheduling/recovery.py).
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ class ModelInfo:
     # the most drafts per verify a request may ask for (models[].speculation: the larger of
     # max_draft_tokens and gamma); a request above it is refused, naming it
     max_draft_tokens: int = MAX_DRAFT_TOKENS
-    # whose cached prompt blocks a request may reuse (models[].prefix_cache; coordinator/kv_budget.py)
+    # whose cached prompt blocks a request may reuse (models[].prefix_cache; coordinator/scheduling/kv_budget.py)
     prefix_cache: str = "tenant"
 
     @property

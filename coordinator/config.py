@@ -27,7 +27,7 @@ from duospec.cluster.placement import PLACEMENTS
 from duospec.coordinator.config_fields import ConfigError, Fields, existing_file, read_mapping, resolve, resolve_model_path
 from duospec.coordinator.api import MAX_DRAFT_TOKENS, SpeculationMode
 from duospec.engine.errors import CheckpointError
-from duospec.coordinator.kv_budget import PREFIX_CACHE_SCOPES
+from duospec.coordinator.scheduling.kv_budget import PREFIX_CACHE_SCOPES
 from duospec.draft_worker.proposer import MAX_TENSOR_PARALLEL, DraftMethod, DraftSpec, NgramOptions
 from duospec.settings import REQUIRED, declared, setting
 
@@ -96,7 +96,7 @@ class SpeculationDefaults:
         "off: the target alone. A request may ask for another; without a draft, off",
         choices=[m.value for m in SpeculationMode])
     # Above vanilla's γ because pearl drafts while the target verifies: a longer chunk costs it no
-    # waiting, only verify rows (on a GPU nearly free); the adaptive length (coordinator/adaptive.py)
+    # waiting, only verify rows (on a GPU nearly free); the adaptive length (coordinator/scheduling/adaptive.py)
     # picks fewer when the verify cost and the acceptance say so.
     max_draft_tokens: int = setting(
         8, "pearl: the most drafts one verify takes (the adaptive length picks fewer when they do not pay)",
@@ -112,7 +112,7 @@ class SpeculationDefaults:
         "same forward; needs the cache")
     tree_nodes: int = setting(8, "pearl, greedy: the most extra tokens the tree branches add per verify", lo=1, hi=64)
     # The rounds without a draft: before a restarted drafter's first, or while the goodput guard pauses it
-    # (coordinator/lookup.py).
+    # (coordinator/scheduling/lookup.py).
     lookup: bool = setting(
         True, "pearl, greedy: a round without a draft verifies what followed the sequence's last tokens "
         "where they occurred before in its own text")
@@ -151,7 +151,7 @@ class ModelConfig:
         "before they fail with UNAVAILABLE", lo=1.0, hi=86400.0)
     # A verify outstanding this long (or many times its predicted cost, if longer), keepalive pings on
     # an internal stream unanswered for about this long, or a stalled drafter that does not answer
-    # within it; the requests then go on as after a crash (coordinator/recovery.py).
+    # within it; the requests then go on as after a crash (coordinator/scheduling/recovery.py).
     hang_timeout_s: float = setting(
         10.0, "a worker silent this long counts as hung: Ray kills and restarts it. Keep it above the "
         "slowest legitimate forward (a prefill chunk on a cold GPU)", lo=1.0, hi=3600.0)
@@ -162,7 +162,7 @@ class ModelConfig:
     tensor_parallel_size: int = setting(
         1, "the target split over this many GPUs of one node; must divide its attention and KV heads and "
         "MLP width (the model drafter's own: draft.tensor_parallel_size)", lo=1, hi=MAX_TENSOR_PARALLEL)
-    # Tenancy, fair share, quotas and the ledger stay per model (coordinator/replicas.py).
+    # Tenancy, fair share, quotas and the ledger stay per model (coordinator/scheduling/replicas.py).
     replicas: int = setting(
         1, "independent draft/target pairs of the model; each request goes to the one with the least "
         "outstanding work", lo=1, hi=MAX_REPLICAS)
@@ -175,7 +175,7 @@ class ModelConfig:
         None, "positions per sequence (prompt + output) on every layer; KV memory is sized from it. "
         "Absent = the model's max_position_embeddings", lo=2, hi=1 << 24)
     # Pools of 16-position blocks (duospec/engine/kv_memory.py); past what a pool holds, sequences are
-    # preempted and resumed by recompute (coordinator/kv_budget.py).
+    # preempted and resumed by recompute (coordinator/scheduling/kv_budget.py).
     kv_cache_memory_bytes: int | None = setting(
         None, "each worker's KV memory in bytes; it must hold one request of max_model_len. Absent = "
         "gpu_memory_utilization on CUDA, else max_num_seqs sequences of max_model_len (the draft's "

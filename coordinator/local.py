@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from duospec.cluster.actors import replica_label
 from duospec.coordinator.config import ConfigError
-from duospec.coordinator.links import LocalDraftLink, LocalTargetLink
+from duospec.coordinator.scheduling.links import LocalDraftLink, LocalTargetLink
 from duospec.coordinator.models import model_info, worker_kv
-from duospec.coordinator.router import ModelEntry, ModelRouter, scheduler_config
-from duospec.coordinator.scheduler import Scheduler
+from duospec.coordinator.scheduling.router import ModelEntry, ModelRouter, scheduler_config
+from duospec.coordinator.scheduling.scheduler import Scheduler
 from duospec.cluster.worker import resolve_device
 from duospec.draft_worker.drafter import Drafter
 from duospec.draft_worker.methods import build_proposer

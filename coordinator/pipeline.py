@@ -1,5 +1,5 @@
 """The distributed coordinator: draft and target in separate Ray actors (each possibly a tensor-parallel
-group), data over gRPC streams; models[].replicas pairs of a model, routed by coordinator/replicas.py.
+group), data over gRPC streams; models[].replicas pairs of a model, routed by coordinator/scheduling/replicas.py.
 
     coordinator = start_pipeline([ModelConfig(...)], ray_address=None)   # None: a local Ray
     async for event in coordinator.generate(request): ...
@@ -16,10 +16,10 @@ from duospec.cluster.actors import WorkerPair, launch_pair, replica_label
 from duospec.cluster.runtime import connect
 from duospec.cluster.secret import InternalTls, new_deployment_secret
 from duospec.coordinator.api import ModelInfo
-from duospec.coordinator.links import GrpcStreamLink, LinkLoss, wait_for_channel
+from duospec.coordinator.scheduling.links import GrpcStreamLink, LinkLoss, wait_for_channel
 from duospec.coordinator.models import model_info, worker_kv
-from duospec.coordinator.router import ModelEntry, ModelRouter, scheduler_config
-from duospec.coordinator.scheduler import Scheduler
+from duospec.coordinator.scheduling.router import ModelEntry, ModelRouter, scheduler_config
+from duospec.coordinator.scheduling.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 `DraftLoop` runs the Drafter on its own thread: it applies commands as soon as they arrive (an abort
 lands before the next drafted token), drafts while any sequence is below its lookahead bound, and
 emits one DraftChunkBatch per step. It waits (and counts idle time) only when no sequence may draft.
-The same loop serves the gRPC stream (DraftServicer) and in-process use (coordinator/links.py).
+The same loop serves the gRPC stream (DraftServicer) and in-process use (coordinator/scheduling/links.py).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class DraftLoop:
                 if control is not None and not self._apply(control, failed):
                     return
             # A step with no chunk (a long prompt being read) still reports: the coordinator knows the
-            # drafter is alive and busy, not stalled (coordinator/recovery.py).
+            # drafter is alive and busy, not stalled (coordinator/scheduling/recovery.py).
             if chunks or failed or stepped:
                 self.busy_s += busy
                 self.idle_s += idle

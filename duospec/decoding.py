@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from duospec.coordinator.api import FinishEvent, FinishReason, GenerationRequest, ModelInfo, SpecStats, SpeculationMode
-from duospec.coordinator.links import LocalDraftLink, LocalTargetLink
-from duospec.coordinator.router import ModelEntry, ModelRouter, scheduler_config
-from duospec.coordinator.scheduler import Scheduler
+from duospec.coordinator.scheduling.links import LocalDraftLink, LocalTargetLink
+from duospec.coordinator.scheduling.router import ModelEntry, ModelRouter, scheduler_config
+from duospec.coordinator.scheduling.scheduler import Scheduler
 from duospec.draft_worker.drafter import Drafter
 from duospec.draft_worker.model_proposer import ModelProposer
 from duospec.draft_worker.proposer import Proposer

@@ -27,8 +27,8 @@ from duospec.coordinator.api import (
 from duospec.coordinator.config import ModelConfig, ServerSettings
 from duospec.coordinator.local import LocalCoordinator, load_runner
 from duospec.coordinator.models import model_info
-from duospec.coordinator.router import scheduler_config
-from duospec.coordinator.server import DuospecServer
+from duospec.coordinator.scheduling.router import scheduler_config
+from duospec.coordinator.serving.server import DuospecServer
 from duospec.v1 import generation_pb2 as pb
 from duospec.v1 import generation_pb2_grpc as pb_grpc
 from exactness import reference_model

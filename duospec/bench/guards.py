@@ -1,6 +1,6 @@
 """One goodput guard per speculation variant, for a benchmark that interleaves variants on one server.
 
-A server runs one variant, and its guard (coordinator/guard.py) learns once, then holds steady. A
+A server runs one variant, and its guard (coordinator/scheduling/guard.py) learns once, then holds steady. A
 benchmark runs pearl, pearl without the tree, ... in turn on the same workers; sharing one guard, each
 variant would inherit another's choices, and a fresh guard per run would measure only the learning.
 So each variant keeps its own guard per scheduler, put in place (ModelRouter.swap_guards) before its
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import weakref
 
-from duospec.coordinator.guard import GoodputGuard
+from duospec.coordinator.scheduling.guard import GoodputGuard
 
 
 class GuardsPerVariant:

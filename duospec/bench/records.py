@@ -83,7 +83,7 @@ class WorkerWindow:
     target_rounds: int = 0
     verdict_handling_s: float = 0.0  # the coordinator's own time on the target's verdicts
     draft_busy_s: float = 0.0
-    # the goodput guard's verify rounds (coordinator/guard.py), and those of them that verified drafts
+    # the goodput guard's verify rounds (coordinator/scheduling/guard.py), and those of them that verified drafts
     guard_rounds: int = 0
     guard_drafted_rounds: int = 0
 

@@ -44,7 +44,7 @@ async def served_pipelines(pairs: dict[str, BenchPair], speculation, ray_address
     from duospec.cluster.runtime import connect
     from duospec.coordinator.config import ServerSettings
     from duospec.coordinator.pipeline import start_pipeline
-    from duospec.coordinator.server import DuospecServer
+    from duospec.coordinator.serving.server import DuospecServer
     from duospec.sdk.aio import AsyncClient
 
     configs = [dataclasses.replace(model_config(pair, speculation, name), replicas=replicas)

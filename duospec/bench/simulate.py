@@ -51,10 +51,10 @@ _COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer
 
 def table_depth(max_draft_tokens: int, max_lookahead: int, gamma: int = 0) -> int:
     """How many draft tokens past the last committed one the table records: the drafter never runs
-    further ahead than pearl's lookahead (coordinator/policies.py), plus the drafts of a verify in
+    further ahead than pearl's lookahead (coordinator/scheduling/policies.py), plus the drafts of a verify in
     flight (pearl's cap), nor than vanilla's γ; margin for the rest."""
     from duospec.coordinator.api import SpeculationMode
-    from duospec.coordinator.policies import SpeculationPolicy
+    from duospec.coordinator.scheduling.policies import SpeculationPolicy
 
     lookahead = SpeculationPolicy(SpeculationMode.PEARL, max_draft_tokens, max_lookahead).lookahead()
     return max(lookahead + max_draft_tokens, gamma) + 4

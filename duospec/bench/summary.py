@@ -123,7 +123,7 @@ def kv_counters(stats: dict) -> dict:
     """What the served run did with the workers' KV pools, from `coordinator.stats()` at its end: per
     worker the pool's blocks and its prefix cache's queried and hit prompt positions, and the
     sequences preempted (the bench's model is the only one)."""
-    from duospec.coordinator.metrics import per_model_stats
+    from duospec.coordinator.serving.metrics import per_model_stats
 
     out: dict = {}
     for entry in per_model_stats(stats).values():

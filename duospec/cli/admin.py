@@ -48,7 +48,7 @@ def _fail(message: str) -> int:
 
 
 def _load(path: pathlib.Path, must_exist: bool):
-    from duospec.coordinator.tenancy import load_tenants
+    from duospec.coordinator.tenants.tenancy import load_tenants
 
     if not path.exists() and not must_exist:
         return []
@@ -56,8 +56,8 @@ def _load(path: pathlib.Path, must_exist: bool):
 
 
 def tenants_add(args: argparse.Namespace) -> int:
-    from duospec.coordinator.tenancy import Tenant, TenantLimits, TenantsFileError, hash_api_key, new_api_key, parse_tenants
-    from duospec.coordinator.tenancy import dump_tenants, save_tenants
+    from duospec.coordinator.tenants.tenancy import Tenant, TenantLimits, TenantsFileError, hash_api_key, new_api_key, parse_tenants
+    from duospec.coordinator.tenants.tenancy import dump_tenants, save_tenants
 
     try:
         tenants = _load(args.tenants, must_exist=False)
@@ -83,7 +83,7 @@ def tenants_add(args: argparse.Namespace) -> int:
 
 
 def tenants_list(args: argparse.Namespace) -> int:
-    from duospec.coordinator.tenancy import TenantsFileError
+    from duospec.coordinator.tenants.tenancy import TenantsFileError
 
     try:
         tenants = _load(args.tenants, must_exist=True)
@@ -101,7 +101,7 @@ def tenants_list(args: argparse.Namespace) -> int:
 
 
 def tenants_remove(args: argparse.Namespace) -> int:
-    from duospec.coordinator.tenancy import TenantsFileError, save_tenants
+    from duospec.coordinator.tenants.tenancy import TenantsFileError, save_tenants
 
     try:
         tenants = _load(args.tenants, must_exist=True)
@@ -116,7 +116,7 @@ def tenants_remove(args: argparse.Namespace) -> int:
 
 
 def usage_report(args: argparse.Namespace) -> int:
-    from duospec.coordinator.ledger import query_usage, summarize
+    from duospec.coordinator.tenants.ledger import query_usage, summarize
 
     try:
         since = parse_since(args.since) if args.since else None

@@ -66,7 +66,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from duospec.cluster.placement import PlacementError
     from duospec.coordinator.config import ConfigError
     from duospec.coordinator.models import ModelPairError
-    from duospec.coordinator.tenancy import TenantsFileError
+    from duospec.coordinator.tenants.tenancy import TenantsFileError
     from duospec.engine.errors import CheckpointError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -146,8 +146,8 @@ async def _serve(config, args: argparse.Namespace) -> int:
     import asyncio
     import signal
 
-    from duospec.coordinator.server import DuospecServer, check_auth_policy
-    from duospec.coordinator.tenancy import load_tenants
+    from duospec.coordinator.serving.server import DuospecServer, check_auth_policy
+    from duospec.coordinator.tenants.tenancy import load_tenants
 
     tenants = load_tenants(config.tenants) if config.tenants else None
     check_auth_policy(config.server.host, tenants, args.insecure_no_auth)  # fail before loading models

@@ -44,7 +44,7 @@ Token trees (`verify_tree`; docs/design.md#beyond-one-chain):
   distributed as r_{j-1}; by induction from the last stage back, the position's token is
   distributed as p. A chain (m = 1 everywhere) is exactly the rule above. The scheduler sends
   sampled requests as chains all the same: which alternatives a verify carries depends on chunk
-  timing, and seeded output must not (module coordinator/scheduler.py, `_verify_item`).
+  timing, and seeded output must not (module coordinator/scheduling/scheduler.py, `_verify_item`).
 """
 
 from __future__ import annotations

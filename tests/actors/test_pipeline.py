@@ -20,7 +20,7 @@ pytestmark = pytest.mark.ray
 N_PROMPTS, N_NEW = 20, 64
 REPO = pathlib.Path(__file__).resolve().parents[2]
 BUNDLED = REPO / "models"
-LOOKAHEAD = 9  # pearl runs at least 2γ + 1 = 9 ahead with γ = 4 (coordinator/policies.py)
+LOOKAHEAD = 9  # pearl runs at least 2γ + 1 = 9 ahead with γ = 4 (coordinator/scheduling/policies.py)
 
 
 @pytest.fixture(scope="module")

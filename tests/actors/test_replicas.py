@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 from duospec.coordinator.config import ServerSettings
-from duospec.coordinator.replicas import LeastOutstandingWork, ReplicaState
+from duospec.coordinator.scheduling.replicas import LeastOutstandingWork, ReplicaState
 from duospec.v1 import generation_pb2 as pb
 from pipeline_support import model_config
 from server_support import collect, running_server
@@ -67,7 +67,7 @@ async def test_concurrent_streams_spread_over_the_replicas_with_the_output_of_on
 
 async def test_admins_see_each_replicas_state_in_the_model_listing(tiny_pair):
     from duospec.coordinator.local import LocalCoordinator
-    from duospec.coordinator.tenancy import Tenant, hash_api_key, new_api_key
+    from duospec.coordinator.tenants.tenancy import Tenant, hash_api_key, new_api_key
 
     target, draft = tiny_pair
     keys = {"alpha": new_api_key(), "ops": new_api_key()}
@@ -88,7 +88,7 @@ async def _tokens(h, req, timeout=120) -> list[int]:
 
 
 def test_routing_prefers_the_least_outstanding_work_of_the_serving_replicas():
-    from duospec.coordinator.replicas import ReplicaSet
+    from duospec.coordinator.scheduling.replicas import ReplicaSet
 
     class Scheduler:  # what the routing reads of a scheduler
         def __init__(self, serving):

@@ -19,8 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from duospec.coordinator.config import ServerSettings
-from duospec.coordinator.server import DuospecServer
-from duospec.coordinator.tenancy import Tenant, TenantLimits, hash_api_key, new_api_key
+from duospec.coordinator.serving.server import DuospecServer
+from duospec.coordinator.tenants.tenancy import Tenant, TenantLimits, hash_api_key, new_api_key
 from duospec.v1 import generation_pb2 as pb
 from duospec.v1 import generation_pb2_grpc as pb_grpc
 from server_support import MAX_CONTEXT, MODEL, server_coordinator, wait_until_nothing_held

@@ -7,7 +7,7 @@ import urllib.request
 
 from duospec.coordinator.api import FinishReason, SpecStats
 from duospec.coordinator.config import ServerSettings
-from duospec.coordinator.metrics import ServerMetrics
+from duospec.coordinator.serving.metrics import ServerMetrics
 from server_support import collect, request, running_server, server_coordinator
 
 
@@ -116,7 +116,7 @@ async def test_metrics_endpoint_serves_request_metrics(tiny_pair):
 async def test_metrics_listen_on_loopback_even_when_the_api_listens_everywhere(tiny_pair):
     """Bound to 0.0.0.0 (with tenants), the server still serves /metrics on 127.0.0.1, whose tenant
     labels are not for the network, until server.metrics_host names an address."""
-    from duospec.coordinator.tenancy import Tenant, hash_api_key, new_api_key
+    from duospec.coordinator.tenants.tenancy import Tenant, hash_api_key, new_api_key
 
     tenants = [Tenant("alpha", key_hashes=(hash_api_key(new_api_key()),))]
     for metrics_host, expected in ((None, "127.0.0.1"), ("127.0.0.2", "127.0.0.2")):

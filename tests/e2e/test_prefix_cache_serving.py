@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from duospec.coordinator.config import ModelConfig, ServerSettings
 from duospec.coordinator.local import LocalCoordinator
-from duospec.coordinator.tenancy import Tenant, hash_api_key, new_api_key
+from duospec.coordinator.tenants.tenancy import Tenant, hash_api_key, new_api_key
 from duospec.v1 import generation_pb2 as pb
 from test_server_http import _free_port, chat_pair  # noqa: F401  (fixture)
 from server_support import MODEL, collect, running_server

@@ -552,9 +552,9 @@ def test_every_speculation_stat_reaches_the_grpc_response_the_sdk_and_the_openai
     """Every count the public SpeculationStats message has is filled from SpecStats and read back by the
     SDK (distinct values, so a swapped or forgotten field shows)."""
     from duospec.coordinator.api import FinishReason, SpecStats
-    from duospec.coordinator.gateway import Delta
-    from duospec.coordinator.openai_protocol import usage
-    from duospec.coordinator.service import _response
+    from duospec.coordinator.serving.gateway import Delta
+    from duospec.coordinator.serving.openai_protocol import usage
+    from duospec.coordinator.serving.service import _response
     from duospec.sdk.types import chunk_from_proto
     from duospec.v1 import generation_pb2
 

@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from duospec.coordinator.config import ConfigError, ServerSettings
-from duospec.coordinator.server import DuospecServer
-from duospec.coordinator.tenancy import Tenant, TenantLimits, hash_api_key, new_api_key
+from duospec.coordinator.serving.server import DuospecServer
+from duospec.coordinator.tenants.tenancy import Tenant, TenantLimits, hash_api_key, new_api_key
 from duospec.v1 import generation_pb2 as pb
 from server_support import MODEL, collect, request, rpc_error, running_server, server_coordinator
 
@@ -339,7 +339,7 @@ async def test_request_ids_that_could_forge_log_lines_are_refused(harness, reque
 async def test_tenants_file_changes_apply_without_a_restart_and_revoked_streams_end(tiny_pair, tmp_path):
     """Removing a key from the tenants file ends that key's open stream with UNAUTHENTICATED and
     refuses it from then on; a key added to the file works at once; a malformed file changes nothing."""
-    from duospec.coordinator.tenancy import save_tenants
+    from duospec.coordinator.tenants.tenancy import save_tenants
     from server_support import TargetOnlyCoordinator
 
     path = tmp_path / "tenants.yaml"

@@ -14,7 +14,7 @@ import grpc
 import pytest
 import yaml
 
-from duospec.coordinator.tenancy import hash_api_key, load_tenants
+from duospec.coordinator.tenants.tenancy import hash_api_key, load_tenants
 from duospec.cli import admin
 from duospec.v1 import generation_pb2 as pb
 from duospec.v1 import generation_pb2_grpc as pb_grpc

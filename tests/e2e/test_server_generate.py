@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from duospec.coordinator.metrics import live_sequences
+from duospec.coordinator.serving.metrics import live_sequences
 from duospec.v1 import generation_pb2 as pb
 from server_support import MAX_CONTEXT, MODEL, collect, request, rpc_error, running_server, server_coordinator
 from exactness import hf_greedy, reference_model
@@ -258,7 +258,7 @@ async def test_logprobs_are_off_unless_asked_and_bounded(harness):
 
 def test_a_chat_template_that_refuses_the_messages_is_invalid_argument():
     from duospec.coordinator.api import ModelInfo
-    from duospec.coordinator.validation import RequestError, _chat_token_ids
+    from duospec.coordinator.serving.validation import RequestError, _chat_token_ids
 
     class Strict:
         chat_template = "{{ raise_exception('roles must alternate') }}"
@@ -282,7 +282,7 @@ def test_a_prompt_longer_than_the_context_can_hold_is_refused_before_tokenizing(
 
     from duospec.coordinator.api import ModelInfo, SpeculationMode
     from duospec.coordinator.config import ServerSettings
-    from duospec.coordinator.validation import RequestError, max_prompt_chars, validate_request
+    from duospec.coordinator.serving.validation import RequestError, max_prompt_chars, validate_request
 
     tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
     info = ModelInfo(MODEL, "t", None, len(tok), MAX_CONTEXT, None)

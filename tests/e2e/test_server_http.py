@@ -8,7 +8,7 @@ import json
 import pytest
 
 from duospec.coordinator.config import ServerSettings
-from duospec.coordinator.tenancy import Tenant, TenantLimits, hash_api_key, new_api_key
+from duospec.coordinator.tenants.tenancy import Tenant, TenantLimits, hash_api_key, new_api_key
 from duospec.v1 import generation_pb2 as pb
 from exactness import hf_greedy, reference_model
 from server_support import MAX_CONTEXT, MODEL, collect, running_server, server_coordinator

@@ -8,8 +8,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from duospec.coordinator.config import ServerSettings
-from duospec.coordinator.server import DuospecServer
-from duospec.coordinator.metrics import live_sequences
+from duospec.coordinator.serving.server import DuospecServer
+from duospec.coordinator.serving.metrics import live_sequences
 from duospec.v1 import generation_pb2 as pb
 from duospec.v1 import generation_pb2_grpc as pb_grpc
 from server_support import request, server_coordinator

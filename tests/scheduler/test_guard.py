@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from duospec.coordinator.api import GenerationRequest, ModelInfo, SpeculationMode, TokensEvent
-from duospec.coordinator.guard import GoodputGuard, GuardState, load_bucket
-from duospec.coordinator.policies import SpeculationPolicy
-from duospec.coordinator.scheduler import Scheduler, SchedulerConfig
+from duospec.coordinator.scheduling.guard import GoodputGuard, GuardState, load_bucket
+from duospec.coordinator.scheduling.policies import SpeculationPolicy
+from duospec.coordinator.scheduling.scheduler import Scheduler, SchedulerConfig
 from duospec.internal.v1 import pearl_pb2 as pb
 from duospec.sampling import SamplingParams
 from test_scheduler import FakeLink
@@ -261,7 +261,7 @@ def test_a_churning_load_still_closes_windows():
 
 
 async def test_new_sequences_never_start_below_the_acceptance_floor():
-    from duospec.coordinator.scheduler import ACCEPTANCE_FLOOR
+    from duospec.coordinator.scheduling.scheduler import ACCEPTANCE_FLOOR
 
     scheduler, _, _ = _scheduler(FakeClock())
     scheduler.recent_acceptance.observe(0.02)  # the drafter did badly lately
@@ -303,8 +303,8 @@ def test_a_benchmark_keeps_one_guard_per_speculation_variant():
     import types
 
     from duospec.bench.guards import use_speculation_choices
-    from duospec.coordinator.replicas import ReplicaSet
-    from duospec.coordinator.router import ModelRouter
+    from duospec.coordinator.scheduling.replicas import ReplicaSet
+    from duospec.coordinator.scheduling.router import ModelRouter
 
     def entry(opened):
         replicas = ReplicaSet()

@@ -12,11 +12,11 @@ import itertools
 import grpc
 import pytest
 
-from duospec.coordinator import recovery
+from duospec.coordinator.scheduling import recovery
 from duospec.coordinator.api import FinishEvent, ModelInfo, SpeculationMode, TokensEvent, Unavailable
-from duospec.coordinator.links import LinkLoss, loss_of
-from duospec.coordinator.policies import SpeculationPolicy
-from duospec.coordinator.scheduler import Scheduler, SchedulerConfig
+from duospec.coordinator.scheduling.links import LinkLoss, loss_of
+from duospec.coordinator.scheduling.policies import SpeculationPolicy
+from duospec.coordinator.scheduling.scheduler import Scheduler, SchedulerConfig
 from duospec.internal.v1 import pearl_pb2 as pb
 from test_scheduler import _request
 

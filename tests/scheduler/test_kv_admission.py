@@ -1,4 +1,4 @@
-"""Admission by free blocks (coordinator/kv_budget.py): a sequence the target has not started goes only
+"""Admission by free blocks (coordinator/scheduling/kv_budget.py): a sequence the target has not started goes only
 while the target's last-reported free blocks hold it, oldest first; the oldest goes anyway when no
 other sequence holds the target's blocks."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from duospec.coordinator.kv_budget import KVPreemption
+from duospec.coordinator.scheduling.kv_budget import KVPreemption
 from duospec.internal.v1 import pearl_pb2 as pb
 
 

@@ -1,4 +1,4 @@
-"""Prompt lookup in empty rounds (coordinator/lookup.py): the index alone, the sequence's bookkeeping
+"""Prompt lookup in empty rounds (coordinator/scheduling/lookup.py): the index alone, the sequence's bookkeeping
 of a round that verified looked-up tokens, and the scheduler with fake links."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 
-from duospec.coordinator.adaptive import AcceptanceTracker, VerifyCostModel
+from duospec.coordinator.scheduling.adaptive import AcceptanceTracker, VerifyCostModel
 from duospec.coordinator.config import parse_serve_config
-from duospec.coordinator.lookup import TextLookup
-from duospec.coordinator.scheduler import LOOKUP_PROBE_EVERY
+from duospec.coordinator.scheduling.lookup import TextLookup
+from duospec.coordinator.scheduling.scheduler import LOOKUP_PROBE_EVERY
 from duospec.internal.v1 import pearl_pb2 as pb
 from test_scheduler import (
     _adaptive_pearl,

@@ -11,8 +11,8 @@ import asyncio
 import pytest
 
 from duospec.coordinator.api import GenerationRequest, ModelInfo, SpeculationMode, TokensEvent, Unavailable
-from duospec.coordinator.policies import SpeculationPolicy
-from duospec.coordinator.scheduler import Scheduler, SchedulerConfig
+from duospec.coordinator.scheduling.policies import SpeculationPolicy
+from duospec.coordinator.scheduling.scheduler import Scheduler, SchedulerConfig
 from duospec.internal.v1 import pearl_pb2 as pb
 from duospec.sampling import SamplingParams
 
@@ -245,13 +245,13 @@ def _holds_end_by_their_timer_only(monkeypatch):
     never because a loaded machine stalled between two statements of a test."""
     import types
 
-    from duospec.coordinator import patience
+    from duospec.coordinator.scheduling import patience
 
     monkeypatch.setattr(patience, "time", types.SimpleNamespace(monotonic=lambda: 0.0))
 
 
 async def test_pearl_patience_waits_for_a_fuller_chunk_then_a_stalled_drafter_is_not_waited_for(monkeypatch):
-    from duospec.coordinator.adaptive import VerifyCostModel
+    from duospec.coordinator.scheduling.adaptive import VerifyCostModel
 
     _holds_end_by_their_timer_only(monkeypatch)
 
@@ -285,7 +285,7 @@ def _adaptive_pearl(scheduler, verify_s=0.02):
     """An adaptive pearl policy on a scheduler whose costs are measured: a verify ≈ `verify_s` whatever
     the chunk (a slow target: waiting a few 0.5 ms draft steps for a fuller chunk pays), 0.5 ms round
     overhead, the adaptive length itself held at γ."""
-    from duospec.coordinator.adaptive import VerifyCostModel
+    from duospec.coordinator.scheduling.adaptive import VerifyCostModel
 
     scheduler._adapt_draft_length = lambda: None
     scheduler.verify_cost = VerifyCostModel()
@@ -435,7 +435,7 @@ async def test_only_greedy_adaptive_pearl_verifies_without_drafts(kind):
 async def test_in_a_batch_that_goes_an_empty_sequence_that_would_wait_stays_out(monkeypatch):
     """Another sequence's full chunk sends the target off; a sequence with no draft yet whose patience
     says wait (a quick restart, a slow target, good drafts) does not ride along empty."""
-    from duospec.coordinator.scheduler import InFlightVerify
+    from duospec.coordinator.scheduling.scheduler import InFlightVerify
 
     _holds_end_by_their_timer_only(monkeypatch)
 

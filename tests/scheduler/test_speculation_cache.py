@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from duospec.coordinator.api import SpeculationMode
-from duospec.coordinator.policies import SpeculationPolicy
+from duospec.coordinator.scheduling.policies import SpeculationPolicy
 from duospec.internal.v1 import pearl_pb2 as pb
 from test_scheduler import _chunks, _committed_events, _request, _scheduler, _verdict
 
@@ -472,8 +472,8 @@ def test_hedges_never_keep_a_new_sequence_out(draft_dir):
 
 
 async def test_adaptive_pearl_hedges_less_the_more_its_drafts_are_accepted():
-    from duospec.coordinator.adaptive import AcceptanceTracker
-    from duospec.coordinator.draft_commands import max_hedges
+    from duospec.coordinator.scheduling.adaptive import AcceptanceTracker
+    from duospec.coordinator.scheduling.draft_commands import max_hedges
 
     scheduler, target, draft, _ = _scheduler()
     adaptive = SpeculationPolicy(mode=SpeculationMode.PEARL, max_draft_tokens=4, max_lookahead=8, adaptive=True,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from duospec.coordinator.adaptive import (
+from duospec.coordinator.scheduling.adaptive import (
     AcceptanceTracker,
     Ewma,
     VerifyCostModel,
@@ -10,7 +10,7 @@ from duospec.coordinator.adaptive import (
     drafts_worth_waiting_for,
     expected_tokens,
 )
-from duospec.coordinator.patience import Patience
+from duospec.coordinator.scheduling.patience import Patience
 
 
 def _fitted(fixed, per_token, sizes=(2, 5, 9, 14, 20, 33)):
@@ -116,7 +116,7 @@ def test_pipeline_rounds_rate_is_the_long_run_rate_of_the_rounds_it_describes(al
     chunk): this checks the algebra of the long-run rate, not how well the model fits a real drafter."""
     import random
 
-    from duospec.coordinator.adaptive import PipelineRounds
+    from duospec.coordinator.scheduling.adaptive import PipelineRounds
 
     cost, step, overhead, first, full = _fitted(0.003, 0.0002), 0.0004, 0.0005, 0.0012, 4
     rounds = PipelineRounds(alpha, full, cost, step, overhead, 1, first)
@@ -171,7 +171,7 @@ async def test_a_hold_ends_by_its_timer():
 
 def test_pearl_lookahead_leaves_room_for_a_full_chunk_past_the_bonus():
     from duospec.coordinator.api import SpeculationMode
-    from duospec.coordinator.policies import SpeculationPolicy
+    from duospec.coordinator.scheduling.policies import SpeculationPolicy
 
     assert SpeculationPolicy(SpeculationMode.PEARL, max_draft_tokens=4, max_lookahead=8).lookahead() == 9
     assert SpeculationPolicy(SpeculationMode.PEARL, max_draft_tokens=4, max_lookahead=16).lookahead() == 16

@@ -186,7 +186,7 @@ def test_an_empty_draft_path_means_no_drafter_and_an_empty_mapping_path_is_refus
 
 def test_the_speculation_cache_is_config_and_per_request():
     from duospec.coordinator.api import GenerationRequest
-    from duospec.coordinator.router import ModelRouter
+    from duospec.coordinator.scheduling.router import ModelRouter
 
     def model(speculation):
         raw = {"models": [{"name": "m", "target": "t", "draft": "d", "speculation": speculation}]}
@@ -211,7 +211,7 @@ def test_vanilla_takes_gamma_and_pearl_its_cap_unless_the_request_asks():
     adapts its length, so a longer chunk costs it no waiting); a request's own count wins in both."""
     from duospec.coordinator.api import GenerationRequest
     from duospec.coordinator.config import SpeculationDefaults
-    from duospec.coordinator.router import ModelRouter
+    from duospec.coordinator.scheduling.router import ModelRouter
 
     assert (SpeculationDefaults().gamma, SpeculationDefaults().max_draft_tokens) == (4, 8)
     config = parse_serve_config({"models": [{"name": "m", "target": "t", "draft": "d",

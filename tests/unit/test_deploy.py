@@ -339,7 +339,7 @@ def test_configmap_carries_deploy_serve_yaml():
 
 def test_serve_config_and_tenants_load_with_the_real_loaders():
     from duospec.coordinator.config import load_serve_config
-    from duospec.coordinator.tenancy import parse_tenants
+    from duospec.coordinator.tenants.tenancy import parse_tenants
 
     config = load_serve_config(DEPLOY / "serve.yaml")
     assert config.models and all(m.draft for m in config.models), "the deployment serves draft/target pairs"

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from duospec.coordinator.ledger import RUNNING, UsageLedger, UsageRecord, query_usage, summarize
+from duospec.coordinator.tenants.ledger import RUNNING, UsageLedger, UsageRecord, query_usage, summarize
 from duospec.cli import admin
 from duospec.v1 import generation_pb2 as pb
 from duospec.v1 import generation_pb2_grpc as pb_grpc
@@ -103,7 +103,7 @@ def test_a_ledger_from_before_row_ids_is_migrated(tmp_path):
 def test_rows_past_the_retention_are_deleted_in_batches_and_running_rows_are_kept(tmp_path):
     import sqlite3
 
-    from duospec.coordinator import ledger as ledger_module
+    from duospec.coordinator.tenants import ledger as ledger_module
 
     now = time.time()
     ledger = UsageLedger(tmp_path / "u.db", flush_interval_s=3600, retention_days=30)
@@ -208,7 +208,7 @@ _SERVER_SCRIPT = """
 import asyncio, sys
 sys.path.insert(0, {tests!r})
 from duospec.coordinator.config import ServerSettings
-from duospec.coordinator.server import DuospecServer
+from duospec.coordinator.serving.server import DuospecServer
 from server_support import TargetOnlyCoordinator
 
 async def main():

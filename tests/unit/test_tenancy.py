@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from duospec.coordinator.admission import Admission, AdmissionError, TokenBucket
-from duospec.coordinator.tenancy import (
+from duospec.coordinator.tenants.admission import Admission, AdmissionError, TokenBucket
+from duospec.coordinator.tenants.tenancy import (
     AuthError, Tenant, TenantLimits, TenantRegistry, TenantsFileError, hash_api_key, load_tenants, new_api_key,
     parse_tenants, save_tenants,
 )

@@ -6,7 +6,7 @@ messages. Positions: committed[i] sits at position i. Drafts come in two groups:
 
     committed ... | verify_tokens (sent to the target, awaiting the verdict) | drafts (arrived since)
 
-Beside them (`spec`, coordinator/speculation.py): the speculation cache — hedges, the drafter's
+Beside them (`spec`, coordinator/scheduling/speculation.py): the speculation cache — hedges, the drafter's
 continuations of hypothetical verdicts, keyed by (position, token), "the target puts token at
 position" (draft_worker/hedges.py) — the token tree in flight, and the empty rounds' state.
 """
@@ -18,10 +18,10 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from duospec.coordinator.adaptive import AcceptanceTracker
+from duospec.coordinator.scheduling.adaptive import AcceptanceTracker
 from duospec.coordinator.api import FinishReason, GenerationRequest, SpecStats, SpeculationMode
-from duospec.coordinator.policies import SpeculationPolicy
-from duospec.coordinator.speculation import BranchTaken, Hedge, SpeculationState
+from duospec.coordinator.scheduling.policies import SpeculationPolicy
+from duospec.coordinator.scheduling.speculation import BranchTaken, Hedge, SpeculationState
 
 
 class DraftAction(enum.Enum):
@@ -41,7 +41,7 @@ class VerdictOutcome:
     action: DraftAction
     branch: BranchTaken | None = None  # ADOPT: the branch, and what of its hedge is left to draft on
     drafted: int = 0  # the drafter's tokens the verdict judged (its main chain)
-    looked_up: int = 0  # the looked-up tokens an empty round verified (coordinator/lookup.py)
+    looked_up: int = 0  # the looked-up tokens an empty round verified (coordinator/scheduling/lookup.py)
 
     @property
     def new_epoch(self) -> bool:
@@ -82,7 +82,7 @@ class Sequence:
     acceptance: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     started_at: float = field(default_factory=time.monotonic)
     spec: SpeculationState = field(default_factory=SpeculationState)  # hedges, tree, empty rounds
-    # set (monotonic time): preempted, its KV freed on both workers, until it resumes (coordinator/kv_budget.py)
+    # set (monotonic time): preempted, its KV freed on both workers, until it resumes (coordinator/scheduling/kv_budget.py)
     preempted_at: float | None = None
 
     def __post_init__(self) -> None:

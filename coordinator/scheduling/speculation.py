@@ -1,4 +1,4 @@
-"""A sequence's speculation around its main line of drafts (coordinator/sequence.py keeps the line
+"""A sequence's speculation around its main line of drafts (coordinator/scheduling/sequence.py keeps the line
 itself: committed tokens, epoch, the drafts in flight): the speculation cache, the token tree riding
 in the in-flight verify, the empty round in flight with its looked-up tokens, and what the drafter
 has not yet been seen to hold of the tokens such rounds decided (docs/design.md#beyond-one-chain,
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from duospec.coordinator.lookup import TextLookup
+from duospec.coordinator.scheduling.lookup import TextLookup
 
 Key = tuple[int, int]  # (position, token): "the target puts token at position" (draft_worker/hedges.py)
 Hedge = tuple[list[int], list[bytes]]  # the drafter's tokens after a key, and their q
@@ -48,7 +48,7 @@ class SpeculationState:
     restarted: tuple[int, float] | None = None
     # the in-flight item is an empty round: no draft, sent rather than idle for the restarted drafter
     empty_round: bool = False
-    # ... and these tokens, found in the sequence's own text, ride in it as drafts (coordinator/lookup.py)
+    # ... and these tokens, found in the sequence's own text, ride in it as drafts (coordinator/scheduling/lookup.py)
     lookup_tokens: list[int] = field(default_factory=list)
     lookup: TextLookup = field(default_factory=TextLookup)
     # The first committed position an empty round decided that the drafter has not yet been seen to

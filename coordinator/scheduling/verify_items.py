@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Callable
 
 from duospec.coordinator.api import SpeculationMode
-from duospec.coordinator.draft_commands import max_hedges
-from duospec.coordinator.kv_budget import cache_salt
-from duospec.coordinator.sequence import Sequence
+from duospec.coordinator.scheduling.draft_commands import max_hedges
+from duospec.coordinator.scheduling.kv_budget import cache_salt
+from duospec.coordinator.scheduling.sequence import Sequence
 from duospec.internal.sampling_wire import sampling_to_proto
 from duospec.internal.v1 import pearl_pb2 as pb
 

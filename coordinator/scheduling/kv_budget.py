@@ -25,7 +25,7 @@ def cache_salt(scope: str, tenant: str) -> str:
 
 
 class Drafter(Protocol):
-    """What preemption asks of the drafter's channel (coordinator/draft_commands.py DraftChannel)."""
+    """What preemption asks of the drafter's channel (coordinator/scheduling/draft_commands.py DraftChannel)."""
 
     up: bool
 

@@ -11,8 +11,8 @@ whenever a verdict batch comes back, the next batch goes out with whatever draft
 token is enough in pearl: that is pre-verify; for a greedy request right after a rejection even none,
 an empty round), while the drafter keeps drafting past the chunk under verification (post-verify).
 A rejection bumps the sequence's epoch; chunks and verdicts with an old epoch are dropped. The mode
-only changes the policy object (coordinator/policies.py). How much to speculate:
-coordinator/adaptive.py (draft length), patience.py (waiting for a fuller chunk), guard.py
+only changes the policy object (coordinator/scheduling/policies.py). How much to speculate:
+coordinator/scheduling/adaptive.py (draft length), patience.py (waiting for a fuller chunk), guard.py
 (speculating at all). The scheduler holds its collaborators, each owning its own state:
     drafter     DraftChannel (draft_commands.py): the drafter's link, up or not, the commands queued
     batches     VerifyBatchBuilder (verify_items.py): chosen sequences, budget -> items, deferred
@@ -29,20 +29,20 @@ import logging
 import time
 from dataclasses import dataclass
 
-from duospec.coordinator.adaptive import (AcceptanceTracker, Ewma, VerifyCostModel, best_draft_length,
+from duospec.coordinator.scheduling.adaptive import (AcceptanceTracker, Ewma, VerifyCostModel, best_draft_length,
                                           drafts_worth_waiting_for, wait_for_drafts_s)
 from duospec.coordinator.api import (CoordinatorError, FinishEvent, FinishReason, GenerationRequest, ModelInfo,
                                      TokenLogprob, TokensEvent, Unavailable)
-from duospec.coordinator.draft_commands import DraftChannel
-from duospec.coordinator.guard import GoodputGuard
-from duospec.coordinator.kv_budget import KVPreemption, kv_full_error
-from duospec.coordinator.links import Link, Reconnect, verify_error
-from duospec.coordinator.rounds import InFlightVerify, SchedulerConfig, WorkerTimes
-from duospec.coordinator.patience import Patience
-from duospec.coordinator.recovery import WorkerSupervisor, waits_for_drafter
-from duospec.coordinator.verify_items import VerifyBatchBuilder, fed_to, item_rows
-from duospec.coordinator.policies import SpeculationPolicy, fair_share
-from duospec.coordinator.sequence import Sequence
+from duospec.coordinator.scheduling.draft_commands import DraftChannel
+from duospec.coordinator.scheduling.guard import GoodputGuard
+from duospec.coordinator.scheduling.kv_budget import KVPreemption, kv_full_error
+from duospec.coordinator.scheduling.links import Link, Reconnect, verify_error
+from duospec.coordinator.scheduling.rounds import InFlightVerify, SchedulerConfig, WorkerTimes
+from duospec.coordinator.scheduling.patience import Patience
+from duospec.coordinator.scheduling.recovery import WorkerSupervisor, waits_for_drafter
+from duospec.coordinator.scheduling.verify_items import VerifyBatchBuilder, fed_to, item_rows
+from duospec.coordinator.scheduling.policies import SpeculationPolicy, fair_share
+from duospec.coordinator.scheduling.sequence import Sequence
 from duospec.internal.kv_wire import kv_usage_report
 from duospec.internal.v1 import pearl_pb2 as pb
 
@@ -76,14 +76,14 @@ class Scheduler:
         self._slots = asyncio.Semaphore(config.max_num_seqs)
         self._idle_since = time.monotonic()
         self._deferring = False  # True while a batch is being applied: dispatch once, at its end
-        # Adaptive draft length for pearl sequences (coordinator/adaptive.py).
+        # Adaptive draft length for pearl sequences (coordinator/scheduling/adaptive.py).
         self.verify_cost = VerifyCostModel()
         self.pearl_draft_length: int | None = None  # None: not measured yet, use each policy's max
-        self.guard = GoodputGuard()  # speculate only while it beats the target alone (coordinator/guard.py)
+        self.guard = GoodputGuard()  # speculate only while it beats the target alone (coordinator/scheduling/guard.py)
         # Acceptance of this model's drafts lately: a new sequence's prior (floored, _acceptance_prior),
         # so a good drafter speculates fully from a request's first round.
         self.recent_acceptance = Ewma(decay=0.95)
-        # Per-token acceptance of the empty rounds' looked-up tokens (coordinator/lookup.py), all sequences
+        # Per-token acceptance of the empty rounds' looked-up tokens (coordinator/scheduling/lookup.py), all sequences
         self.lookup_acceptance = AcceptanceTracker(decay=0.95)
         self._lookup_probe = 0  # counts the empty rounds sent without a lookup (LOOKUP_PROBE_EVERY)
         self.patience = Patience(wake=self._dispatch)
@@ -292,7 +292,7 @@ class Scheduler:
     @staticmethod
     def _guarded(seq: Sequence) -> bool:
         """Whether the goodput guard may switch this sequence's speculation off (greedy adaptive pearl;
-        coordinator/guard.py says why sampled requests are not)."""
+        coordinator/scheduling/guard.py says why sampled requests are not)."""
         return seq.policy.guarded(seq.greedy)
 
     def _lookup_length(self, seq: Sequence) -> int:
@@ -339,7 +339,7 @@ class Scheduler:
                 and self.patience.first_draft_s.value is not None)
 
     def _wait_for_drafts_s(self, seq: Sequence) -> float:
-        """Pearl patience (coordinator/patience.py): the expected seconds until the drafts worth waiting
+        """Pearl patience (coordinator/scheduling/patience.py): the expected seconds until the drafts worth waiting
         for before verifying are there (0: go now)."""
         if not (seq.uses_draft and seq.policy.adaptive_pearl) or (
                 seq.draft_paused or seq.draft_exhausted or seq.prefill_pending):
@@ -501,7 +501,7 @@ class Scheduler:
         self.kv.preempt(victim, self.drafter)
         self._target_releases.append(victim.seq_id)
 
-    # -- the workers' ups and downs (WorkerSupervisor, coordinator/recovery.py) ------------------
+    # -- the workers' ups and downs (WorkerSupervisor, coordinator/scheduling/recovery.py) ------------------
     def on_draft_lost(self) -> None:
         for seq in self.sequences.values():
             if seq.draft_alive:

@@ -27,7 +27,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from duospec.coordinator.tenancy import Tenant
+from duospec.coordinator.tenants.tenancy import Tenant
 
 
 class AdmissionError(Exception):

@@ -5,7 +5,7 @@ Each request goes to one replica, chosen by a RoutingPolicy when it arrives and 
 by default the serving replica with the least outstanding work — tokens its live sequences may still
 produce, then live sequences. A replica whose target is down or restarting gets no new request while
 another serves; its live requests wait for the restarted worker and recover as with one pair
-(coordinator/recovery.py). What is per model stays per model whatever the replica: tenancy, the
+(coordinator/scheduling/recovery.py). What is per model stays per model whatever the replica: tenancy, the
 server's admission queue, quotas, the ledger and the per-tenant metrics; fair share between tenants
 is kept inside each replica's scheduler, over the requests routed to it.
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Protocol, Sequence
 
 from duospec.coordinator.api import FinishEvent, GenerationRequest, TokensEvent
-from duospec.coordinator.scheduler import Scheduler
+from duospec.coordinator.scheduling.scheduler import Scheduler
 
 
 class ReplicaState(enum.Enum):

@@ -25,14 +25,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from duospec.coordinator.admission import Admission
+from duospec.coordinator.tenants.admission import Admission
 from duospec.coordinator.api import Coordinator, SpeculationMode
 from duospec.coordinator.config import ConfigError, ServerSettings, TlsSettings
-from duospec.coordinator.ledger import UsageLedger
-from duospec.coordinator.metrics import ServerMetrics
-from duospec.coordinator.gateway import Gateway, Lifecycle
-from duospec.coordinator.service import GenerationServicer
-from duospec.coordinator.tenancy import Tenant, TenantRegistry, TenantsFileError, load_tenants
+from duospec.coordinator.tenants.ledger import UsageLedger
+from duospec.coordinator.serving.metrics import ServerMetrics
+from duospec.coordinator.serving.gateway import Gateway, Lifecycle
+from duospec.coordinator.serving.service import GenerationServicer
+from duospec.coordinator.tenants.tenancy import Tenant, TenantRegistry, TenantsFileError, load_tenants
 from duospec.v1 import generation_pb2 as pb
 from duospec.v1 import generation_pb2_grpc as pb_grpc
 
@@ -151,7 +151,7 @@ class DuospecServer:
             raise OSError(f"could not bind {address}; is the port in use? pick another with --port")
         await self._set_health(False)
         if self.settings.http_port:
-            from duospec.coordinator.http_server import HttpFront, create_app
+            from duospec.coordinator.serving.http_server import HttpFront, create_app
 
             self._http = HttpFront(create_app(self.gateway, lambda: self._serving), self.settings.host,
                                    self.settings.http_port, self.settings.tls)

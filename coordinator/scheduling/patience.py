@@ -4,10 +4,10 @@ Right after a rejection the drafter restarts from the corrected token, so when t
 no draft, or only one or a few, exists. Pre-verifying what is there at once is PEARL's rule; with no
 draft at all, a greedy sequence can even go with none (the target's bonus is its next token, and
 what the drafter drafts meanwhile continues it when it guessed that token). Waiting a few steps for
-a longer chunk can commit more tokens per second instead; coordinator/adaptive.py weighs the two
+a longer chunk can commit more tokens per second instead; coordinator/scheduling/adaptive.py weighs the two
 (drafts_worth_waiting_for, with the drafter's step time, its restart time and the round overhead
 measured here). Each wait is bounded by a timer: a drafter that stalls or dies costs at most that
-long per round, until the stall watchdog (coordinator/recovery.py) takes it out.
+long per round, until the stall watchdog (coordinator/scheduling/recovery.py) takes it out.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import asyncio
 import time
 from typing import Callable, Iterable
 
-from duospec.coordinator.adaptive import Ewma
+from duospec.coordinator.scheduling.adaptive import Ewma
 
 # The longest hold, in multiples of the expected time for the awaited drafts, plus a margin for
 # transport jitter.

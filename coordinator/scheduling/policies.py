@@ -17,7 +17,7 @@ class SpeculationPolicy:
     mode: SpeculationMode
     max_draft_tokens: int  # pearl: most drafts per verify; vanilla: γ
     max_lookahead: int  # pearl: how far the drafter may run past the committed prefix
-    adaptive: bool = True  # pearl: the scheduler may verify fewer drafts (coordinator/adaptive.py)
+    adaptive: bool = True  # pearl: the scheduler may verify fewer drafts (coordinator/scheduling/adaptive.py)
     hedges: int = 0  # pearl: the speculation cache's hedges per sequence (0 = no cache)
     tree_nodes: int = 0  # pearl, greedy: hedge tokens verified as a token tree next to the chain (0 = none)
     lookup: bool = False  # pearl, greedy: rounds without a draft verify tokens found in the sequence's own text
@@ -42,13 +42,13 @@ class SpeculationPolicy:
     @property
     def adaptive_pearl(self) -> bool:
         """Whether the scheduler adapts this policy's speculation as it goes: the draft length
-        (coordinator/adaptive.py), patience (patience.py), and for greedy requests the goodput guard
+        (coordinator/scheduling/adaptive.py), patience (patience.py), and for greedy requests the goodput guard
         (guard.py). Vanilla is the fixed baseline; a non-adaptive pearl policy keeps its settings."""
         return self.adaptive and self.mode is SpeculationMode.PEARL
 
     def guarded(self, greedy: bool) -> bool:
         """Whether the goodput guard may switch speculation off for a request (greedy adaptive pearl;
-        coordinator/guard.py says why sampled requests are not)."""
+        coordinator/scheduling/guard.py says why sampled requests are not)."""
         return self.adaptive_pearl and greedy
 
     def draft_limit(self, greedy: bool, speculating: bool, adapted_length: int | None) -> int:

@@ -1,11 +1,11 @@
 """The goodput guard: speculate only while it commits more tokens per second than the target alone.
 
-The adaptive draft length (coordinator/adaptive.py) works from a cost model of the target's verify
+The adaptive draft length (coordinator/scheduling/adaptive.py) works from a cost model of the target's verify
 forward; it cannot see what the model leaves out: a drafter that shares the target's device or CPU
 cores, the hop to the drafter after every rejection, a draft that agrees only sometimes. The guard
 does not model: it measures. Time is cut into windows of `window_rounds` verify rounds; each window
 runs in one state — SPECULATE, or TARGET_ONLY (the drafters are paused, the target decodes alone,
-with only the tokens a sequence's own text suggests: coordinator/lookup.py) —
+with only the tokens a sequence's own text suggests: coordinator/scheduling/lookup.py) —
 and yields its goodput, committed tokens per second of wall time. Goodput is kept per state and per
 load bucket (how many sequences are live), since batching changes both. The guard runs the better
 state and, now and then, one window of the other (a probe): the context may have changed (a draft

@@ -1,4 +1,4 @@
-"""`duospec.v1.GenerationService`: the gRPC front of coordinator/gateway.py.
+"""`duospec.v1.GenerationService`: the gRPC front of coordinator/serving/gateway.py.
 
 It reads the `authorization` metadata, hands the request to the gateway, and writes each delta as a
 `GenerateResponse` (the last carries finish_reason, usage and speculation stats). A GatewayError
@@ -17,8 +17,8 @@ import logging
 import grpc
 
 from duospec.coordinator.api import FinishReason, ModelInfo, SpeculationMode
-from duospec.coordinator.gateway import Delta, Gateway, GatewayError
-from duospec.coordinator.replicas import ReplicaState
+from duospec.coordinator.serving.gateway import Delta, Gateway, GatewayError
+from duospec.coordinator.scheduling.replicas import ReplicaState
 from duospec.v1 import generation_pb2 as pb
 from duospec.v1 import generation_pb2_grpc as pb_grpc
 
@@ -79,7 +79,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         if reveal:
             card.target, card.draft = m.target_path, m.draft_path or ""
             card.target_node_id, card.draft_node_id = m.target_node_id, m.draft_node_id
-            # a coordinator of replicas says how each is (coordinator/replicas.py); a test double may not
+            # a coordinator of replicas says how each is (coordinator/scheduling/replicas.py); a test double may not
             replica_status = getattr(self.gateway.coordinator, "replica_status", None)
             for r in replica_status(m.name) if replica_status is not None else ():
                 card.replicas.add(index=r.index, state=_REPLICA_STATE_TO_PB[r.state], live_sequences=r.live_sequences,

@@ -4,7 +4,7 @@ the target's hidden states to a head drafter, release it — queued per event an
 After a verdict, `after_verdict` turns its outcome (Sequence.apply_verdict) into the command it needs.
 
 `DraftChannel` owns the drafter's side of the scheduler: its link, whether it is up (the worker
-supervisor, coordinator/recovery.py, takes it down and brings it back) and the commands queued for
+supervisor, coordinator/scheduling/recovery.py, takes it down and brings it back) and the commands queued for
 the next message.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 import time
 
-from duospec.coordinator.kv_budget import cache_salt
-from duospec.coordinator.sequence import DraftAction, Sequence, VerdictOutcome
+from duospec.coordinator.scheduling.kv_budget import cache_salt
+from duospec.coordinator.scheduling.sequence import DraftAction, Sequence, VerdictOutcome
 from duospec.draft_worker.proposer import DraftMethod
 from duospec.internal.sampling_wire import sampling_to_proto
 from duospec.internal.v1 import pearl_pb2 as pb

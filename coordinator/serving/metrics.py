@@ -15,7 +15,7 @@ stats dict belongs to the coordinator:
 or the same without the model level; an optional top-level "ready": bool drives health. Cumulative
 counts there (preemptions, prefix-cache queries and hits) advance the counters by what they grew since
 the last sample (from 0 again after a worker restart). A model of several replicas
-(coordinator/replicas.py) reports each replica's such dict under {"replicas": {"0": ..., "1": ...}},
+(coordinator/scheduling/replicas.py) reports each replica's such dict under {"replicas": {"0": ..., "1": ...}},
 with its "state" and "outstanding_tokens"; every series of a model's workers has a `replica` label
 ("0" for a model of one pair).
 """

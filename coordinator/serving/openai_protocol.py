@@ -1,7 +1,7 @@
 """OpenAI-compatible request and response shapes, translated to and from `duospec.v1` messages.
 
-Pure functions, no I/O: coordinator/http_server.py wires them to the gateway. A request body becomes
-a `GenerateRequest`, so the HTTP API is validated by the same code as gRPC (coordinator/validation.py);
+Pure functions, no I/O: coordinator/serving/http_server.py wires them to the gateway. A request body becomes
+a `GenerateRequest`, so the HTTP API is validated by the same code as gRPC (coordinator/serving/validation.py);
 its errors name the gRPC field path, and `field_name()` turns that back into the JSON field the user
 sent (`sampling.temperature` -> `temperature`).
 
@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from duospec.coordinator.api import FinishReason, ModelInfo, SpecStats
-from duospec.coordinator.gateway import GatewayError
+from duospec.coordinator.serving.gateway import GatewayError
 from duospec.v1 import generation_pb2 as pb
 
 _MODES = {"pearl": pb.SPECULATION_MODE_PEARL, "vanilla": pb.SPECULATION_MODE_VANILLA, "off": pb.SPECULATION_MODE_OFF}

@@ -21,7 +21,7 @@ instead of waiting on a process that will never answer. (Only where there is a w
 in-process links have none, and no verify watchdog.)
 
 `WorkerSupervisor` owns both links, whether each worker is up, and the readers and watchdogs; the
-drafter's link and its up flag live in its `DraftChannel` (coordinator/draft_commands.py), which the
+drafter's link and its up flag live in its `DraftChannel` (coordinator/scheduling/draft_commands.py), which the
 supervisor takes down and brings back. What a worker's batches and losses mean for the sequences is
 the scheduler's: the supervisor tells it through `WorkerEvents`.
 """
@@ -33,11 +33,11 @@ import logging
 import time
 from typing import Protocol
 
-from duospec.coordinator.adaptive import VerifyCostModel
-from duospec.coordinator.draft_commands import DraftChannel
-from duospec.coordinator.links import Link, LinkLoss, Reconnect, close_quietly, loss_of
-from duospec.coordinator.patience import Patience
-from duospec.coordinator.rounds import InFlightVerify
+from duospec.coordinator.scheduling.adaptive import VerifyCostModel
+from duospec.coordinator.scheduling.draft_commands import DraftChannel
+from duospec.coordinator.scheduling.links import Link, LinkLoss, Reconnect, close_quietly, loss_of
+from duospec.coordinator.scheduling.patience import Patience
+from duospec.coordinator.scheduling.rounds import InFlightVerify
 
 log = logging.getLogger("coordinator.scheduler")
 
@@ -59,7 +59,7 @@ def waits_for_drafter(seq, in_verify_with_drafts: bool) -> bool:
 
 
 class WorkerEvents(Protocol):
-    """What the supervisor tells the scheduler (coordinator/scheduler.py), and asks it."""
+    """What the supervisor tells the scheduler (coordinator/scheduling/scheduler.py), and asks it."""
 
     def on_draft_batch(self, batch) -> None: ...
 

@@ -1,4 +1,4 @@
-"""The scheduler's sizes and what it tracks of each verify round (coordinator/scheduler.py)."""
+"""The scheduler's sizes and what it tracks of each verify round (coordinator/scheduling/scheduler.py)."""
 
 from __future__ import annotations
 

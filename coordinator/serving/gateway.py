@@ -4,9 +4,9 @@ One request, step by step:
   1. `accept` the bearer key (UNAUTHENTICATED) and charge the tenant's requests/min, before the
      front reads or parses the request's body, so a request rejected later still counts;
   2. resolve the model (NOT_FOUND, PERMISSION_DENIED), validate and tokenize off the event loop
-     (INVALID_ARGUMENT naming the field) — coordinator/validation.py;
+     (INVALID_ARGUMENT naming the field) — coordinator/serving/validation.py;
   3. admit against the tenant's quotas and the weighted queue (RESOURCE_EXHAUSTED + retry_after_s)
-     and write the request's ledger row (coordinator/ledger.py);
+     and write the request's ledger row (coordinator/tenants/ledger.py);
   4. iterate `coordinator.generate`, turning committed token ids into text deltas, cutting text and
      tokens at stop strings; the last delta carries finish_reason, usage and speculation stats;
   5. on any exit (finish, stop string, client gone, deadline, shutdown, key revoked) close the
@@ -30,16 +30,16 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from duospec.coordinator.admission import Admission, AdmissionError
+from duospec.coordinator.tenants.admission import Admission, AdmissionError
 from duospec.coordinator.api import (
     Coordinator, CoordinatorError, FinishEvent, FinishReason, ModelInfo, SpecStats, SpeculationMode, TokenLogprob,
     TokensEvent,
 )
 from duospec.coordinator.config import ServerSettings
-from duospec.coordinator.ledger import FLUSH_INTERVAL_S, RUNNING, UsageLedger, UsageRecord
-from duospec.coordinator.metrics import UNAUTHENTICATED_TENANT, ServerMetrics
-from duospec.coordinator.tenancy import ANONYMOUS, AuthError, Tenant, TenantRegistry, authorize_model
-from duospec.coordinator.validation import (
+from duospec.coordinator.tenants.ledger import FLUSH_INTERVAL_S, RUNNING, UsageLedger, UsageRecord
+from duospec.coordinator.serving.metrics import UNAUTHENTICATED_TENANT, ServerMetrics
+from duospec.coordinator.tenants.tenancy import ANONYMOUS, AuthError, Tenant, TenantRegistry, authorize_model
+from duospec.coordinator.serving.validation import (
     RequestError, ValidatedRequest, max_prompt_chars, resolve_model, validate_request, with_tenant,
 )
 from duospec.v1 import generation_pb2 as pb

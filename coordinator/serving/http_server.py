@@ -4,9 +4,9 @@
                                                         `data: [DONE]`; `stream_options.include_usage`)
     GET  /v1/models, GET /health
 
-Every request goes through coordinator/gateway.py, the path gRPC takes: the same keys
+Every request goes through coordinator/serving/gateway.py, the path gRPC takes: the same keys
 (`Authorization: Bearer`), limits, weighted queue, ledger and metrics. Translation lives in
-coordinator/openai_protocol.py. A client that disconnects ends its request (the gateway frees the
+coordinator/serving/openai_protocol.py. A client that disconnects ends its request (the gateway frees the
 sequence's KV slots): for streams Starlette cancels the response, for plain requests a watcher on the
 connection does.
 
@@ -25,9 +25,9 @@ import ssl
 import time
 from typing import Callable
 
-from duospec.coordinator import openai_protocol as oai
+from duospec.coordinator.serving import openai_protocol as oai
 from duospec.coordinator.config import TlsSettings
-from duospec.coordinator.gateway import Caller, Gateway, GatewayError
+from duospec.coordinator.serving.gateway import Caller, Gateway, GatewayError
 
 log = logging.getLogger("duospec.http")
 

@@ -1,4 +1,4 @@
-"""What both coordinators share: per-model schedulers (one per replica: coordinator/replicas.py),
+"""What both coordinators share: per-model schedulers (one per replica: coordinator/scheduling/replicas.py),
 request validation, mode defaults.
 
 `LocalCoordinator` (coordinator/local.py) and `PipelineCoordinator` (coordinator/pipeline.py) differ
@@ -21,10 +21,10 @@ from duospec.coordinator.api import (
     Unavailable,
 )
 from duospec.coordinator.config import SpeculationDefaults
-from duospec.coordinator.guard import GoodputGuard
-from duospec.coordinator.policies import SpeculationPolicy
-from duospec.coordinator.replicas import ReplicaSet, ReplicaStatus
-from duospec.coordinator.scheduler import Scheduler, SchedulerConfig
+from duospec.coordinator.scheduling.guard import GoodputGuard
+from duospec.coordinator.scheduling.policies import SpeculationPolicy
+from duospec.coordinator.scheduling.replicas import ReplicaSet, ReplicaStatus
+from duospec.coordinator.scheduling.scheduler import Scheduler, SchedulerConfig
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Scheduling: the router and its replicas, one Scheduler per pair with its collaborators (drafter channel, verify-batch builder, worker supervisor, KV admission and preemption), sequences and the policies that decide drafts, waits and rounds (docs/design.md#protocol)."""
