@@ -11,17 +11,18 @@ copy per mode), with both models in this process on two threads instead of two R
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Iterator
 
-from duospec.coordinator.api import FinishEvent, FinishReason, GenerationRequest, ModelInfo, SpecStats, SpeculationMode
+from duospec.coordinator.api import FinishEvent, FinishReason, GenerationRequest, SpecStats, SpeculationMode
 from duospec.coordinator.scheduling.links import LocalDraftLink, LocalTargetLink
 from duospec.coordinator.scheduling.router import ModelEntry, ModelRouter, scheduler_config
 from duospec.coordinator.scheduling.scheduler import Scheduler
 from duospec.draft_worker.drafter import Drafter
 from duospec.draft_worker.model_proposer import ModelProposer
-from duospec.draft_worker.proposer import Proposer
+from duospec.draft_worker.proposer import DraftMethod, DraftSpec, Proposer
 from duospec.sampling import SamplingParams
 from duospec.target_worker.verifier import Verifier
 
@@ -46,26 +47,22 @@ def as_proposer(draft) -> Proposer | None:
 def _router(target, draft, *, gamma: int, max_lookahead: int, max_batch_size: int, adaptive=False) -> ModelRouter:
     """A one-model router over an already-loaded target (duospec.engine.LoadedCheckpoint) and a draft
     (a LoadedCheckpoint: the model drafter; or any Proposer, e.g. NgramProposer)."""
+    from duospec.coordinator.config import ModelConfig, SpeculationDefaults
+    from duospec.coordinator.models import model_info
+
     runner = target.runner
     proposer = as_proposer(draft)
     limits = [runner.max_context] + ([proposer.max_context] if proposer is not None and proposer.max_context else [])
-    info = ModelInfo(
-        name="in-process",
-        target_path=str(target.path),
-        draft_path=str(draft.path) if hasattr(draft, "path") else None,
-        vocab_size=min(len(target.tokenizer), runner.vocab_size),
-        max_context=min(limits),
-        eos_token_id=target.tokenizer.eos_token_id,
-        eos_token_ids=tuple(target.eos_token_ids),
-        draft_method=proposer.method.value if proposer is not None else None,
-    )
-    from duospec.coordinator.config import ModelConfig, SpeculationDefaults
-
+    # A draft checkpoint is described as the serve config would; a Proposer object has no config form
+    # (its checkpoint, if any, is not recoverable), so the model is read target-only and the method noted.
+    spec = None if proposer is None or proposer is draft else DraftSpec(method=DraftMethod.MODEL, path=str(draft.path))
     # The model's defaults otherwise (the speculation cache and token trees on), as `duospec serve` has them.
-    config = ModelConfig(name=info.name, target=info.target_path, max_batch_size=max_batch_size,
+    config = ModelConfig(name="in-process", target=str(target.path), draft=spec, max_batch_size=max_batch_size,
                          max_num_seqs=min(runner.max_slots, 64), speculation=SpeculationDefaults(
                              mode=SpeculationMode.PEARL, max_draft_tokens=gamma, gamma=gamma,
                              max_lookahead=max_lookahead, adaptive=adaptive))
+    info = dataclasses.replace(model_info(config, max_context=min(limits)),
+                               draft_method=proposer.method.value if proposer is not None else None)
     sched_config = scheduler_config(config)
 
     async def open_scheduler() -> Scheduler:
