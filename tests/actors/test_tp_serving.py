@@ -134,3 +134,34 @@ async def test_a_rank_killed_mid_stream_restarts_its_group_and_the_requests_fini
         assert pair.target_info["ranks"][0]["pid"] != follower
         again = await _tokens(h, _request(prompts[3], 16, pb.SPECULATION_MODE_PEARL))
         assert_greedy_equal(hf, prompts[3], again, hf_greedy(hf, prompts[3], 16))
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+async def test_head_drafters_read_a_tensor_parallel_targets_hidden_states(ray_runtime, reference, method):
+    """The bundled heads draft from the hidden states the target sends; at TP=2 rank 0 sends the
+    all-reduced rows, which must be the one-device target's: greedy output stays exact, and the drafts
+    the head makes from them are accepted as often as at TP=1 (a wrong or partial hidden state would
+    leave the output exact but the acceptance near zero)."""
+    from duospec.coordinator.pipeline import start_pipeline
+    from duospec.draft_worker.proposer import DraftMethod, DraftSpec
+
+    hf, prompts, want = reference
+    accepted = {}
+    for tp in (1, 2):
+        name = f"tp{tp}-{method}"
+        config = dataclasses.replace(model_config(name, TARGET, None, max_draft_tokens=4), tensor_parallel_size=tp,
+                                     max_model_len=256, draft=DraftSpec(method=DraftMethod(method),
+                                                                        path=str(MODELS / method)))
+        coordinator = start_pipeline([config])
+        assert coordinator.pairs[name].target_info["tensor_parallel_size"] == tp
+        async with running_server(coordinator, SETTINGS) as h:
+            runs = [(i, mode) for i in range(6) for mode in (pb.SPECULATION_MODE_VANILLA, pb.SPECULATION_MODE_PEARL)]
+            got = await asyncio.gather(*(collect(h.stub, _request(prompts[i], N_NEW, mode), timeout=240)
+                                         for i, mode in runs))
+            for (i, mode), messages in zip(runs, got):
+                assert_greedy_equal(hf, prompts[i], [t for m in messages for t in m.token_ids], want[i])
+            accepted[tp] = sum(m.stats.accepted_tokens for (i, mode), messages in zip(runs, got)
+                               if mode == pb.SPECULATION_MODE_VANILLA for m in messages)
+    print(f"{method}: accepted at TP=1 {accepted[1]}, at TP=2 {accepted[2]}")
+    assert accepted[1] >= 10  # the bundled head does predict the bundled target
+    assert accepted[2] >= 0.9 * accepted[1], accepted
