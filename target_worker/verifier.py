@@ -20,7 +20,8 @@ rejected draft's.
 KV blocks (a paged runner): after each verdict the slot's positions are all verified and committed to
 the prefix cache; an item whose context is longer than one token (a prompt, or a re-prefill) first
 takes what it can of it from the cache (`match_prefix`, under the sequence's `cache_salt`) and feeds
-only the rest — except items asking for features, whose cached positions would have no hidden states.
+only the rest. An item asking for features takes cached blocks only as far as their hidden states are
+kept too (target_worker/hidden_cache.py), and its verdict sends those as it would computed ones.
 A prefill chunk with `max_compute` carries more of the prompt than it may compute: it is fed as far as
 the cache supplies plus `max_compute` positions, and its verdict says how far (`context_fed`).
 When the pool cannot hold a batch, items are left out from the last one on, each answered with a
@@ -38,6 +39,7 @@ from duospec.internal.features_wire import features_to_proto
 from duospec.internal.kv_wire import kv_usage_to_proto
 from duospec.internal.sampling_wire import sampling_from_proto
 from duospec.internal.v1 import pearl_pb2 as pb
+from duospec.target_worker.hidden_cache import HiddenRowCache
 from duospec.qcodec import DraftProbs
 from duospec.sampling import logprobs_from_logits
 from duospec.verify import NextTokenKind, TreeVerdict
@@ -61,11 +63,17 @@ class Verifier:
         self.slots: dict[int, int] = {}  # seq_id -> slot
         self.forwards = 0
         self.tokens_verified = 0
+        kv = runner.kv
+        # Head drafters' sequences take cached blocks only with these rows (a paged runner with hidden states).
+        self.hidden_rows = (HiddenRowCache(kv.block_size, kv.pool.num_blocks)
+                            if kv is not None and kv.prefix_caching and runner.supports_hidden else None)
 
     def release(self, seq_id: int) -> None:
         slot = self.slots.pop(seq_id, None)
         if slot is not None:
             self.runner.free_slot(slot)
+        if self.hidden_rows is not None:
+            self.hidden_rows.forget(seq_id)
 
     def release_all(self) -> None:
         for seq_id in list(self.slots):
@@ -129,9 +137,17 @@ class Verifier:
 
     def _cached_prefix(self, item: pb.VerifyItem) -> int:
         """How many of the item's context positions the prefix cache supplies (the slot then holds them)."""
-        if len(item.context) < 2 or item.features:
+        slot, context = self.slots[item.seq_id], item.context
+        if len(context) >= 2 and item.features:
+            if self.hidden_rows is None:
+                return 0
+            # Only as far as the blocks' hidden rows are kept: limit the tokens offered to the match.
+            first = item.start_pos // self.hidden_rows.block_size
+            usable = first + self.hidden_rows.usable_blocks(self.runner.kv.chain(slot, item.start_pos, context)[first:])
+            context = context[: max(0, usable * self.hidden_rows.block_size - item.start_pos) + 1]
+        if len(context) < 2:
             return 0
-        return self.runner.match_prefix(self.slots[item.seq_id], item.start_pos, item.context) - item.start_pos
+        return self.runner.match_prefix(slot, item.start_pos, context) - item.start_pos
 
     def _forward_fitting(self, chunks: list[SlotChunk], items: list, tasks: list, cached: list[int],
                          out: pb.VerdictBatch, hidden: bool):
@@ -194,13 +210,17 @@ class Verifier:
         newest token (fed at the start of the next round). `rows`: its k + 1 logits rows (device);
         `cached`: its context positions read from the prefix cache."""
         n_ctx = len(item.context)
+        slot = self.slots[item.seq_id]
+        if item.features and hidden is not None and cached:  # the cached positions' rows, kept with their blocks
+            kept = self.hidden_rows.rows(self.runner.kv.hashes(slot), item.start_pos, item.start_pos + cached)
+            hidden = torch.cat([kept.to(hidden.device, hidden.dtype), hidden])
         result = decision.verdict
         path = decision.path if item.draft_parents else ()
         if item.draft_parents:
-            self.runner.keep_path(self.slots[item.seq_id], item.start_pos + n_ctx, path)
+            self.runner.keep_path(slot, item.start_pos + n_ctx, path)
         committed_len = item.start_pos + n_ctx + result.n_accepted + (result.next_token is not None)
-        self.runner.truncate(self.slots[item.seq_id], committed_len - 1)
-        self.runner.commit(self.slots[item.seq_id], committed_len - 1)  # every position it keeps is verified
+        self.runner.truncate(slot, committed_len - 1)
+        self.runner.commit(slot, committed_len - 1)  # every position it keeps is verified
         verdict = pb.Verdict(
             seq_id=item.seq_id,
             epoch=item.epoch,
@@ -214,7 +234,10 @@ class Verifier:
         accepted = list(decision.path)  # a chain's path is 0 .. n_accepted - 1
         if item.features and hidden is not None:
             committed_rows = torch.tensor([*range(n_ctx), *(n_ctx + i for i in accepted)], device=hidden.device)
-            verdict.features.CopyFrom(features_to_proto(item.start_pos, hidden[committed_rows]))
+            committed_hidden = hidden[committed_rows]
+            verdict.features.CopyFrom(features_to_proto(item.start_pos, committed_hidden))
+            if self.hidden_rows is not None:
+                self.hidden_rows.observe(item.seq_id, item.start_pos, committed_hidden, self.runner.kv.hashes(slot))
         if item.logprobs:
             tokens = [item.draft_tokens[i] for i in accepted]
             if result.next_token is not None:

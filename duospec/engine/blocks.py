@@ -321,6 +321,21 @@ class BlockTables:
             table.hashes.append(block_hash)
             self.pool.publish(table.blocks[i], block_hash)
 
+    def hashes(self, slot: int) -> list[bytes]:
+        """The hashes of the slot's committed full blocks, in position order."""
+        return list(self._tables[slot].hashes)
+
+    def chain(self, slot: int, start: int, token_ids: Sequence[int]) -> list[bytes]:
+        """The hashes the slot's full blocks would have with `token_ids` following its positions
+        [0, start) — what `match` looks up, computed without changing anything."""
+        table, bs = self._tables[slot], self.block_size
+        known = table.tokens[:start] + list(token_ids)
+        hashes = table.hashes[: start // bs]
+        while (len(hashes) + 1) * bs <= len(known):
+            parent = hashes[-1] if hashes else table.root
+            hashes.append(_block_hash(parent, known[len(hashes) * bs: (len(hashes) + 1) * bs]))
+        return hashes
+
     def match(self, slot: int, start: int, token_ids: Sequence[int]) -> int:
         """The slot holds verified tokens at [0, start) and `token_ids` (verified too) follow. Adopt
         cached blocks for as many of them as possible, leaving at least the last token to compute

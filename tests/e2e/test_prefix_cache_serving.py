@@ -6,6 +6,8 @@ reuses another tenant's cached prompt under the default `prefix_cache: tenant`, 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -103,3 +105,39 @@ async def test_the_openai_usage_reports_cached_prompt_tokens(chat_pair):
                     messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
                 usages.append(done.usage.prompt_tokens_details.cached_tokens)
     assert usages[0] == 0 and usages[1] >= 32
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+async def test_a_head_drafters_sequences_take_the_cached_prompt_too(method):
+    """EAGLE and Medusa draft from the target's hidden states, which a cache hit does not compute:
+    the target keeps them with the blocks, so the second request on a shared prompt skips its
+    prefill, stays exact, and its drafts are accepted as the first's were."""
+    from duospec.draft_worker.proposer import DraftMethod, DraftSpec
+    from exactness import hf_greedy
+
+    models = Path(__file__).resolve().parents[2] / "models"
+    target = models / "target"
+    hf = reference_model(str(target))
+    tok = AutoTokenizer.from_pretrained(str(target))
+    shared = tok("def parse_args(argv):\n    parser = argparse.ArgumentParser(description='Copy files between "
+                 "directories, keeping their modification times and permissions, and skipping files that did not change.')\n    parser.add_argument(",
+                 add_special_tokens=False)["input_ids"]
+    prompts = [shared + tok(tail, add_special_tokens=False)["input_ids"] for tail in ("'--src'", "'--verbose'")]
+    assert len(shared) >= 48
+    accepted, cached = {}, {}
+    for scope in ("off", "tenant"):
+        config = ModelConfig(name=MODEL, target=str(target), device="cpu", dtype="float32", prefix_cache=scope,
+                             draft=DraftSpec(DraftMethod(method), path=str(models / method)))
+        async with running_server(LocalCoordinator([config])) as h:
+            for prompt in prompts:
+                request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt),
+                                             stopping=pb.StoppingCriteria(max_new_tokens=24, ignore_eos=True),
+                                             speculation=pb.SpeculationParams(mode=pb.SPECULATION_MODE_VANILLA))
+                messages = await collect(h.stub, request)
+                assert [t for m in messages for t in m.token_ids] == hf_greedy(hf, prompt, 24)
+            # the second prompt's: its shared part cached or not
+            accepted[scope] = messages[-1].stats.accepted_tokens
+            cached[scope] = messages[-1].usage.cached_prompt_tokens
+    assert cached["off"] == 0 and cached["tenant"] >= 32, cached
+    # drafted from the kept hidden states as from computed ones
+    assert accepted["off"] > 0 and accepted["tenant"] >= 0.8 * accepted["off"], accepted

@@ -87,13 +87,41 @@ def test_a_prompt_sent_in_prefill_chunks_is_matched_chunk_by_chunk(path):
     assert same_verdict(last, first)
 
 
-def test_items_asking_for_features_take_nothing_from_the_cache(path):
-    verifier = Verifier(runner(path))
-    verify(verifier, item(1, SYSTEM + [1, 2], [3]))
-    feature_item = item(2, SYSTEM + [1, 2], [3])
-    feature_item.features = True
-    verdict = verify(verifier, feature_item).verdicts[0]
-    assert verdict.cached_tokens == 0 and len(verdict.features.fp16) == 2 * 64 * (len(SYSTEM) + 2 + verdict.n_accepted)
+def _features(verdict: pb.Verdict) -> torch.Tensor:
+    from duospec.internal.features_wire import features_from_proto
+
+    return features_from_proto(verdict.features)[1]
+
+
+def test_items_asking_for_features_take_cached_blocks_only_with_their_hidden_rows(path):
+    """A head drafter's sequence needs the hidden states of every committed position: it takes cached
+    blocks only where the target kept those too (blocks a head's sequence wrote), across rounds, and
+    gets the same features and verdicts as a target without the cache."""
+    verifier, plain = Verifier(runner(path)), Verifier(runner(path, prefix_caching=False))
+
+    def both(it: pb.VerifyItem) -> pb.Verdict:
+        it.features = True
+        got, want = verify(verifier, it).verdicts[0], verify(plain, it).verdicts[0]
+        assert same_verdict(got, want)
+        assert got.features.start_pos == want.features.start_pos == it.start_pos
+        assert torch.allclose(_features(got), _features(want), atol=2e-3)
+        return got
+
+    verify(verifier, item(1, SYSTEM + [1, 2], [3]))  # no features: its blocks keep no hidden rows
+    first = both(item(2, SYSTEM + [1, 2], [3]))
+    assert first.cached_tokens == 0 and len(first.features.fp16) == 2 * 64 * (len(SYSTEM) + 2 + first.n_accepted)
+    # decode rounds complete the prompt's fifth block (positions 64 .. 79) a few tokens at a time
+    tokens = SYSTEM + [1, 2] + [3][: first.n_accepted] + [first.next_token]
+    while len(tokens) < 84:
+        verdict = both(item(2, [tokens[-1]], [5, 6], start_pos=len(tokens) - 1))
+        tokens += [5, 6][: verdict.n_accepted] + [verdict.next_token]
+    second = both(item(3, SYSTEM + [1, 2], [3]))
+    assert second.cached_tokens == 64  # the prompt's four full blocks
+    assert _features(second)[:64].equal(_features(first)[:64])  # sent as kept, not recomputed
+    third = both(item(4, tokens[:83], [9]))
+    assert third.cached_tokens == 80  # the fifth block, whose rows came over four rounds
+    other = both(item(5, SYSTEM + [1, 2], [3], salt="b"))
+    assert other.cached_tokens == 0  # another tenant's salt finds neither blocks nor rows
 
 
 def test_a_batch_the_pool_cannot_hold_loses_its_last_items(path):
