@@ -135,19 +135,25 @@ class WorkerSupervisor:
         return self.target_up and not self._target_failed and not self.closed
 
     # -- the drafter ----------------------------------------------------------------------------------
+    async def _read(self, link: Link, on_batch, cut_by_watchdog) -> tuple[LinkLoss, Exception | None]:
+        """Hands `link`'s batches to `on_batch` until its stream ends: (CLOSED, None) when it ended or
+        its watchdog cancelled the read (`cut_by_watchdog()`), else how it broke and the error."""
+        try:
+            async for batch in link.responses():
+                on_batch(batch)
+        except asyncio.CancelledError:
+            if self.closed or not cut_by_watchdog():
+                raise
+        except Exception as exc:  # the stream broke: the worker is gone (or hung: loss_of)
+            return loss_of(exc), exc
+        return LinkLoss.CLOSED, None
+
     async def _read_draft(self) -> None:
         """Reads draft chunks; when the stream breaks (or stalls), live sequences go on target-only and
         the link is reopened on the restarted drafter for later requests."""
         while not self.closed:
-            loss = LinkLoss.CLOSED
-            try:
-                async for batch in self.draft.responses():
-                    self._events.on_draft_batch(batch)
-            except asyncio.CancelledError:
-                if self.closed or not self._draft_stalled:
-                    raise
-            except Exception as exc:  # the stream broke: the drafter is gone (or hung: loss_of)
-                loss = loss_of(exc)
+            loss, exc = await self._read(self.draft, self._events.on_draft_batch, lambda: self._draft_stalled)
+            if exc is not None:
                 log.warning("draft stream ended (%s, %s); live sequences continue target-only",
                             type(exc).__name__, loss.value)
             if self.closed:
@@ -214,15 +220,8 @@ class WorkerSupervisor:
         """Reads verdicts; when the stream breaks, waits for the restarted target and re-prefills every
         live sequence's committed tokens on it (nothing committed is lost)."""
         while not self.closed:
-            loss = LinkLoss.CLOSED
-            try:
-                async for batch in self.target.responses():
-                    self._events.on_verdict_batch(batch)
-            except asyncio.CancelledError:
-                if self.closed or not self._target_hung:
-                    raise
-            except Exception as exc:
-                loss = loss_of(exc)
+            loss, exc = await self._read(self.target, self._events.on_verdict_batch, lambda: self._target_hung)
+            if exc is not None:
                 log.error("target stream ended (%s, %s)", type(exc).__name__, loss.value)
             if self._target_hung:
                 loss, self._target_hung = LinkLoss.HUNG, False
