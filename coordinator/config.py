@@ -28,6 +28,7 @@ from duospec.coordinator.config_fields import ConfigError, Fields, existing_file
 from duospec.coordinator.api import MAX_DRAFT_TOKENS, SpeculationMode
 from duospec.engine.errors import CheckpointError
 from duospec.coordinator.scheduling.kv_budget import PREFIX_CACHE_SCOPES
+from duospec.coordinator.scheduling.routing import AFFINITY_SLACK_TOKENS, ROUTING_POLICIES
 from duospec.draft_worker.proposer import MAX_TENSOR_PARALLEL, DraftMethod, DraftSpec, NgramOptions
 from duospec.settings import REQUIRED, declared, setting
 
@@ -164,8 +165,13 @@ class ModelConfig:
         "MLP width (the model drafter's own: draft.tensor_parallel_size)", lo=1, hi=MAX_TENSOR_PARALLEL)
     # Tenancy, fair share, quotas and the ledger stay per model (coordinator/scheduling/replicas.py).
     replicas: int = setting(
-        1, "independent draft/target pairs of the model; each request goes to the one with the least "
-        "outstanding work", lo=1, hi=MAX_REPLICAS)
+        1, "independent draft/target pairs of the model; each request goes to one chosen by `routing`",
+        lo=1, hi=MAX_REPLICAS)
+    routing: str = setting(
+        "least_work", "with replicas: least_work = the serving replica with the fewest tokens still to "
+        "produce; prefix_affinity = the one that last took a prompt sharing this one's leading 16-token "
+        "blocks (same tenant), where its prefix cache likely holds them, unless it has over "
+        f"{AFFINITY_SLACK_TOKENS:,} tokens more outstanding work than the least loaded", choices=ROUTING_POLICIES)
     placement_timeout_s: float = setting(
         30.0, "how long starting waits for each replica's GPUs to be free; on an autoscaling cluster give "
         "it the minutes a node takes to boot and join", lo=1.0, hi=86400.0)

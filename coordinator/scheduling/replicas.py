@@ -9,9 +9,9 @@ another serves; its live requests wait for the restarted worker and recover as w
 server's admission queue, quotas, the ledger and the per-tenant metrics; fair share between tenants
 is kept inside each replica's scheduler, over the requests routed to it.
 
-The seam for prefix affinity: a RoutingPolicy sees the request (its prompt and tenant) and every
-replica; one that prefers the replica whose prefix cache holds the prompt's first blocks, falling
-back to the least outstanding work, replaces LeastOutstandingWork without touching the rest.
+The choice is a RoutingPolicy's (models[].routing, coordinator/scheduling/routing.py): it sees the
+request (its prompt and tenant) and every replica. `least_work` (the default) is the above; `prefix_affinity` keeps prompts that share
+their leading blocks on one replica, where the prefix cache has them, while the load allows.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import asyncio
 import contextlib
 import enum
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable, Protocol, Sequence
+from typing import AsyncIterator, Awaitable, Callable
 
 from duospec.coordinator.api import FinishEvent, GenerationRequest, TokensEvent
+from duospec.coordinator.scheduling.routing import LeastOutstandingWork, RoutingPolicy
 from duospec.coordinator.scheduling.scheduler import Scheduler
 
 
@@ -86,19 +87,6 @@ class Replica:
                              target_restarts=stats.get("target", {}).get("restarts", 0),
                              draft_restarts=stats.get("draft", {}).get("restarts", 0),
                              target_node_id=target_node, draft_node_id=draft_node or "")
-
-
-class RoutingPolicy(Protocol):
-    def choose(self, replicas: Sequence[Replica], request: GenerationRequest) -> Replica: ...
-
-
-class LeastOutstandingWork:
-    """The serving replica with the fewest tokens still to produce, then the fewest live requests;
-    with none serving, the least loaded of all (whose scheduler answers UNAVAILABLE at once)."""
-
-    def choose(self, replicas: Sequence[Replica], request: GenerationRequest) -> Replica:
-        candidates = [r for r in replicas if r.serving] or list(replicas)
-        return min(candidates, key=lambda r: (r.tokens_left, r.live, r.index))
 
 
 class ReplicaSet:

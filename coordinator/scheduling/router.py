@@ -24,6 +24,7 @@ from duospec.coordinator.config import SpeculationDefaults
 from duospec.coordinator.scheduling.guard import GoodputGuard
 from duospec.coordinator.scheduling.policies import SpeculationPolicy
 from duospec.coordinator.scheduling.replicas import ReplicaSet, ReplicaStatus
+from duospec.coordinator.scheduling.routing import routing_policy
 from duospec.coordinator.scheduling.scheduler import Scheduler, SchedulerConfig
 
 
@@ -36,6 +37,7 @@ class ModelEntry:
     replicas: ReplicaSet = field(default_factory=ReplicaSet)
 
     def __post_init__(self) -> None:
+        self.replicas.policy = routing_policy(self.config.routing)
         self.replicas.add(self.open_scheduler, self.nodes)
 
     def add_replica(self, open_scheduler: Callable[[], Awaitable[Scheduler]],

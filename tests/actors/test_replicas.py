@@ -11,7 +11,8 @@ import dataclasses
 import pytest
 
 from duospec.coordinator.config import ServerSettings
-from duospec.coordinator.scheduling.replicas import LeastOutstandingWork, ReplicaState
+from duospec.coordinator.scheduling.replicas import ReplicaState
+from duospec.coordinator.scheduling.routing import LeastOutstandingWork
 from duospec.v1 import generation_pb2 as pb
 from pipeline_support import model_config
 from server_support import collect, running_server
@@ -111,6 +112,80 @@ def test_routing_prefers_the_least_outstanding_work_of_the_serving_replicas():
     assert not replicas.serving
     c.scheduler.target_serving = True
     assert replicas.serving and c.state is ReplicaState.SERVING and a.state is ReplicaState.DOWN
+
+
+def _serving_replicas(n: int):
+    from duospec.coordinator.scheduling.replicas import ReplicaSet
+
+    class Scheduler:  # what the routing reads of a scheduler
+        def __init__(self):
+            self.target_serving, self.info = True, type("Info", (), {"has_draft": False})()
+
+    replicas = ReplicaSet()
+    for _ in range(n):
+        replicas.add(None).scheduler = Scheduler()
+    return replicas.replicas
+
+
+def _gen_request(prompt, tenant="default"):
+    from duospec.coordinator.api import GenerationRequest
+
+    return GenerationRequest(request_id="r", prompt_token_ids=tuple(prompt), max_new_tokens=8, tenant=tenant)
+
+
+def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica_while_the_load_allows():
+    from duospec.coordinator.scheduling.routing import PrefixAffinity
+
+    a, b, c = _serving_replicas(3)
+    system, other = list(range(100, 148)), list(range(300, 348))  # three 16-token blocks each
+    policy = PrefixAffinity(slack_tokens=100)
+    a.tokens_left = 10
+    assert policy.choose([a, b, c], _gen_request(system + [1])) is b  # nothing shared yet: least work
+    b.tokens_left = 60
+    assert policy.choose([a, b, c], _gen_request(system + [2, 3])) is b  # shares 3 blocks with b's
+    assert policy.choose([a, b, c], _gen_request(system[:20] + [9] * 30)) is b  # shares its first block
+    assert policy.choose([a, b, c], _gen_request(other + [1])) is c  # shares nothing
+    assert policy.choose([a, b, c], _gen_request(system + [4], tenant="beta")) is c  # another tenant's cache
+    assert policy.choose([a, b, c], _gen_request(list(range(100, 110)))) is c  # under one block: no key
+    b.tokens_left = 200  # over the least loaded (c, 0) by more than the slack: least work wins
+    assert policy.choose([a, b, c], _gen_request(system + [5])) is c
+    b.tokens_left, c.tokens_left = 0, 500
+    assert policy.choose([a, b, c], _gen_request(system + [6])) is b  # the prefix moved to c, c now too busy
+    b.scheduler.target_serving = False
+    assert policy.choose([a, b, c], _gen_request(system + [7])) is a  # its replica is down: least work
+
+
+async def test_prefix_affinity_routes_a_shared_system_prompt_to_the_replica_that_cached_it(tiny_pair):
+    from duospec.coordinator.local import LocalCoordinator
+    from duospec.coordinator.scheduling.routing import PrefixAffinity
+
+    class Recording(PrefixAffinity):
+        chosen: dict = {}
+
+        def choose(self, replicas, request):
+            replica = super().choose(replicas, request)
+            self.chosen.setdefault(tuple(request.prompt_token_ids[:4]), set()).add(replica.index)
+            return replica
+
+    target, draft = tiny_pair
+    config = dataclasses.replace(model_config("tiny", target, draft), replicas=2, routing="prefix_affinity")
+    coordinator = LocalCoordinator([config])
+    assert isinstance(coordinator.entries["tiny"].replicas.policy, PrefixAffinity)
+    policy = coordinator.entries["tiny"].replicas.policy = Recording()
+    systems = [[7 + (i * 5 + j * 11) % 200 for i in range(40)] for j in range(2)]  # two prompts of 2.5 blocks
+    async with running_server(coordinator, SETTINGS) as h:
+        # one request each first (together: the second goes where the first is not), so that each
+        # system prompt is cached on a replica
+        await asyncio.gather(*(_tokens(h, _request(system + [1], 12, pb.SPECULATION_MODE_PEARL)) for system in systems))
+        requests = [(system, tail) for tail in (2, 3, 4) for system in systems]
+        done = await asyncio.gather(*(collect(h.stub, _request(system + [tail], 12, pb.SPECULATION_MODE_PEARL))
+                                      for system, tail in requests))
+        one_at_a_time = [await _tokens(h, _request(system + [tail], 12, pb.SPECULATION_MODE_OFF))
+                         for system, tail in requests]
+    assert [[t for m in messages for t in m.token_ids] for messages in done] == one_at_a_time
+    assert all(messages[-1].usage.cached_prompt_tokens >= 32 for messages in done)
+    first, second = (policy.chosen[tuple(system[:4])] for system in systems)
+    assert len(first) == len(second) == 1 and first != second  # each prompt on one replica, the two apart
 
 
 @pytest.mark.ray
