@@ -314,6 +314,9 @@ async def test_fair_share_charges_the_target_rows_of_long_drafts(tiny_pair):
         committed, _ = await _share_of_tokens(h, {"heavy": 32, "light": 32}, 1.5, 5.0, min_tokens=1500,
                                               requests={"heavy": drafting(1), "light": drafting(cap)}, rows=rows)
     assert committed["light"] > 0 and rows["light"] > 0, (committed, rows)
+    # The premise: the light tenant's long drafts cost the target far more rows per committed token
+    # (about 3x on the tiny pair); were they as cheap as the heavy one's, any charge would split 3:1.
+    assert rows["light"] / committed["light"] >= 2 * rows["heavy"] / committed["heavy"], (rows, committed)
     assert 3.0 * 0.85 <= rows["heavy"] / rows["light"] <= 3.0 * 1.15, (rows, committed)
 
 

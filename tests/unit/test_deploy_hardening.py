@@ -27,6 +27,7 @@ import sys
 import time
 
 import pytest
+import yaml
 
 from deploy_support import (
     CLUSTER_CONFIGS, DEPLOY, REPO, commands_in, deploy_commands, flag_values, head_pod_spec, head_serve_flags,
@@ -150,11 +151,20 @@ def test_no_deploy_file_sets_rays_auth_mode_to_anything_but_token():
 def test_metrics_listen_on_loopback_unless_a_deploy_file_names_an_address(monkeypatch):
     from duospec.cli import build_parser
     from duospec.cli import serve as serve_cli
-    from duospec.coordinator.config import ModelConfig, ServerSettings, load_serve_config
+    from duospec.coordinator.config import ModelConfig, ServerSettings, parse_serve_config
 
     assert is_loopback(ServerSettings().metrics_host)
     assert is_loopback(ServerSettings(host="0.0.0.0").metrics_host), "a wide API does not widen the metrics"
-    assert is_loopback(load_serve_config(DEPLOY / "serve.yaml").server.metrics_host)
+    # Every serve config shipped (deploy/serve.yaml, the examples, the KubeRay ConfigMap's copy), not
+    # only the one the deployments mount: a user may serve any of them as it is.
+    configs = [(str(path.relative_to(REPO)), doc) for path in sorted(DEPLOY.rglob("*.yaml"))
+               for doc in yaml.safe_load_all(path.read_text(encoding="utf-8"))]
+    configs += [(f"ConfigMap {key}", yaml.safe_load(text)) for key, text in the_doc("ConfigMap")["data"].items()]
+    served = [(source, raw) for source, raw in configs if isinstance(raw, dict) and "models" in raw]
+    assert {"deploy/serve.yaml", "deploy/examples/smollm2.yaml"} <= {source for source, _ in served}, served
+    for source, raw in served:
+        host = parse_serve_config(raw, source=source).server.metrics_host
+        assert is_loopback(host), f"{source}: server.metrics_host {host!r} serves metrics beyond loopback"
     # Every command names its model through --config; the README's plain `docker run` uses the bundled one.
     monkeypatch.setattr(serve_cli, "default_model", lambda _dir: ModelConfig(name="m", target="/m"))
     parser = build_parser()
