@@ -162,6 +162,10 @@ async def test_head_drafters_read_a_tensor_parallel_targets_hidden_states(ray_ru
                 assert_greedy_equal(hf, prompts[i], [t for m in messages for t in m.token_ids], want[i])
             accepted[tp] = sum(m.stats.accepted_tokens for (i, mode), messages in zip(runs, got)
                                if mode == pb.SPECULATION_MODE_VANILLA for m in messages)
+            # again, now that its blocks and their hidden rows are cached (rank 0 keeps the rows)
+            again = await collect(h.stub, _request(prompts[0], N_NEW, pb.SPECULATION_MODE_VANILLA), timeout=240)
+            assert [t for m in again for t in m.token_ids] == want[0]
+            assert again[-1].usage.cached_prompt_tokens >= 16 * ((len(prompts[0]) - 1) // 16) > 0
     print(f"{method}: accepted at TP=1 {accepted[1]}, at TP=2 {accepted[2]}")
     assert accepted[1] >= 10  # the bundled head does predict the bundled target
     assert accepted[2] >= 0.9 * accepted[1], accepted
