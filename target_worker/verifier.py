@@ -234,7 +234,7 @@ class Verifier:
         accepted = list(decision.path)  # a chain's path is 0 .. n_accepted - 1
         if item.features and hidden is not None:
             committed_rows = torch.tensor([*range(n_ctx), *(n_ctx + i for i in accepted)], device=hidden.device)
-            committed_hidden = hidden[committed_rows]
+            committed_hidden = hidden[committed_rows].to(torch.float16).cpu()  # as sent and as kept
             verdict.features.CopyFrom(features_to_proto(item.start_pos, committed_hidden))
             if self.hidden_rows is not None:
                 self.hidden_rows.observe(item.seq_id, item.start_pos, committed_hidden, self.runner.kv.hashes(slot))

@@ -314,12 +314,10 @@ class BlockTables:
         """Positions [0, length) hold verified tokens: hash and publish their full blocks."""
         if not self.prefix_caching:
             return
-        table, bs = self._tables[slot], self.block_size
-        for i in range(len(table.hashes), min(length, len(table.tokens)) // bs):
-            parent = table.hashes[-1] if table.hashes else table.root
-            block_hash = _block_hash(parent, table.tokens[i * bs: (i + 1) * bs])
+        table = self._tables[slot]
+        for block_hash in self._next_hashes(table.root, table.hashes, table.tokens[:length]):
+            self.pool.publish(table.blocks[len(table.hashes)], block_hash)
             table.hashes.append(block_hash)
-            self.pool.publish(table.blocks[i], block_hash)
 
     def hashes(self, slot: int) -> list[bytes]:
         """The hashes of the slot's committed full blocks, in position order."""
@@ -328,13 +326,17 @@ class BlockTables:
     def chain(self, slot: int, start: int, token_ids: Sequence[int]) -> list[bytes]:
         """The hashes the slot's full blocks would have with `token_ids` following its positions
         [0, start) — what `match` looks up, computed without changing anything."""
-        table, bs = self._tables[slot], self.block_size
-        known = table.tokens[:start] + list(token_ids)
-        hashes = table.hashes[: start // bs]
-        while (len(hashes) + 1) * bs <= len(known):
-            parent = hashes[-1] if hashes else table.root
-            hashes.append(_block_hash(parent, known[len(hashes) * bs: (len(hashes) + 1) * bs]))
-        return hashes
+        table = self._tables[slot]
+        hashes = table.hashes[: start // self.block_size]
+        return hashes + list(self._next_hashes(table.root, hashes, table.tokens[:start] + list(token_ids)))
+
+    def _next_hashes(self, root: bytes, hashes: list[bytes], tokens: Sequence[int]):
+        """The hashes of the full blocks of `tokens` (a sequence's tokens from position 0) past the
+        `len(hashes)` blocks already hashed, each chained from the one before (the first from `root`)."""
+        bs, parent = self.block_size, hashes[-1] if hashes else root
+        for i in range(len(hashes), len(tokens) // bs):
+            parent = _block_hash(parent, tokens[i * bs: (i + 1) * bs])
+            yield parent
 
     def match(self, slot: int, start: int, token_ids: Sequence[int]) -> int:
         """The slot holds verified tokens at [0, start) and `token_ids` (verified too) follow. Adopt
@@ -344,24 +346,21 @@ class BlockTables:
         if not self.prefix_caching:
             return start
         table, bs = self._tables[slot], self.block_size
-        limit = start + len(token_ids) - 1
         self.queries += len(token_ids)
         known = table.tokens[:start] + list(token_ids)
-        i = len(table.hashes)
-        while (i + 1) * bs <= limit:
-            parent = table.hashes[-1] if table.hashes else table.root
-            block_hash = _block_hash(parent, known[i * bs: (i + 1) * bs])
+        # blocks of known[:-1] only: the last token is always computed
+        for block_hash in self._next_hashes(table.root, table.hashes, known[:-1]):
             block = self.pool.cached(block_hash)
             if block is None:
                 break
             self.pool.hold(block)
+            i = len(table.hashes)
             if i < len(table.blocks):
                 self.pool.release(table.blocks[i])
                 table.blocks[i] = block
             else:
                 table.blocks.append(block)
             table.hashes.append(block_hash)
-            i += 1
         reached = len(table.hashes) * bs
         if reached <= start:
             return start
