@@ -17,6 +17,7 @@ the reverse; either way the hit stops at the first block that lacks one of them.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -32,14 +33,17 @@ class HiddenRowCache:
     def __len__(self) -> int:
         return len(self._rows)
 
-    def usable_blocks(self, hashes: list[bytes]) -> int:
-        """How many of `hashes` (consecutive blocks), from the first, have their rows here."""
+    def usable_blocks(self, hashes: Iterable[bytes]) -> int:
+        """How many of `hashes` (consecutive blocks), from the first, have their rows here (read only
+        as far as the first that has none)."""
         n = 0
-        while n < len(hashes) and hashes[n] in self._rows:
+        for block_hash in hashes:
+            if block_hash not in self._rows:
+                break
             n += 1
         return n
 
-    def rows(self, hashes: list[bytes], start: int, end: int) -> torch.Tensor:
+    def rows(self, hashes: Sequence[bytes], start: int, end: int) -> torch.Tensor:
         """Rows of positions [start, end) from the blocks `hashes` (block i holds positions
         i * block_size ...); each block read counts as a use."""
         bs = self.block_size
@@ -50,7 +54,7 @@ class HiddenRowCache:
             blocks.append(self._rows[block_hash])
         return torch.cat(blocks)[start - first * bs: end - first * bs]
 
-    def observe(self, seq_id: int, start: int, rows: torch.Tensor, hashes: list[bytes]) -> None:
+    def observe(self, seq_id: int, start: int, rows: torch.Tensor, hashes: Sequence[bytes]) -> None:
         """`rows`: the sequence's committed positions [start, start + len(rows)), as sent; `hashes`:
         its committed full blocks' hashes now. Stores every full block whose rows are all known."""
         rows = rows.detach().to(torch.float16).cpu()

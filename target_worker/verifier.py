@@ -30,6 +30,7 @@ KV_CACHE_FULL error (nothing of it changed), until the rest fits.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
@@ -143,7 +144,8 @@ class Verifier:
                 return 0
             # Only as far as the blocks' hidden rows are kept: limit the tokens offered to the match.
             first = item.start_pos // self.hidden_rows.block_size
-            usable = first + self.hidden_rows.usable_blocks(self.runner.kv.chain(slot, item.start_pos, context)[first:])
+            chain = self.runner.kv.chain(slot, item.start_pos, context)
+            usable = first + self.hidden_rows.usable_blocks(itertools.islice(chain, first, None))
             context = context[: max(0, usable * self.hidden_rows.block_size - item.start_pos) + 1]
         if len(context) < 2:
             return 0

@@ -10,8 +10,9 @@ server's admission queue, quotas, the ledger and the per-tenant metrics; fair sh
 is kept inside each replica's scheduler, over the requests routed to it.
 
 The choice is a RoutingPolicy's (models[].routing, coordinator/scheduling/routing.py): it sees the
-request (its prompt and tenant) and every replica. `least_work` (the default) is the above; `prefix_affinity` keeps prompts that share
-their leading blocks on one replica, where the prefix cache has them, while the load allows.
+request (its prompt and tenant) and every replica. `least_work` (the default) is the above;
+`prefix_affinity` keeps prompts that share their leading blocks on one replica, where the prefix
+cache has them, while the load allows.
 """
 
 from __future__ import annotations

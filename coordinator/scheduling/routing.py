@@ -4,12 +4,11 @@ their live requests and the tokens those may still produce."""
 
 from __future__ import annotations
 
-import array
-import hashlib
 from collections import OrderedDict
 from typing import Protocol, Sequence
 
 from duospec.coordinator.api import GenerationRequest
+from duospec.engine.blocks import chained_block_hashes, salt_root
 
 
 class Routable(Protocol):
@@ -58,14 +57,10 @@ class PrefixAffinity:
 
     @staticmethod
     def keys(request: GenerationRequest) -> list[bytes]:
-        """One key per full leading block: the tenant and every prompt token up to that block's end."""
-        tokens = request.prompt_token_ids
-        digest = hashlib.blake2b(request.tenant.encode(), digest_size=16)
-        keys = []
-        for end in range(AFFINITY_BLOCK, min(len(tokens), AFFINITY_BLOCK * AFFINITY_MAX_BLOCKS) + 1, AFFINITY_BLOCK):
-            digest.update(array.array("I", tokens[end - AFFINITY_BLOCK: end]).tobytes())
-            keys.append(digest.copy().digest())
-        return keys
+        """One key per full leading block: the hash the workers give that block under the tenant's
+        salt (duospec/engine/blocks.py), chained over every prompt token up to its end."""
+        tokens = request.prompt_token_ids[: AFFINITY_BLOCK * AFFINITY_MAX_BLOCKS]
+        return list(chained_block_hashes(salt_root(request.tenant), tokens, AFFINITY_BLOCK))
 
     def choose(self, replicas: Sequence[Routable], request: GenerationRequest) -> Routable:
         least = self._fallback.choose(replicas, request)

@@ -25,13 +25,14 @@ block a forward writes private first (unhash a private cached block, copy a shar
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from duospec.engine.errors import BlocksExhausted
 
-__all__ = ["BlockPool", "BlockTables", "CacheStats"]
+__all__ = ["BlockPool", "BlockTables", "CacheStats", "chained_block_hashes", "salt_root"]
 
 
 def _block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -39,6 +40,17 @@ def _block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     digest = hashlib.blake2b(parent, digest_size=16)
     digest.update(b"".join(int(t).to_bytes(4, "little") for t in tokens))
     return digest.digest()
+
+
+def chained_block_hashes(root: bytes, tokens: Sequence[int], block_size: int,
+                         known: Sequence[bytes] = ()) -> Iterator[bytes]:
+    """The hashes of the full blocks of `tokens` (a sequence's tokens from position 0) past the
+    `len(known)` blocks already hashed (`known`), each chained from the one before, the first from
+    `root` (salt_root). Lazy: a lookup that misses stops hashing."""
+    parent = known[-1] if known else root
+    for i in range(len(known), len(tokens) // block_size):
+        parent = _block_hash(parent, tokens[i * block_size: (i + 1) * block_size])
+        yield parent
 
 
 def salt_root(salt: str) -> bytes:
@@ -319,24 +331,20 @@ class BlockTables:
             self.pool.publish(table.blocks[len(table.hashes)], block_hash)
             table.hashes.append(block_hash)
 
-    def hashes(self, slot: int) -> list[bytes]:
-        """The hashes of the slot's committed full blocks, in position order."""
-        return list(self._tables[slot].hashes)
+    def hashes(self, slot: int) -> Sequence[bytes]:
+        """The hashes of the slot's committed full blocks, in position order: the table's own list
+        (read every verify round, so not copied), to read, never to change."""
+        return self._tables[slot].hashes
 
-    def chain(self, slot: int, start: int, token_ids: Sequence[int]) -> list[bytes]:
+    def chain(self, slot: int, start: int, token_ids: Sequence[int]) -> Iterator[bytes]:
         """The hashes the slot's full blocks would have with `token_ids` following its positions
-        [0, start) — what `match` looks up, computed without changing anything."""
+        [0, start) — what `match` looks up — lazily, changing nothing."""
         table = self._tables[slot]
         hashes = table.hashes[: start // self.block_size]
-        return hashes + list(self._next_hashes(table.root, hashes, table.tokens[:start] + list(token_ids)))
+        return itertools.chain(hashes, self._next_hashes(table.root, hashes, table.tokens[:start] + list(token_ids)))
 
-    def _next_hashes(self, root: bytes, hashes: list[bytes], tokens: Sequence[int]):
-        """The hashes of the full blocks of `tokens` (a sequence's tokens from position 0) past the
-        `len(hashes)` blocks already hashed, each chained from the one before (the first from `root`)."""
-        bs, parent = self.block_size, hashes[-1] if hashes else root
-        for i in range(len(hashes), len(tokens) // bs):
-            parent = _block_hash(parent, tokens[i * bs: (i + 1) * bs])
-            yield parent
+    def _next_hashes(self, root: bytes, hashes: list[bytes], tokens: Sequence[int]) -> Iterator[bytes]:
+        return chained_block_hashes(root, tokens, self.block_size, hashes)
 
     def match(self, slot: int, start: int, token_ids: Sequence[int]) -> int:
         """The slot holds verified tokens at [0, start) and `token_ids` (verified too) follow. Adopt

@@ -160,7 +160,9 @@ async def test_prefix_affinity_routes_a_shared_system_prompt_to_the_replica_that
     from duospec.coordinator.scheduling.routing import PrefixAffinity
 
     class Recording(PrefixAffinity):
-        chosen: dict = {}
+        def __init__(self):
+            super().__init__()
+            self.chosen: dict[tuple, set[int]] = {}
 
         def choose(self, replicas, request):
             replica = super().choose(replicas, request)
