@@ -43,12 +43,14 @@ def _block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
 
 
 def chained_block_hashes(root: bytes, tokens: Sequence[int], block_size: int,
-                         known: Sequence[bytes] = ()) -> Iterator[bytes]:
-    """The hashes of the full blocks of `tokens` (a sequence's tokens from position 0) past the
-    `len(known)` blocks already hashed (`known`), each chained from the one before, the first from
-    `root` (salt_root). Lazy: a lookup that misses stops hashing."""
+                         known: Sequence[bytes] = (), length: int | None = None) -> Iterator[bytes]:
+    """The hashes of the full blocks of `tokens[:length]` (a sequence's tokens from position 0) past
+    the `len(known)` blocks already hashed (`known`), each chained from the one before, the first
+    from `root` (salt_root). Lazy: a lookup that misses stops hashing. (`length` rather than a
+    slice: a commit every verify round must not copy the sequence's tokens.)"""
     parent = known[-1] if known else root
-    for i in range(len(known), len(tokens) // block_size):
+    end = len(tokens) if length is None else min(length, len(tokens))
+    for i in range(len(known), end // block_size):
         parent = _block_hash(parent, tokens[i * block_size: (i + 1) * block_size])
         yield parent
 
@@ -327,7 +329,7 @@ class BlockTables:
         if not self.prefix_caching:
             return
         table = self._tables[slot]
-        for block_hash in self._next_hashes(table.root, table.hashes, table.tokens[:length]):
+        for block_hash in self._next_hashes(table.root, table.hashes, table.tokens, length):
             self.pool.publish(table.blocks[len(table.hashes)], block_hash)
             table.hashes.append(block_hash)
 
@@ -343,8 +345,9 @@ class BlockTables:
         hashes = table.hashes[: start // self.block_size]
         return itertools.chain(hashes, self._next_hashes(table.root, hashes, table.tokens[:start] + list(token_ids)))
 
-    def _next_hashes(self, root: bytes, hashes: list[bytes], tokens: Sequence[int]) -> Iterator[bytes]:
-        return chained_block_hashes(root, tokens, self.block_size, hashes)
+    def _next_hashes(self, root: bytes, hashes: list[bytes], tokens: Sequence[int],
+                     length: int | None = None) -> Iterator[bytes]:
+        return chained_block_hashes(root, tokens, self.block_size, hashes, length)
 
     def match(self, slot: int, start: int, token_ids: Sequence[int]) -> int:
         """The slot holds verified tokens at [0, start) and `token_ids` (verified too) follow. Adopt
@@ -357,7 +360,7 @@ class BlockTables:
         self.queries += len(token_ids)
         known = table.tokens[:start] + list(token_ids)
         # blocks of known[:-1] only: the last token is always computed
-        for block_hash in self._next_hashes(table.root, table.hashes, known[:-1]):
+        for block_hash in self._next_hashes(table.root, table.hashes, known, len(known) - 1):
             block = self.pool.cached(block_hash)
             if block is None:
                 break
