@@ -124,6 +124,9 @@ def _register_heads(subparsers) -> None:
     parser.add_argument("--eval-prompts", type=int, default=24, help="held-out prompts for the acceptance figure")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bf16", action="store_true",
+                        help="bf16 autocast for the forwards on CPU too (fp32 master weights): about 2x faster "
+                             "matmuls on CPUs with AVX512-BF16 (always on with cuda)")
     parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                         help="continue from OUT's checkpoint if it belongs to the same run (default)")
     parser.set_defaults(func=_train_heads)
@@ -135,7 +138,7 @@ def _train_heads(args: argparse.Namespace) -> int:
     options = HeadOptions(target=args.target, method=args.method, data=tuple(str(p) for p in args.data),
                           out=args.out, steps=args.steps, minutes=args.minutes, batch_size=args.batch_size,
                           seq_len=args.seq_len, lr=args.lr, medusa_heads=args.medusa_heads, device=args.device,
-                          seed=args.seed, resume=args.resume, eval_prompts=args.eval_prompts)
+                          seed=args.seed, resume=args.resume, eval_prompts=args.eval_prompts, bf16=args.bf16)
     try:
         result = train_heads(options)
     except HeadTrainingError as err:

@@ -55,6 +55,7 @@ class HeadOptions:
     seed: int = 0
     resume: bool = True
     eval_prompts: int = 24
+    bf16: bool = False  # autocast on CPU too; CUDA always (not part of the run's identity: a resume may switch)
 
     def validate(self) -> None:
         if self.method not in ("eagle", "medusa"):
@@ -335,7 +336,8 @@ def train_heads(options: HeadOptions) -> Path:
     log(f"{options.method} head: {sum(p.numel() for p in head.parameters()):,} params, device {device}")
     cfg = LoopConfig(batch_size=options.batch_size, lr=options.lr, max_steps=options.steps,
                      max_seconds=options.minutes * 60 if options.minutes else None,
-                     warmup_steps=50, seed=options.seed, eval_every_s=300.0, checkpoint_every_s=120.0)
+                     warmup_steps=50, seed=options.seed, eval_every_s=300.0, checkpoint_every_s=120.0,
+                     bf16_autocast=options.bf16 or device.type == "cuda")
     started = time.time()
     state = run_loop(objective, source, heldout, cfg, state_dir / "checkpoint.pt", log, phase=options.method)
 
