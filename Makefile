@@ -40,7 +40,8 @@ demo: install
 proto: install
 	$(PY) -m duospec.protogen
 
-bench: install
+# The real pair make demo serves (pulled first); the bundled tiny pair: duospec bench --models models
+bench: install pull
 	$(VENV)/bin/duospec bench
 
 clean:

@@ -57,10 +57,10 @@ DUOSPEC_TEST_DEVICE=cuda timeout 240 "$PY" -m pytest -q -p no:cacheprovider -W d
     tests/engine/test_engine.py::test_lean_matches_transformers tests/engine/test_bf16_exactness.py tests/unit/test_verify_batch.py 2>&1 | tee "$OUT_DIR/tests.txt" | tail -15
 tests_rc=${PIPESTATUS[0]}
 
-step "duospec bench --device cuda"
+step "duospec bench --models models --device cuda (the bundled pair: nothing is pulled on the device)"
 server_flags=(--skip-server)
 if [ "$has_ray" = 1 ]; then server_flags=(--placement colocated --concurrency 1,4); fi
-timeout 240 "$PY" -m duospec bench --device cuda "${server_flags[@]}" --limit-prompts 4 --repeats 2 \
+timeout 240 "$PY" -m duospec bench --models models --device cuda "${server_flags[@]}" --limit-prompts 4 --repeats 2 \
     --max-new-tokens 64 --no-progress --out "$OUT_DIR/bench" 2>&1 | tail -40
 bench_rc=${PIPESTATUS[0]}
 

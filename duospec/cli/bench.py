@@ -13,6 +13,8 @@ from duospec.cluster.placement import PLACEMENTS
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODES = ("off", "off-2threads", "hf", "hf-assisted", "vanilla", "pearl-nocache", "pearl-notree", "pearl")  # = bench.records.ALL_MODES
 SIMULATION_SCENARIOS = ("devices", "large-target", "large-pair")  # duospec.bench.simulate.SCENARIOS
+DEMO_MODEL = "smollm2"  # duospec.pull.PULLABLE
+DEMO_CONFIG = REPO_ROOT / "deploy" / "examples" / "smollm2.yaml"
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -29,11 +31,13 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark every decoding mode on the same prompts and models",
                               description=__doc__.splitlines()[0])
     p.add_argument("--models", type=pathlib.Path,
-                   help="folder holding target/ and draft/ (default: the bundled pair, $DUOSPEC_MODELS or models/)")
+                   help="folder holding target/ and draft/, e.g. models (the bundled tiny pair). Default: the real "
+                        "pair `make demo` serves, the pulled SmolLM2-135M-Instruct with the drafter "
+                        "deploy/examples/smollm2.yaml names")
     p.add_argument("--target", type=pathlib.Path, help="target checkpoint (with --draft, instead of --models)")
     p.add_argument("--draft", type=pathlib.Path, help="draft checkpoint (with --target)")
-    p.add_argument("--draft-method", default="model", metavar="METHOD",
-                   help="what drafts: model (the draft checkpoint, default), ngram (model-free: matches in the "
+    p.add_argument("--draft-method", metavar="METHOD",
+                   help="what drafts: model (the draft checkpoint, the default with --models or --draft), ngram (model-free: matches in the "
                         "prompt and output; no draft needed) or layers:K (the target's first K layers; with "
                         "--draft DIR a fine-tuned shallow draft from `duospec distill --init-layers K`), eagle or "
                         "medusa (a head from `duospec train-heads`: --draft HEAD_DIR) or random "
@@ -73,22 +77,45 @@ def register(subparsers) -> None:
     p.set_defaults(func=run_bench_command)
 
 
-def resolve_pair(args: argparse.Namespace) -> tuple[pathlib.Path, pathlib.Path | None]:
-    """(target, draft checkpoint); the draft is None for a method that needs none (ngram; layers
-    without a fine-tuned --draft)."""
-    if getattr(args, "draft_method", "model") not in ("model", "random"):
+def resolve_pair(args: argparse.Namespace) -> tuple[pathlib.Path, pathlib.Path | None, str, str]:
+    """(target, draft checkpoint or head, draft method, label for the report); the draft is None for a
+    method that needs none (ngram; layers without a fine-tuned --draft). With no models named, the real
+    pair `make demo` serves."""
+    if args.models is None and args.target is None and args.draft is None and args.draft_method is None:
+        return demo_pair()
+    method = args.draft_method or "model"
+    label = "bundled pair" if args.models is None and args.target is None else ""
+    root = args.models or pathlib.Path(os.environ.get("DUOSPEC_MODELS", REPO_ROOT / "models"))
+    if method not in ("model", "random"):
         if args.target is not None and args.models is not None:
             raise ValueError("pass either --models DIR or --target, not both")
-        root = args.models or pathlib.Path(os.environ.get("DUOSPEC_MODELS", REPO_ROOT / "models"))
-        return args.target or root / "target", args.draft
+        return args.target or root / "target", args.draft, method, label
     if (args.target is None) != (args.draft is None):
         raise ValueError("--target and --draft go together; pass both, or --models DIR")
     if args.target is not None:
         if args.models is not None:
             raise ValueError("pass either --models DIR or --target/--draft, not both")
-        return args.target, args.draft
-    root = args.models or pathlib.Path(os.environ.get("DUOSPEC_MODELS", REPO_ROOT / "models"))
-    return root / "target", root / "draft"
+        return args.target, args.draft, method, label
+    return root / "target", root / "draft", method, label
+
+
+def demo_pair() -> tuple[pathlib.Path, pathlib.Path | None, str, str]:
+    """The pulled SmolLM2 target with the drafter its serve config names (one place says which shipped
+    drafter is best), so the default figures are the ones a new user's `make demo` shows."""
+    from duospec.coordinator.config import load_serve_config
+    from duospec.pull import pulled_model
+
+    target = pulled_model(DEMO_MODEL)
+    if target is None:
+        raise ValueError(f"the default pair is SmolLM2-135M-Instruct, which is not pulled here: run `duospec pull "
+                         f"{DEMO_MODEL}` once (or pass --models models for the bundled tiny pair)")
+    spec = load_serve_config(DEMO_CONFIG).models[0].draft
+    if spec is None:
+        raise ValueError(f"{DEMO_CONFIG} names no drafter to benchmark; pass --target {target} --draft-method METHOD")
+    method = f"layers:{spec.layers}" if spec.method.value == "layers" else spec.method.value
+    draft = pathlib.Path(spec.path) if spec.path else None
+    where = f" ({draft.relative_to(REPO_ROOT) if draft.is_relative_to(REPO_ROOT) else draft})" if draft else ""
+    return target, draft, method, f"SmolLM2-135M-Instruct, drafter {method}{where} as {DEMO_CONFIG.name} serves it"
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
@@ -97,16 +124,16 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from duospec.bench.report import exactness_line
 
     try:
-        target, draft = resolve_pair(args)
+        target, draft, method, label = resolve_pair(args)
         config = BenchConfig(
             target=str(target), draft=str(draft) if draft is not None else "", out=args.out, prompts=args.prompts, prompt_limit=args.limit_prompts,
             max_new_tokens=args.max_new_tokens, repeats=args.repeats, modes=tuple(args.modes),
             skip_server=args.skip_server, concurrency=args.concurrency, sweep_requests_per_stream=args.sweep_requests,
             device=args.device, placement=args.placement, gamma=args.gamma, max_draft_tokens=args.max_draft_tokens,
             ray_address=args.address,
-            models_label=args.models_label or ("bundled pair" if args.models is None and args.target is None else ""),
+            models_label=args.models_label or label,
             progress=not args.no_progress, simulate=args.simulate,
-            acceptance=args.acceptance, draft_method=args.draft_method,
+            acceptance=args.acceptance, draft_method=method,
         )
         config.validate()
     except (ValueError, FileNotFoundError) as exc:

@@ -236,6 +236,40 @@ def test_bench_command_rejects_half_a_pair(tmp_path, capsys):
     assert "--target and --draft go together" in capsys.readouterr().err
 
 
+def test_bench_without_models_names_the_pull_when_smollm2_is_not_there(tmp_path, monkeypatch, capsys):
+    from duospec.cli import main
+
+    monkeypatch.setenv("DUOSPEC_CACHE", str(tmp_path))
+    assert main(["bench", "--skip-server"]) == 2
+    err = capsys.readouterr().err
+    assert "run `duospec pull smollm2` once" in err and "--models models" in err
+
+
+def test_bench_defaults_to_the_pair_the_demo_serves(tmp_path, monkeypatch):
+    """No models named: the pulled SmolLM2 with deploy/examples/smollm2.yaml's drafter; any models
+    flag keeps the old resolution (the bundled pair is --models models)."""
+    import argparse
+
+    from duospec.cli import bench as bench_cli
+    from duospec.coordinator.config import load_serve_config
+    from duospec.pull import MARKER_FILE, PULLABLE, model_dir
+
+    spec = PULLABLE["smollm2"]
+    target = model_dir("smollm2", tmp_path)
+    target.mkdir(parents=True)
+    (target / MARKER_FILE).write_text(json.dumps({"package": spec.package, "version": spec.version,
+                                                  "gguf_sha256": spec.gguf_sha256}))
+    monkeypatch.setenv("DUOSPEC_CACHE", str(tmp_path))
+    parser = argparse.ArgumentParser()
+    bench_cli.register(parser.add_subparsers())
+    served = load_serve_config(bench_cli.DEMO_CONFIG).models[0].draft
+    got_target, draft, method, label = bench_cli.resolve_pair(parser.parse_args(["bench"]))
+    assert got_target == target and method == served.method.value.replace("layers", f"layers:{served.layers}")
+    assert draft == (pathlib.Path(served.path) if served.path else None) and "SmolLM2-135M-Instruct" in label
+    bundled = bench_cli.resolve_pair(parser.parse_args(["bench", "--models", "models"]))
+    assert bundled == (pathlib.Path("models/target"), pathlib.Path("models/draft"), "model", "")
+
+
 def test_committed_prompt_set_is_held_out_and_documented_kinds():
     from duospec.bench.prompts import GROUNDED_HEADER, KINDS, load_prompts
     from duospec.training.corpus import is_heldout
