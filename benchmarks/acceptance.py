@@ -1,9 +1,12 @@
 """Measure the bundled (or any) target/draft pair: single-step decode cost ratio and greedy
-acceptance at draft length 4 on held-out stdlib files.
+acceptance at draft length 4 on held-out prompts: code (held-out stdlib files) and, when the target's
+tokenizer has a chat template, chat (held-out instruction prompts, duospec/training/answers.py).
 
     .venv/bin/python benchmarks/acceptance.py                       # models/target + models/draft
     .venv/bin/python benchmarks/acceptance.py --record models/metrics.json
     .venv/bin/python benchmarks/acceptance.py --heads models/eagle models/medusa --record models/metrics.json
+    .venv/bin/python benchmarks/acceptance.py --target ~/.cache/duospec/models/smollm2-135m-instruct \
+        --draft models/smollm2/draft --heads models/smollm2/eagle --prompts 24 --new-tokens 64 --no-regression
 
 `--heads`: EAGLE / Medusa heads of the target (duospec train-heads), measured on the same prompts by
 exact simulation (duospec/training/heads.py `measure_head`: each round the head drafts on the target's
@@ -39,46 +42,47 @@ def _parse(argv):
     parser.add_argument("--repeats", type=int, default=300, help="timed decode steps per model")
     parser.add_argument("--heads", type=Path, nargs="*", default=[], help="head directories to measure too")
     parser.add_argument("--record", type=Path, help="write the figures as JSON here")
+    parser.add_argument("--no-regression", action="store_true",
+                        help="skip the small fixed set tests/engine/test_bundled_models.py re-measures")
     return parser.parse_args(argv)
 
 
-def measure_acceptance(target_dir: Path, draft_dir: Path, prompts: int, prompt_tokens: int,
-                       new_tokens: int, draft_len: int):
+def load_pair(target_dir: Path, draft_dir: Path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from duospec.training.acceptance import heldout_prompts, measure_pair
 
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
-    chosen = heldout_prompts(tokenizer, prompts, prompt_tokens)
-    return measure_pair(target, draft, chosen, new_tokens, draft_len), len(chosen)
+    return target, draft, AutoTokenizer.from_pretrained(str(target_dir))
 
 
-def measure_head_dir(target_dir: Path, head_dir: Path, args) -> tuple[str, float, float]:
-    """(method, mean accepted length on the held-out prompts, on the regression set) of a head."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def prompts_by_kind(tokenizer, count: int, prompt_tokens: int) -> dict[str, list[list[int]]]:
+    """{"code": held-out stdlib prompts, "chat": held-out instructions (when there is a chat template)}."""
+    from duospec.training.acceptance import prompt_sets
 
+    return prompt_sets(tokenizer, ["stdlib"], [], count, prompt_tokens)
+
+
+def measure_head_dir(target, tokenizer, head_dir: Path, target_dir: Path, kinds: dict, args):
+    """(method, {kind: mean accepted length}, mean accepted length on the regression set or None)."""
     from duospec.training.acceptance import heldout_prompts
     from duospec.training.heads import load_trained_head, measure_head
 
-    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
     method, head = load_trained_head(head_dir, target_dir)
-    full, _ = measure_head(target, head, method, heldout_prompts(tokenizer, args.prompts, args.prompt_tokens),
-                           args.new_tokens, args.draft_len)
-    small, _ = measure_head(target, head, method,
-                            heldout_prompts(tokenizer, REGRESSION_SET["prompts"], REGRESSION_SET["prompt_tokens"]),
-                            REGRESSION_SET["new_tokens"], REGRESSION_SET["draft_len"])
-    return method, full, small
+    by_kind = {kind: measure_head(target, head, method, prompts, args.new_tokens, args.draft_len)[0]
+               for kind, prompts in kinds.items()}
+    small = None
+    if not args.no_regression:
+        small = measure_head(target, head, method,
+                             heldout_prompts(tokenizer, REGRESSION_SET["prompts"], REGRESSION_SET["prompt_tokens"]),
+                             REGRESSION_SET["new_tokens"], REGRESSION_SET["draft_len"])[0]
+    return method, by_kind, small
 
 
 def main(argv=None) -> int:
     import torch
 
-    from duospec.training.acceptance import decode_step_seconds
+    from duospec.training.acceptance import decode_step_seconds, heldout_prompts, measure_pair
 
     args = _parse(argv)
     torch.set_num_threads(1)
@@ -88,33 +92,44 @@ def main(argv=None) -> int:
     print(f"decode step (1 thread, fp32, duospec engine): target {step_s['target'] * 1e3:.3f} ms, "
           f"draft {step_s['draft'] * 1e3:.3f} ms, ratio {ratio:.2f}x")
 
-    started = time.perf_counter()
-    stats, n_prompts = measure_acceptance(args.target, args.draft, args.prompts, args.prompt_tokens,
-                                          args.new_tokens, args.draft_len)
-    print(f"greedy, draft length {args.draft_len}, {n_prompts} held-out prompts x {args.new_tokens} tokens: "
-          f"mean accepted length {stats.mean_accepted_length:.3f} (accepted + 1 per target forward), "
-          f"per-token agreement {stats.agreement:.3f}  [{time.perf_counter() - started:.0f}s]")
-    regression, _ = measure_acceptance(args.target, args.draft, REGRESSION_SET["prompts"],
-                                       REGRESSION_SET["prompt_tokens"], REGRESSION_SET["new_tokens"],
-                                       REGRESSION_SET["draft_len"])
-    print(f"regression set {REGRESSION_SET}: mean accepted length {regression.mean_accepted_length:.3f}")
+    target, draft, tokenizer = load_pair(args.target, args.draft)
+    kinds = prompts_by_kind(tokenizer, args.prompts, args.prompt_tokens)
+    by_kind = {}
+    for kind, prompts in kinds.items():
+        started = time.perf_counter()
+        by_kind[kind] = stats = measure_pair(target, draft, prompts, args.new_tokens, args.draft_len)
+        print(f"{kind}: greedy, draft length {args.draft_len}, {len(prompts)} held-out prompts x {args.new_tokens} "
+              f"tokens: mean accepted length {stats.mean_accepted_length:.3f} (accepted + 1 per target forward), "
+              f"per-token agreement {stats.agreement:.3f}  [{time.perf_counter() - started:.0f}s]")
+    regression = None
+    if not args.no_regression:
+        regression = measure_pair(target, draft, heldout_prompts(tokenizer, REGRESSION_SET["prompts"],
+                                                                 REGRESSION_SET["prompt_tokens"]),
+                                  REGRESSION_SET["new_tokens"], REGRESSION_SET["draft_len"])
+        print(f"regression set {REGRESSION_SET}: mean accepted length {regression.mean_accepted_length:.3f}")
     heads = {}
     for head_dir in args.heads:
-        method, full, small = measure_head_dir(args.target, head_dir, args)
-        heads[method] = {"path": str(head_dir), "mean_accepted_length": round(full, 4),
-                         "regression_set": round(small, 4)}
-        print(f"{method} head {head_dir}: mean accepted length {full:.3f} on the same {n_prompts} prompts "
-              f"(draft {stats.mean_accepted_length:.3f}); regression set {small:.3f}")
+        method, head_kinds, small = measure_head_dir(target, tokenizer, head_dir, args.target, kinds, args)
+        heads[method] = {"path": str(head_dir), "mean_accepted_length": round(head_kinds["code"], 4),
+                         **{f"{k}_mean_accepted_length": round(v, 4) for k, v in head_kinds.items() if k != "code"},
+                         **({"regression_set": round(small, 4)} if small is not None else {})}
+        figures = ", ".join(f"{k} {v:.3f} (draft {by_kind[k].mean_accepted_length:.3f})" for k, v in head_kinds.items())
+        print(f"{method} head {head_dir}: mean accepted length on the same prompts: {figures}"
+              + (f"; regression set {small:.3f}" if small is not None else ""))
     if args.record:
+        code = by_kind["code"]
         record = {
             "decode_step_ms": {k: round(v * 1e3, 4) for k, v in step_s.items()},
             "cost_ratio": round(ratio, 3),
-            "heldout": {"prompts": n_prompts, "prompt_tokens": args.prompt_tokens,
+            "heldout": {"prompts": len(kinds["code"]), "prompt_tokens": args.prompt_tokens,
                         "new_tokens": args.new_tokens, "draft_len": args.draft_len,
-                        "mean_accepted_length": round(stats.mean_accepted_length, 4),
-                        "agreement": round(stats.agreement, 4)},
-            "regression_set": {**REGRESSION_SET, "mean_accepted_length": round(regression.mean_accepted_length, 4)},
+                        "mean_accepted_length": round(code.mean_accepted_length, 4),
+                        "agreement": round(code.agreement, 4),
+                        **{f"{k}_mean_accepted_length": round(v.mean_accepted_length, 4)
+                           for k, v in by_kind.items() if k != "code"}},
         }
+        if regression is not None:
+            record["regression_set"] = {**REGRESSION_SET, "mean_accepted_length": round(regression.mean_accepted_length, 4)}
         if heads:
             record["heads"] = heads
         args.record.write_text(json.dumps(record, indent=2) + "\n")
