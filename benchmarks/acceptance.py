@@ -64,11 +64,18 @@ def prompts_by_kind(tokenizer, count: int, prompt_tokens: int) -> dict[str, list
 
 
 def measure_head_dir(target, tokenizer, head_dir: Path, target_dir: Path, kinds: dict, args):
-    """(method, {kind: mean accepted length}, mean accepted length on the regression set or None)."""
+    """(method, {kind: mean accepted length}, mean accepted length on the regression set or None, one
+    draft step in seconds or None: EAGLE's on the engine; Medusa's heads run once per verify)."""
     from duospec.training.acceptance import heldout_prompts
     from duospec.training.heads import load_trained_head, measure_head
 
     method, head = load_trained_head(head_dir, target_dir)
+    step = None
+    if method == "eagle":
+        from duospec.bench.simulate_heads import eagle_cost_runner
+        from duospec.training.acceptance import runner_step_seconds
+
+        step = runner_step_seconds(eagle_cost_runner(str(head_dir), str(target_dir), 1), repeats=args.repeats)
     by_kind = {kind: measure_head(target, head, method, prompts, args.new_tokens, args.draft_len)[0]
                for kind, prompts in kinds.items()}
     small = None
@@ -76,7 +83,7 @@ def measure_head_dir(target, tokenizer, head_dir: Path, target_dir: Path, kinds:
         small = measure_head(target, head, method,
                              heldout_prompts(tokenizer, REGRESSION_SET["prompts"], REGRESSION_SET["prompt_tokens"]),
                              REGRESSION_SET["new_tokens"], REGRESSION_SET["draft_len"])[0]
-    return method, by_kind, small
+    return method, by_kind, small, step
 
 
 def main(argv=None) -> int:
@@ -109,13 +116,15 @@ def main(argv=None) -> int:
         print(f"regression set {REGRESSION_SET}: mean accepted length {regression.mean_accepted_length:.3f}")
     heads = {}
     for head_dir in args.heads:
-        method, head_kinds, small = measure_head_dir(target, tokenizer, head_dir, args.target, kinds, args)
+        method, head_kinds, small, step = measure_head_dir(target, tokenizer, head_dir, args.target, kinds, args)
         heads[method] = {"path": str(head_dir), "mean_accepted_length": round(head_kinds["code"], 4),
+                         **({"decode_step_ms": round(step * 1e3, 4)} if step is not None else {}),
                          **{f"{k}_mean_accepted_length": round(v, 4) for k, v in head_kinds.items() if k != "code"},
                          **({"regression_set": round(small, 4)} if small is not None else {})}
         figures = ", ".join(f"{k} {v:.3f} (draft {by_kind[k].mean_accepted_length:.3f})" for k, v in head_kinds.items())
         print(f"{method} head {head_dir}: mean accepted length on the same prompts: {figures}"
-              + (f"; regression set {small:.3f}" if small is not None else ""))
+              + (f"; regression set {small:.3f}" if small is not None else "")
+              + (f"; one draft step {step * 1e3:.3f} ms (1 thread, fp32, duospec engine)" if step is not None else ""))
     if args.record:
         code = by_kind["code"]
         record = {

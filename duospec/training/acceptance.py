@@ -132,11 +132,17 @@ def prompt_sets(tokenizer, data, heldout_tokens, count: int, prompt_tokens: int 
 def decode_step_seconds(path, prompt_len: int = 64, repeats: int = 200) -> float:
     """Median seconds of one single-token decode step of the checkpoint at `path` on duospec's
     engine (fp32, the current thread count), at position `prompt_len`."""
-    from duospec.engine import SlotChunk, load_model
+    from duospec.engine import load_model
 
-    runner = load_model(path, device="cpu", dtype=torch.float32, max_slots=1)
+    return runner_step_seconds(load_model(path, device="cpu", dtype=torch.float32, max_slots=1), prompt_len, repeats)
+
+
+def runner_step_seconds(runner, prompt_len: int = 64, repeats: int = 200) -> float:
+    """The same for any runner with slots and `forward_last` (an EAGLE head: duospec.bench.simulate_heads)."""
+    from duospec.engine import SlotChunk
+
     slot = runner.allocate_slot()
-    runner.forward([SlotChunk(slot, 0, list(range(3, 3 + prompt_len)))])
+    runner.forward_last([SlotChunk(slot, 0, list(range(3, 3 + prompt_len)))])
     timings = []
     for _ in range(repeats):
         start = time.perf_counter()
