@@ -121,7 +121,8 @@ def main(argv=None) -> int:
                          **({"decode_step_ms": round(step * 1e3, 4)} if step is not None else {}),
                          **{f"{k}_mean_accepted_length": round(v, 4) for k, v in head_kinds.items() if k != "code"},
                          **({"regression_set": round(small, 4)} if small is not None else {})}
-        figures = ", ".join(f"{k} {v:.3f} (draft {by_kind[k].mean_accepted_length:.3f})" for k, v in head_kinds.items())
+        figures = ", ".join(f"{k} {v:.3f} (draft {by_kind[k].mean_accepted_length:.3f})"
+                            for k, v in head_kinds.items())
         print(f"{method} head {head_dir}: mean accepted length on the same prompts: {figures}"
               + (f"; regression set {small:.3f}" if small is not None else "")
               + (f"; one draft step {step * 1e3:.3f} ms (1 thread, fp32, duospec engine)" if step is not None else ""))
