@@ -12,10 +12,13 @@ the features, its logits the teacher) and trains only the head:
 Layout of `--out`: `head.json` + `model.safetensors` (duospec/engine/heads.py), and `.train-heads/`
 with `run.json`, `checkpoint.pt`, the token cache and `log.txt`. Rerunning the same command resumes.
 At the end the held-out mean accepted length (greedy, draft length 4, exact simulation against the
-target's greedy continuation) is measured, printed and written to the model card in `head.json`.
+target's greedy continuation) is measured by kind, as `duospec distill` measures a draft, printed and
+written to the model card in `head.json`: code on the held-out stdlib files when the data includes
+`stdlib`, chat on held-out instruction prompts when the target has a chat template, else the data's
+held-out tail.
 
 `--data stdlib` means the training split of the Python standard library (duospec/training/corpus.py),
-the bundled models' corpus; the acceptance is then measured on its held-out files.
+the bundled models' corpus.
 """
 
 from __future__ import annotations
@@ -264,14 +267,13 @@ def _files(options: HeadOptions) -> list[Path]:
         raise HeadTrainingError(str(err)) from err
 
 
-def _eval_prompts(options: HeadOptions, tokenizer, heldout_tokens) -> list[list[int]]:
-    if list(options.data) == [STDLIB]:
-        from duospec.training.acceptance import heldout_prompts
+def _eval_prompts(options: HeadOptions, tokenizer, heldout_tokens) -> dict[str, list[list[int]]]:
+    """Held-out prompts by kind, as `duospec distill`'s card measures them (code from the held-out
+    stdlib files, chat from held-out instructions when the target has a chat template, else the data's
+    held-out tail)."""
+    from duospec.training.acceptance import prompt_sets
 
-        return heldout_prompts(tokenizer, options.eval_prompts, 64)
-    from duospec.training.acceptance import tail_prompts
-
-    return tail_prompts(heldout_tokens, options.eval_prompts, 64)
+    return prompt_sets(tokenizer, options.data, heldout_tokens, options.eval_prompts, 64)
 
 
 def train_heads(options: HeadOptions) -> Path:
@@ -345,14 +347,18 @@ def train_heads(options: HeadOptions) -> Path:
     heldout_tokens = source.tokens[-1:]  # placeholder, replaced below when the held-out tail exists
     if heldout:
         heldout_tokens = torch.cat([b[:, :-1].reshape(-1) for b in heldout]).numpy()
-    prompts = _eval_prompts(options, tokenizer, heldout_tokens)
-    mean_len, rounds = measure_head(target.cpu(), head.cpu(), options.method, prompts, new_tokens=64)
-    log(f"held-out mean accepted length (greedy, draft length 4, {len(prompts)} prompts, {rounds} rounds): "
-        f"{mean_len:.3f}")
+    by_kind, committed, rounds = {}, 0.0, 0
+    for kind, prompts in _eval_prompts(options, tokenizer, heldout_tokens).items():
+        kind_len, kind_rounds = measure_head(target.cpu(), head.cpu(), options.method, prompts, new_tokens=64)
+        by_kind[kind] = {"mean_accepted_length": round(kind_len, 3), "prompts": len(prompts), "rounds": kind_rounds}
+        committed, rounds = committed + kind_len * kind_rounds, rounds + kind_rounds
+        log(f"held-out {kind}: mean accepted length {kind_len:.3f} (greedy, draft length 4, {len(prompts)} "
+            f"prompts, {kind_rounds} rounds)")
+    mean_len = committed / max(rounds, 1)  # pooled over the kinds
     card = {"params": sum(p.numel() for p in head.parameters()), "data": list(options.data),
             "train_tokens": state.step * options.batch_size * options.seq_len, "steps": state.step,
             "train_seconds": round(state.elapsed_s), "heldout_mean_accepted_length": round(mean_len, 3),
-            "heldout_prompts": len(prompts), "last_eval": state.last_eval, "options": {
+            "heldout_acceptance": by_kind, "last_eval": state.last_eval, "options": {
                 k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()}}
     weights = head.export() if options.method == "eagle" else head.state_dict()
     write_head(options.out, options.method, io, weights,

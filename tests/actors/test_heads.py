@@ -289,6 +289,7 @@ def test_train_heads_writes_a_servable_head_and_resumes(target_dir, tmp_path, me
     assert main(args(4)) == 0
     card = json.loads((out / "head.json").read_text())["card"]
     assert card["steps"] == 4 and card["heldout_mean_accepted_length"] >= 1.0
+    assert [k["mean_accepted_length"] >= 1.0 and k["prompts"] > 0 for k in card["heldout_acceptance"].values()] == [True]
     loader = load_eagle if method == "eagle" else load_medusa
     loader(out, target_dir)  # the fingerprint matches the target it was trained on
     assert main(args(6) + ["--bf16"]) == 0  # a larger budget resumes and extends, here under bf16 autocast
