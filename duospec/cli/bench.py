@@ -15,6 +15,7 @@ MODES = ("off", "off-2threads", "hf", "hf-assisted", "vanilla", "pearl-nocache",
 SIMULATION_SCENARIOS = ("devices", "large-target", "large-pair")  # duospec.bench.simulate.SCENARIOS
 DEMO_MODEL = "smollm2"  # duospec.pull.PULLABLE
 DEMO_CONFIG = REPO_ROOT / "deploy" / "examples" / "smollm2.yaml"
+DEMO_LABEL = "SmolLM2-135M-Instruct"
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -33,7 +34,8 @@ def register(subparsers) -> None:
     p.add_argument("--models", type=pathlib.Path,
                    help="folder holding target/ and draft/, e.g. models (the bundled tiny pair). Default: the real "
                         "pair `make demo` serves, the pulled SmolLM2-135M-Instruct with the drafter "
-                        "deploy/examples/smollm2.yaml names")
+                        "deploy/examples/smollm2.yaml names (another --draft-method or --draft keeps its target); "
+                        "$DUOSPEC_MODELS, or an install without the repo's deploy/, the bundled pair")
     p.add_argument("--target", type=pathlib.Path, help="target checkpoint (with --draft, instead of --models)")
     p.add_argument("--draft", type=pathlib.Path, help="draft checkpoint (with --target)")
     p.add_argument("--draft-method", metavar="METHOD",
@@ -79,10 +81,19 @@ def register(subparsers) -> None:
 
 def resolve_pair(args: argparse.Namespace) -> tuple[pathlib.Path, pathlib.Path | None, str, str]:
     """(target, draft checkpoint or head, draft method, label for the report); the draft is None for a
-    method that needs none (ngram; layers without a fine-tuned --draft). With no models named, the real
-    pair `make demo` serves."""
-    if args.models is None and args.target is None and args.draft is None and args.draft_method is None:
-        return demo_pair()
+    method that needs none (ngram; layers without a fine-tuned --draft).
+
+    Without --models or --target the target is the real one `make demo` serves, and without a drafter
+    named, its drafter too; where there is no demo config (an installed package, the image, which sets
+    $DUOSPEC_MODELS), the bundled pair instead."""
+    if args.models is None and args.target is None and demo_config() is not None:
+        target, spec = demo_model()
+        if args.draft_method is None and args.draft is None:
+            return demo_pair(target, spec)
+        method = args.draft_method or "model"
+        if method in ("model", "random") and args.draft is None:
+            raise ValueError(f"--draft-method {method} needs --draft DIR (a checkpoint with {DEMO_LABEL}'s tokenizer)")
+        return target, args.draft, method, DEMO_LABEL
     method = args.draft_method or "model"
     label = "bundled pair" if args.models is None and args.target is None else ""
     root = args.models or pathlib.Path(os.environ.get("DUOSPEC_MODELS", REPO_ROOT / "models"))
@@ -99,23 +110,34 @@ def resolve_pair(args: argparse.Namespace) -> tuple[pathlib.Path, pathlib.Path |
     return root / "target", root / "draft", method, label
 
 
-def demo_pair() -> tuple[pathlib.Path, pathlib.Path | None, str, str]:
-    """The pulled SmolLM2 target with the drafter its serve config names (one place says which shipped
-    drafter is best), so the default figures are the ones a new user's `make demo` shows."""
+def demo_config() -> pathlib.Path | None:
+    """deploy/examples/smollm2.yaml in a checkout, unless $DUOSPEC_MODELS names the pair to measure."""
+    return DEMO_CONFIG if DEMO_CONFIG.is_file() and "DUOSPEC_MODELS" not in os.environ else None
+
+
+def demo_model():
+    """(target directory, its DraftSpec or None) of the demo config's model: the config's own target
+    when it is there (what `make demo` serves), else where `duospec pull` put it."""
     from duospec.coordinator.config import load_serve_config
     from duospec.pull import pulled_model
 
-    target = pulled_model(DEMO_MODEL)
+    (model,) = [m for m in load_serve_config(DEMO_CONFIG).models if m.name == DEMO_MODEL]
+    target = pathlib.Path(model.target) if pathlib.Path(model.target).is_dir() else pulled_model(DEMO_MODEL)
     if target is None:
-        raise ValueError(f"the default pair is SmolLM2-135M-Instruct, which is not pulled here: run `duospec pull "
+        raise ValueError(f"the default pair is {DEMO_LABEL}, which is not pulled here: run `duospec pull "
                          f"{DEMO_MODEL}` once (or pass --models models for the bundled tiny pair)")
-    spec = load_serve_config(DEMO_CONFIG).models[0].draft
+    return target, model.draft
+
+
+def demo_pair(target: pathlib.Path, spec) -> tuple[pathlib.Path, pathlib.Path | None, str, str]:
+    """The demo's target with the drafter its config names (one place says which shipped drafter is
+    best), so the default figures are the ones a new user's `make demo` shows."""
     if spec is None:
-        raise ValueError(f"{DEMO_CONFIG} names no drafter to benchmark; pass --target {target} --draft-method METHOD")
+        raise ValueError(f"{DEMO_CONFIG} names no drafter to benchmark; pass --draft-method METHOD")
     method = f"layers:{spec.layers}" if spec.method.value == "layers" else spec.method.value
     draft = pathlib.Path(spec.path) if spec.path else None
     where = f" ({draft.relative_to(REPO_ROOT) if draft.is_relative_to(REPO_ROOT) else draft})" if draft else ""
-    return target, draft, method, f"SmolLM2-135M-Instruct, drafter {method}{where} as {DEMO_CONFIG.name} serves it"
+    return target, draft, method, f"{DEMO_LABEL}, drafter {method}{where} as {DEMO_CONFIG.name} serves it"
 
 
 def run_bench_command(args: argparse.Namespace) -> int:

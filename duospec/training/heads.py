@@ -354,10 +354,10 @@ def train_heads(options: HeadOptions) -> Path:
         committed, rounds = committed + kind_len * kind_rounds, rounds + kind_rounds
         log(f"held-out {kind}: mean accepted length {kind_len:.3f} (greedy, draft length 4, {len(prompts)} "
             f"prompts, {kind_rounds} rounds)")
-    mean_len = committed / max(rounds, 1)  # pooled over the kinds
+    mean_len = committed / rounds if rounds else None  # pooled over the kinds; None: no held-out prompts
     card = {"params": sum(p.numel() for p in head.parameters()), "data": list(options.data),
             "train_tokens": state.step * options.batch_size * options.seq_len, "steps": state.step,
-            "train_seconds": round(state.elapsed_s), "heldout_mean_accepted_length": round(mean_len, 3),
+            "train_seconds": round(state.elapsed_s), "heldout_mean_accepted_length": mean_len and round(mean_len, 3),
             "heldout_acceptance": by_kind, "last_eval": state.last_eval, "options": {
                 k: str(v) if isinstance(v, Path) else v for k, v in asdict(options).items()}}
     weights = head.export() if options.method == "eagle" else head.state_dict()

@@ -293,7 +293,8 @@ def test_train_heads_writes_a_servable_head_and_resumes(target_dir, tmp_path, me
     loader = load_eagle if method == "eagle" else load_medusa
     loader(out, target_dir)  # the fingerprint matches the target it was trained on
     assert main(args(6) + ["--bf16"]) == 0  # a larger budget resumes and extends, here under bf16 autocast
-    assert json.loads((out / "head.json").read_text())["card"]["steps"] == 6
+    resumed = json.loads((out / "head.json").read_text())["card"]
+    assert resumed["steps"] == 6 and resumed["options"]["bf16"] is True
     assert "resumed from" in (out / ".train-heads" / "log.txt").read_text()
 
 

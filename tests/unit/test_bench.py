@@ -236,38 +236,55 @@ def test_bench_command_rejects_half_a_pair(tmp_path, capsys):
     assert "--target and --draft go together" in capsys.readouterr().err
 
 
+def _demo_config(monkeypatch, root: pathlib.Path, target: str, draft: str) -> pathlib.Path:
+    """A stand-in for deploy/examples/smollm2.yaml, which `duospec bench` reads for its default pair."""
+    from duospec.cli import bench as bench_cli
+
+    config = root / "demo.yaml"
+    config.write_text(f"models:\n  - name: smollm2\n    target: {target}\n    draft: {draft}\n")
+    monkeypatch.setattr(bench_cli, "DEMO_CONFIG", config)
+    monkeypatch.delenv("DUOSPEC_MODELS", raising=False)
+    return config
+
+
 def test_bench_without_models_names_the_pull_when_smollm2_is_not_there(tmp_path, monkeypatch, capsys):
     from duospec.cli import main
 
-    monkeypatch.setenv("DUOSPEC_CACHE", str(tmp_path))
+    _demo_config(monkeypatch, tmp_path, str(tmp_path / "not-pulled"), "{method: ngram}")
+    monkeypatch.setenv("DUOSPEC_CACHE", str(tmp_path / "cache"))
     assert main(["bench", "--skip-server"]) == 2
     err = capsys.readouterr().err
     assert "run `duospec pull smollm2` once" in err and "--models models" in err
 
 
 def test_bench_defaults_to_the_pair_the_demo_serves(tmp_path, monkeypatch):
-    """No models named: the pulled SmolLM2 with deploy/examples/smollm2.yaml's drafter; any models
-    flag keeps the old resolution (the bundled pair is --models models)."""
+    """No models named: the demo config's target and drafter (a relative path resolved against the
+    config's folder); another drafter keeps the demo's target; --models, or $DUOSPEC_MODELS as the
+    image sets it, the bundled pair."""
     import argparse
 
     from duospec.cli import bench as bench_cli
-    from duospec.coordinator.config import load_serve_config
-    from duospec.pull import MARKER_FILE, PULLABLE, model_dir
+    from tiny_models import make_tiny_checkpoint
 
-    spec = PULLABLE["smollm2"]
-    target = model_dir("smollm2", tmp_path)
-    target.mkdir(parents=True)
-    (target / MARKER_FILE).write_text(json.dumps({"package": spec.package, "version": spec.version,
-                                                  "gguf_sha256": spec.gguf_sha256}))
-    monkeypatch.setenv("DUOSPEC_CACHE", str(tmp_path))
+    target = make_tiny_checkpoint(tmp_path / "target", "llama", seed=0, num_layers=2)
+    shallow = make_tiny_checkpoint(tmp_path / "shallow", "llama", seed=1, num_layers=1)
+    _demo_config(monkeypatch, tmp_path, str(target), "{method: layers, layers: 1, path: shallow}")
     parser = argparse.ArgumentParser()
     bench_cli.register(parser.add_subparsers())
-    served = load_serve_config(bench_cli.DEMO_CONFIG).models[0].draft
-    got_target, draft, method, label = bench_cli.resolve_pair(parser.parse_args(["bench"]))
-    assert got_target == target and method == served.method.value.replace("layers", f"layers:{served.layers}")
-    assert draft == (pathlib.Path(served.path) if served.path else None) and "SmolLM2-135M-Instruct" in label
-    bundled = bench_cli.resolve_pair(parser.parse_args(["bench", "--models", "models"]))
-    assert bundled == (pathlib.Path("models/target"), pathlib.Path("models/draft"), "model", "")
+
+    def resolve(*argv):
+        return bench_cli.resolve_pair(parser.parse_args(["bench", *argv]))
+
+    got = resolve()
+    assert got[:3] == (pathlib.Path(target), pathlib.Path(shallow), "layers:1") and "SmolLM2-135M-Instruct" in got[3]
+    assert resolve("--draft-method", "ngram")[:3] == (pathlib.Path(target), None, "ngram")
+    with pytest.raises(ValueError, match="--draft-method model needs --draft DIR"):
+        resolve("--draft-method", "model")
+    bundled = ("models/target", "models/draft", "model", "")
+    assert tuple(map(str, resolve("--models", "models"))) == bundled
+    monkeypatch.setenv("DUOSPEC_MODELS", "/opt/duospec/models")
+    assert resolve()[:3] == (pathlib.Path("/opt/duospec/models/target"), pathlib.Path("/opt/duospec/models/draft"),
+                             "model")
 
 
 def test_committed_prompt_set_is_held_out_and_documented_kinds():
