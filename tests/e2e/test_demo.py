@@ -96,7 +96,7 @@ def test_a_missing_target_is_pulled_into_the_configs_directory(tmp_path, monkeyp
 
 @pytest.fixture(scope="module")
 def tiny_chat_config(tmp_path_factory) -> pathlib.Path:
-    """A serve config like deploy/examples/smollm2.yaml (the n-gram drafter) over a tiny random chat
+    """A serve config like deploy/examples/smollm2.yaml (here the n-gram drafter) over a tiny random chat
     model, next to it (relative paths resolve against the config's folder)."""
     from transformers import AutoTokenizer
 

@@ -26,7 +26,7 @@ TARGET = pulled_model("smollm2")
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "deploy" / "examples" / "smollm2.yaml"
 NEW_TOKENS = 16
 MODES = {"off": pb.SPECULATION_MODE_OFF, "vanilla": pb.SPECULATION_MODE_VANILLA, "pearl": pb.SPECULATION_MODE_PEARL}
-# Code and prose, so the n-gram drafter both finds repeats and misses.
+# Code and prose, so the drafter both hits and misses.
 PROMPTS = (
     "def fibonacci(n):\n    ",
     "def is_prime(n: int) -> bool:\n    \"\"\"Return True when n is prime.\"\"\"\n",

@@ -33,9 +33,15 @@ def test_the_example_serves_the_pulled_target_from_the_users_home(home):
     assert pathlib.Path(config.ledger).is_relative_to(home), "the usage ledger stays out of the repository"
 
 
-def test_the_example_names_one_drafter_that_needs_no_trained_draft(home):
+def test_the_example_names_one_drafter_the_draft_shipped_for_its_target(home):
+    """From any working directory: the draft's relative path is read from the config's folder."""
+    import json
+
     [model] = load_serve_config(EXAMPLE).models
-    assert model.draft is not None and model.draft.method is DraftMethod.NGRAM
+    assert model.draft is not None and model.draft.method is DraftMethod.MODEL
+    assert pathlib.Path(model.draft.path) == REPO / "models" / "smollm2" / "draft"
+    config = json.loads((pathlib.Path(model.draft.path) / "config.json").read_text())
+    assert config["vocab_size"] == 49152, "a draft with SmolLM2's vocabulary"
     assert model.speculation.mode.value == "pearl"
     assert sum(line.lstrip().startswith("draft:") for line in EXAMPLE.read_text().splitlines()) == 1
 
