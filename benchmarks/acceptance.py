@@ -6,7 +6,7 @@ tokenizer has a chat template, chat (held-out instruction prompts, duospec/train
     .venv/bin/python benchmarks/acceptance.py --record models/metrics.json
     .venv/bin/python benchmarks/acceptance.py --heads models/eagle models/medusa --record models/metrics.json
     .venv/bin/python benchmarks/acceptance.py --target ~/.cache/duospec/models/smollm2-135m-instruct \
-        --draft models/smollm2/draft --heads models/smollm2/eagle --prompts 24 --new-tokens 64 --no-regression
+        --draft models/smollm2/draft --heads models/smollm2/eagle --prompts 16 --new-tokens 64 --no-regression
 
 `--heads`: EAGLE / Medusa heads of the target (duospec train-heads), measured on the same prompts by
 exact simulation (duospec/training/heads.py `measure_head`: each round the head drafts on the target's
@@ -139,7 +139,8 @@ def main(argv=None) -> int:
                            for k, v in by_kind.items() if k != "code"}},
         }
         if regression is not None:
-            record["regression_set"] = {**REGRESSION_SET, "mean_accepted_length": round(regression.mean_accepted_length, 4)}
+            record["regression_set"] = {**REGRESSION_SET,
+                                        "mean_accepted_length": round(regression.mean_accepted_length, 4)}
         if heads:
             record["heads"] = heads
         args.record.write_text(json.dumps(record, indent=2) + "\n")
