@@ -117,7 +117,8 @@ def launch_pair(
         # A GPU fraction is of everything in use: the draft, loading first, would take it all. It gets
         # one slot's worth per sequence (or its own byte count); the target the fraction's rest.
         kv["draft"] = dataclasses.replace(kv["draft"], gpu_memory_utilization=None)
-    roles = (("draft", DraftWorker, (draft, target_path, prefill_chunk_tokens)), ("target", TargetWorker, (target_path,)))
+    roles = (("draft", DraftWorker, (draft, target_path, prefill_chunk_tokens)),
+             ("target", TargetWorker, (target_path, draft.feature_layers(target_path) if draft is not None else ())))
     infos = {}
     try:
         for role, cls, args in roles:

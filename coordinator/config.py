@@ -318,6 +318,7 @@ _DRAFT_KEYS = {
     DraftMethod.LAYERS: ("layers", "path", "kv_cache_memory_bytes"),
     DraftMethod.NGRAM: ("min_ngram", "max_ngram", "max_proposal", "pool", "pool_tokens", "max_pools"),
     DraftMethod.EAGLE: ("path", "kv_cache_memory_bytes"),
+    DraftMethod.EAGLE3: ("path", "kv_cache_memory_bytes"),
     DraftMethod.MEDUSA: ("path",),
 }
 
@@ -372,7 +373,7 @@ def _parse_draft(f: "Fields", base_dir: pathlib.Path, target: str) -> DraftSpec 
     if path == "":
         raise ConfigError(f"{d.where('path')}: empty; give the draft checkpoint's directory or remove the key")
     memory = d.setting(DraftSpec, "kv_cache_memory_bytes")
-    if method in (DraftMethod.MODEL, DraftMethod.EAGLE, DraftMethod.MEDUSA):
+    if method.loads_path:
         return DraftSpec(method, path=resolve_model_path(d.get("path", str, required=True), base_dir),
                          kv_cache_memory_bytes=memory)
     if method is DraftMethod.LAYERS:
@@ -410,11 +411,11 @@ def draft_from_flag(value: str, path: str | None) -> DraftSpec:
         return DraftSpec(DraftMethod.NGRAM)
     if name == "layers" and arg.isdigit() and int(arg) >= 1:
         return DraftSpec(DraftMethod.LAYERS, layers=int(arg), path=path or None)
-    if name in ("eagle", "medusa") and not arg:
+    if name in ("eagle", "eagle3", "medusa") and not arg:
         if not path:
             raise ValueError(f"--draft-method {name} needs the head's directory (duospec train-heads): pass --draft DIR")
         return DraftSpec(DraftMethod(name), path=path)
-    raise ValueError(f"--draft-method {value!r}: use model, ngram, eagle, medusa or layers:K (K >= 1, e.g. layers:2)")
+    raise ValueError(f"--draft-method {value!r}: use model, ngram, eagle, eagle3, medusa or layers:K (K >= 1, e.g. layers:2)")
 
 
 def _local_layer_count(target: str) -> int | None:

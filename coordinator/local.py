@@ -62,7 +62,7 @@ class LocalCoordinator(ModelRouter):
             target_runner, draft = preloaded
             if draft is not None and not isinstance(draft, Proposer):
                 draft = build_proposer(spec or DraftSpec(DraftMethod.MODEL), info.target_path, runner=draft)
-            return target_runner, draft
+            return _tap_features(target_runner, spec, info), draft
         # loaded now: health turns SERVING only once the models are in memory
         max_slots = scheduler_config(config).max_num_seqs
         proposer = None
@@ -71,7 +71,7 @@ class LocalCoordinator(ModelRouter):
                                       dtype=config.dtype, max_slots=max_slots, max_context=info.max_context,
                                       prefill_chunk_tokens=config.prefill_chunk_tokens,
                                       kv=worker_kv(config, "draft"))
-        return load_runner(info.target_path, config, max_slots, info.max_context), proposer
+        return _tap_features(load_runner(info.target_path, config, max_slots, info.max_context), spec, info), proposer
 
     @staticmethod
     def _opener(info, config, preloaded):
@@ -103,3 +103,14 @@ class LocalCoordinator(ModelRouter):
                 if draft is not None:
                     workers["draft"] = draft.loop.drafter.stats()
         return out
+
+
+def _tap_features(target_runner, spec: DraftSpec | None, info):
+    """The target runner, sending the features its drafter reads (an EAGLE-3 head's three layers)."""
+    layers = spec.feature_layers(info.target_path) if spec is not None else ()
+    if layers:
+        if not hasattr(target_runner, "set_feature_layers"):
+            raise ConfigError("an EAGLE-3 drafter reads three of the target's layers: the target needs the lean "
+                              "backend (backend: lean)")
+        target_runner.set_feature_layers(layers)
+    return target_runner

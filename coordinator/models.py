@@ -52,11 +52,19 @@ def model_info(model_config, max_context: int | None = None) -> ModelInfo:
     draft = spec.checkpoint(target) if spec is not None else None
     if draft == target:  # the target's own first layers: same tokenizer and context by construction
         draft = None
-    head = None
+    head, feature_rows = None, 1  # feature_rows: hidden-size rows a position's features take on the wire
     if spec is not None and spec.method.reads_features:  # a head: the target's tokenizer and context
-        from duospec.engine.heads import read_head
+        from duospec.engine.heads import HeadInfo, read_head
 
-        head, draft = read_head(draft, spec.method.value), None
+        if spec.method.value == "eagle3":  # either layout (duospec/engine/eagle3.py)
+            from duospec.engine.eagle3 import read_eagle3
+
+            info = read_eagle3(draft, AutoConfig.from_pretrained(target))
+            head = HeadInfo("eagle3", info.path, info.hidden_size, info.vocab_size, info.target_fingerprint or "")
+            feature_rows = len(info.feature_layers)
+        else:
+            head = read_head(draft, spec.method.value)
+        draft = None
     for path in filter(None, (target, draft)):
         if not (pathlib.Path(path) / "config.json").is_file():
             raise CheckpointError(f"{path}: not a checkpoint directory (no config.json)")
@@ -68,10 +76,11 @@ def model_info(model_config, max_context: int | None = None) -> ModelInfo:
                              f"{target_cfg.hidden_size} and {target_cfg.vocab_size}")
     if head is not None:  # a prefill chunk's hidden states travel in one verdict (and one drafter command)
         chunk = int(model_config.prefill_chunk_tokens)
-        fits = FEATURES_MESSAGE_BUDGET // (2 * target_cfg.hidden_size)
+        row_bytes = 2 * target_cfg.hidden_size * feature_rows
+        fits = FEATURES_MESSAGE_BUDGET // row_bytes
         if chunk > fits:
             raise ModelPairError(f"models[].prefill_chunk_tokens {chunk}: with the {head.method} drafter a chunk's "
-                                 f"hidden states ({2 * target_cfg.hidden_size} bytes per token) must stay under "
+                                 f"hidden states ({row_bytes} bytes per token) must stay under "
                                  f"{FEATURES_MESSAGE_BUDGET >> 20} MiB per message; use at most {fits}")
     if spec is not None and spec.layers is not None and spec.path is None:
         from duospec.engine.loader import shallow_config

@@ -1,4 +1,6 @@
-"""Drafting with an EAGLE head on the target's hidden states (duospec/engine/heads.py).
+"""Drafting with an EAGLE or EAGLE-3 head on the target's hidden states (duospec/engine/heads.py,
+duospec/engine/eagle3.py: an EAGLE-3 head fuses the target's three-layer features with its `fc`
+(`project`) before its rows read them).
 
 Each sequence holds a KV slot of the head's one layer. Head row j reads the embedding of token j and
 a feature of position j - 1: the target's own (``seq.features``, from FEATURES commands) when the
@@ -28,6 +30,7 @@ import torch
 from duospec.draft_worker.model_proposer import PREFILL_CHUNK_TOKENS, proposals_from_logits
 from duospec.draft_worker.proposer import DraftMethod, DraftState, FeatureStore, Proposal, Proposer
 from duospec.engine import SlotChunk, SlotsExhausted
+from duospec.engine.eagle3 import Eagle3Runner
 from duospec.engine.heads import EagleRunner
 
 
@@ -42,10 +45,10 @@ class _HeadState:
 
 
 class EagleProposer(Proposer):
-    method = DraftMethod.EAGLE
-
-    def __init__(self, runner: EagleRunner, *, prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS):
+    def __init__(self, runner: EagleRunner | Eagle3Runner, method: DraftMethod = DraftMethod.EAGLE, *,
+                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS):
         self.runner = runner
+        self.method = method
         self.max_context = runner.max_context
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.hidden_size = runner.config.hidden_size
@@ -116,7 +119,7 @@ class EagleProposer(Proposer):
         first, split = max(start, 1), min(max(start, 1, usable + 1), stop)
         parts = [torch.zeros(first - start, self.hidden_size)]
         if split > first:
-            parts.append(seq.features.rows_between(first - 1, split - 1))
+            parts.append(self.runner.project(seq.features.rows_between(first - 1, split - 1)).float().cpu())
         if stop > split:
             parts.append(state.pred.rows_between(split - 1, stop - 1))
         return torch.cat(parts)

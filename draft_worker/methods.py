@@ -27,10 +27,10 @@ def build_proposer(spec: DraftSpec, target_path: str, *, device: str = "cpu", dt
         runner = load_draft_runner(spec, target_path, device=device, dtype=dtype, max_slots=max_slots,
                                    max_context=max_context, kv=kv)
     chunking = {} if prefill_chunk_tokens is None else {"prefill_chunk_tokens": prefill_chunk_tokens}
-    if spec.method is DraftMethod.EAGLE:
+    if spec.method in (DraftMethod.EAGLE, DraftMethod.EAGLE3):
         from duospec.draft_worker.eagle_proposer import EagleProposer
 
-        return EagleProposer(runner, **chunking)
+        return EagleProposer(runner, spec.method, **chunking)
     from duospec.draft_worker.model_proposer import ModelProposer
 
     return ModelProposer(runner, spec.method, **chunking)
@@ -41,14 +41,16 @@ def load_draft_runner(spec: DraftSpec, target_path: str, **kwargs):
     checkpoint; an EAGLE head also reads the target's embedding and LM head)."""
     from duospec.engine import load_model
 
-    if spec.method is DraftMethod.EAGLE:
+    if spec.method in (DraftMethod.EAGLE, DraftMethod.EAGLE3):
         from duospec.engine import resolve_dtype
+        from duospec.engine.eagle3 import load_eagle3
         from duospec.engine.heads import load_eagle
         from duospec.engine.loader import _resolve_device
 
         device = _resolve_device(kwargs.pop("device", "cpu"))
         dtype = resolve_dtype(kwargs.pop("dtype", "auto"), device)
-        return load_eagle(spec.path, target_path, device=device, dtype=dtype, **kwargs)
+        load = load_eagle3 if spec.method is DraftMethod.EAGLE3 else load_eagle
+        return load(spec.path, target_path, device=device, dtype=dtype, **kwargs)
     if spec.method is DraftMethod.LAYERS and spec.path is None:
         return load_model(target_path, num_layers=spec.layers, **kwargs)
     return load_model(spec.checkpoint(target_path), **kwargs)

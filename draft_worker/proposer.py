@@ -68,17 +68,23 @@ class DraftMethod(str, enum.Enum):
     LAYERS = "layers"  # the target's first K layers + its final norm and LM head (self-speculation)
     NGRAM = "ngram"  # model-free: suffix matches in the sequence's and the tenant's recent text
     EAGLE = "eagle"  # an EAGLE head (duospec train-heads) on the target's hidden states
+    EAGLE3 = "eagle3"  # an EAGLE-3 head (duospec train-heads, or a published one) on three target layers
     MEDUSA = "medusa"  # Medusa heads (duospec train-heads) on the target's hidden states
 
     @property
     def needs_model(self) -> bool:
         """Whether the draft worker holds a ModelRunner (and so asks for an accelerator)."""
-        return self in (DraftMethod.MODEL, DraftMethod.LAYERS, DraftMethod.EAGLE)
+        return self in (DraftMethod.MODEL, DraftMethod.LAYERS, DraftMethod.EAGLE, DraftMethod.EAGLE3)
 
     @property
     def reads_features(self) -> bool:
         """Drafts from the target's hidden states (the target sends them with each verdict)."""
-        return self in (DraftMethod.EAGLE, DraftMethod.MEDUSA)
+        return self in (DraftMethod.EAGLE, DraftMethod.EAGLE3, DraftMethod.MEDUSA)
+
+    @property
+    def loads_path(self) -> bool:
+        """Loads a checkpoint or head directory named by the spec's (required) `path`."""
+        return self in (DraftMethod.MODEL, DraftMethod.EAGLE, DraftMethod.EAGLE3, DraftMethod.MEDUSA)
 
 
 POOL_SCOPES = ("tenant", "sequence")
@@ -110,32 +116,40 @@ class DraftSpec:
 
     method: DraftMethod = setting(
         REQUIRED, "model: a small checkpoint with the target's tokenizer; layers: the target's first K "
-        "layers; ngram: suffix matches in the text, no checkpoint; eagle / medusa: a head from "
-        "`duospec train-heads`", choices=[m.value for m in DraftMethod])
+        "layers; ngram: suffix matches in the text, no checkpoint; eagle / eagle3 / medusa: a head from "
+        "`duospec train-heads` (eagle3 also in the published EAGLE-3 layout)", choices=[m.value for m in DraftMethod])
     path: str | None = setting(
-        None, "model, eagle, medusa: the checkpoint's or head's directory (required); layers: a fine-tuned "
+        None, "model, eagle, eagle3, medusa: the checkpoint's or head's directory (required); layers: a fine-tuned "
         "shallow draft (optional)")
     layers: int | None = setting(None, "layers: K, the target's first K layers (required; fewer than it has)",
                                  lo=1, hi=1 << 16)
     ngram: NgramOptions = field(default_factory=NgramOptions)  # the ngram keys, declared on NgramOptions
     kv_cache_memory_bytes: int | None = setting(
-        None, "model, layers, eagle: the draft worker's own KV memory in bytes; absent = the model's setting",
+        None, "model, layers, eagle, eagle3: the draft worker's own KV memory in bytes; absent = the model's setting",
         lo=1 << 10, hi=1 << 50)
     tensor_parallel_size: int = setting(
         1, "model: the draft's tensor-parallel group size, ranks on one node", lo=1, hi=MAX_TENSOR_PARALLEL)
 
     def checkpoint(self, target_path: str) -> str | None:
         """The checkpoint the draft worker loads (None: no model); a head's directory for eagle/medusa."""
-        if self.method in (DraftMethod.MODEL, DraftMethod.EAGLE, DraftMethod.MEDUSA):
+        if self.method.loads_path:
             return self.path
         if self.method is DraftMethod.LAYERS:
             return self.path or target_path
         return None
 
+    def feature_layers(self, target_path: str) -> tuple[int, ...]:
+        """The target layers whose inputs the drafter reads (EAGLE-3); () for the final hidden states."""
+        if self.method is not DraftMethod.EAGLE3:
+            return ()
+        from duospec.engine.eagle3 import head_feature_layers
+
+        return head_feature_layers(self.path, target_path)
+
     def describe(self) -> str:
         if self.method is DraftMethod.LAYERS:
             return f"layers:{self.layers}" + (f" ({self.path})" if self.path else "")
-        if self.method in (DraftMethod.MODEL, DraftMethod.EAGLE, DraftMethod.MEDUSA):
+        if self.method.loads_path:
             return f"{self.method.value} ({self.path})"
         return f"ngram ({self.ngram.min_ngram}-{self.ngram.max_ngram}, pool {self.ngram.pool})"
 

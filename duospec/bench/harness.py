@@ -106,7 +106,11 @@ class BenchConfig:
         if any(c < 1 for c in self.concurrency):
             raise ValueError(f"--concurrency {list(self.concurrency)}: stream counts must be >= 1")
         roles = ("target", "draft") if spec.method.value == "model" else ("target",)
-        if spec.method.reads_features:
+        if spec.method is DraftMethod.EAGLE3:
+            from duospec.engine.eagle3 import head_feature_layers
+
+            head_feature_layers(self.draft, self.target)  # either layout (CheckpointError says what is wrong)
+        elif spec.method.reads_features:
             from duospec.engine.heads import read_head
 
             read_head(self.draft, spec.method.value)  # a head directory (CheckpointError says what is wrong)

@@ -101,6 +101,8 @@ def _distill(args: argparse.Namespace) -> int:
 
 
 def _register_heads(subparsers) -> None:
+    from duospec.training.heads import HeadOptions
+
     parser = subparsers.add_parser(
         "train-heads",
         help="train an EAGLE or Medusa draft head on a Llama-family target's hidden states",
@@ -109,10 +111,11 @@ def _register_heads(subparsers) -> None:
                     "Serve it as {method: eagle|medusa, path: OUT}. Rerunning with the same --out resumes.",
     )
     parser.add_argument("--target", type=Path, required=True, help="target checkpoint directory")
-    parser.add_argument("--method", choices=["eagle", "medusa"], required=True)
+    parser.add_argument("--method", choices=["eagle", "eagle3", "medusa"], required=True)
     parser.add_argument("--data", nargs="+", required=True, metavar="PATH",
                         help="text files or directories; 'stdlib' = the training split of the Python standard "
-                             "library (the bundled models' corpus)")
+                             "library (the bundled models' corpus); eagle3: `duospec distill-data` folders "
+                             "and/or stdlib")
     parser.add_argument("--out", type=Path, required=True, help="head directory to write")
     budget = parser.add_argument_group("budget (one or both; the first reached ends the run)")
     budget.add_argument("--steps", type=int, help="optimizer steps")
@@ -127,6 +130,16 @@ def _register_heads(subparsers) -> None:
     parser.add_argument("--bf16", action="store_true",
                         help="bf16 autocast for the forwards on CPU too (fp32 master weights): about 2x faster "
                              "matmuls on CPUs with AVX512-BF16 (always on with cuda)")
+    eagle3 = parser.add_argument_group("eagle3")
+    eagle3.add_argument("--draft-vocab", type=int, default=HeadOptions.draft_vocab,
+                        help=f"draft vocabulary: the tokens the target emits most (default {HeadOptions.draft_vocab})")
+    eagle3.add_argument("--ttt-steps", type=int, default=HeadOptions.ttt_steps,
+                        help=f"training-time-test steps (default {HeadOptions.ttt_steps})")
+    eagle3.add_argument("--stdlib-tokens", type=int, default=HeadOptions.stdlib_tokens,
+                        help=f"raw stdlib code tokens cached with --data stdlib (default {HeadOptions.stdlib_tokens})")
+    eagle3.add_argument("--layout", choices=["duospec", "published"], default=HeadOptions.layout,
+                        help="published: also write OUT/published in the EAGLE-3 layout vLLM and SGLang load")
+    eagle3.add_argument("--init", type=Path, help="start from this eagle3 head's weights (continue a shipped head)")
     parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                         help="continue from OUT's checkpoint if it belongs to the same run (default)")
     parser.set_defaults(func=_train_heads)
@@ -138,7 +151,9 @@ def _train_heads(args: argparse.Namespace) -> int:
     options = HeadOptions(target=args.target, method=args.method, data=tuple(str(p) for p in args.data),
                           out=args.out, steps=args.steps, minutes=args.minutes, batch_size=args.batch_size,
                           seq_len=args.seq_len, lr=args.lr, medusa_heads=args.medusa_heads, device=args.device,
-                          seed=args.seed, resume=args.resume, eval_prompts=args.eval_prompts, bf16=args.bf16)
+                          seed=args.seed, resume=args.resume, eval_prompts=args.eval_prompts, bf16=args.bf16,
+                          draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, stdlib_tokens=args.stdlib_tokens,
+                          layout=args.layout, init=args.init)
     try:
         result = train_heads(options)
     except HeadTrainingError as err:

@@ -40,7 +40,7 @@ from duospec.engine.loader import KVOptions
 HEAD_FILE = "head.json"
 WEIGHTS_FILE = "model.safetensors"
 FORMAT = "duospec-head/1"
-METHODS = ("eagle", "medusa")
+METHODS = ("eagle", "eagle3", "medusa")  # eagle3: duospec/engine/eagle3.py
 FINGERPRINT_ROWS = 1024  # embedding/LM-head rows hashed (evenly spaced): cheap for 150k vocabularies
 
 
@@ -170,16 +170,18 @@ def read_head(path: str | pathlib.Path, method: str | None = None) -> HeadInfo:
 
 
 def write_head(out: pathlib.Path, method: str, io: TargetIO, weights: dict[str, torch.Tensor], *,
-               medusa_heads: int = 0, card: dict | None = None) -> None:
+               medusa_heads: int = 0, card: dict | None = None, extra: dict | None = None) -> None:
+    """`extra`: more keys of head.json (an EAGLE-3 head's `eagle3`: feature layers, draft vocabulary)."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to(torch.float16).contiguous().cpu() for k, v in weights.items()},
+    save_file({k: (v.detach().to(torch.float16) if v.is_floating_point() else v).contiguous().cpu()
+               for k, v in weights.items()},
               str(out / WEIGHTS_FILE))
     meta = {"format": FORMAT, "method": method,
             "target": {"hidden_size": io.config.hidden_size, "vocab_size": io.config.vocab_size,
                        "fingerprint": io.fingerprint},
-            "medusa_heads": medusa_heads, "card": card or {}}
+            "medusa_heads": medusa_heads, **(extra or {}), "card": card or {}}
     (out / HEAD_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
 
@@ -213,6 +215,10 @@ class EagleRunner(LeanLlamaRunner):
             raise ValueError("the EAGLE head needs one feature row per token")
         embeds = F.embedding(batch.tokens, self.embed)
         return F.linear(torch.cat([embeds, features.to(device=self.device, dtype=self.dtype)], -1), self.fc)
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features as the head's rows read them: as they are (EAGLE-3 fuses its own)."""
+        return features
 
     def forward_eagle(self, chunks, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed `chunks` with `features` [N tokens over all chunks, hidden] (row j's feature is that of

@@ -180,6 +180,8 @@ class LeanLlamaRunner(ModelRunner):
     backend = "lean"
     supports_trees = True
     supports_hidden = True
+    features_before_norm = False  # EAGLE-3 heads: a row's feature is the layer output before the final norm
+    feature_layers: tuple[int, ...] = ()  # set_feature_layers
 
     def __init__(self, config, state_dict: dict[str, torch.Tensor], *, device: torch.device,
                  dtype: torch.dtype, max_slots: int, max_context: int, kv_cache_memory_bytes: int | None = None,
@@ -337,6 +339,29 @@ class LeanLlamaRunner(ModelRunner):
                                         for o, f, c in zip(offsets, first_rows, chunks)))
         return self._run(chunks, last_only=False, to_cpu=False, hidden=hidden, keep_rows=keep)
 
+    @property
+    def _features_are_normed(self) -> bool:
+        return not self.feature_layers and not self.features_before_norm
+
+    def set_feature_layers(self, layers) -> None:
+        """Make the features (`forward_with_hidden`, `forward_for_verify(hidden=True)`) the residual
+        stream entering each of `layers`, concatenated [N, len(layers) * hidden] (what an EAGLE-3 head
+        reads), instead of the final norm's output; None or () restores that."""
+        layers = tuple(layers or ())
+        bad = [i for i in layers if not 0 <= i < len(self.layers)]
+        if bad:
+            raise CheckpointError(f"feature layers {list(bad)} out of range: the model has {len(self.layers)} layers")
+        if list(layers) != sorted(set(layers)):  # taps are collected in layer order
+            raise CheckpointError(f"feature layers {list(layers)} must be distinct and ascending")
+        self.feature_layers = layers
+
+    def _features(self, h: torch.Tensor, taps: list[torch.Tensor]) -> torch.Tensor:
+        """Every row's feature: the taps (feature_layers), the last layer's output (a head that feeds
+        its own pre-norm output back, EAGLE-3) or the final norm's output (what the LM head reads)."""
+        if self.feature_layers:
+            return torch.cat(taps, dim=-1)
+        return h if self.features_before_norm else self._norm(h, self.final_norm)
+
     def _inputs(self, batch: _Batch, features: torch.Tensor | None) -> torch.Tensor:
         """[N, hidden] the first layer's input rows (the EAGLE head mixes in features here)."""
         rows = F.embedding(batch.tokens, self.embed)
@@ -345,8 +370,9 @@ class LeanLlamaRunner(ModelRunner):
     def _run(self, chunks: Sequence[SlotChunk], *, last_only: bool, to_cpu: bool, hidden: bool = False,
              features: torch.Tensor | None = None, all_hidden: bool = False, keep_rows: list[int] | None = None):
         """(logits, hidden states or None): logits as `forward`/`forward_last` return them; with
-        `hidden`, the final-norm outputs of the same rows (what the LM head reads), float32, CPU;
-        with `all_hidden` (and last_only), those of every row, flat [N, hidden].
+        `hidden`, the features (`_features`: by default the final-norm outputs, what the LM head
+        reads) of the same rows, float32, CPU; with `all_hidden` (and last_only), those of every row,
+        flat [N, feature width].
 
         `keep_rows` (flat row indices; `forward_for_verify`): the LM head runs on those rows only and
         both results stay on the device, flat: logits [len(keep_rows), V], hidden states of every row."""
@@ -356,15 +382,18 @@ class LeanLlamaRunner(ModelRunner):
             h = self._inputs(batch, features)  # [N, hidden]
             ropes = {kind: (cos[batch.positions].unsqueeze(1), sin[batch.positions].unsqueeze(1))  # [N, 1, head_dim]
                      for kind, (cos, sin) in self.rope.items()}
-            for layer in self.layers:
+            taps = []  # the residual stream entering each of `feature_layers` (EAGLE-3's features)
+            for i, layer in enumerate(self.layers):
+                if i in self.feature_layers:
+                    taps.append(h)
                 h = self._attention(layer, h, *ropes[layer.rope], batch)
                 h = self._mlp(layer, h)
-            every = self._norm(h, self.final_norm) if all_hidden else None
             keep = batch.last_rows if last_only else None
             if keep_rows is not None:
                 keep = torch.tensor(keep_rows, dtype=torch.long).to(self.device, non_blocking=True)
-            if every is not None:
-                h = every if keep is None else every[keep]
+            every = self._features(h, taps) if hidden or all_hidden else None  # [N, feature width]
+            if every is not None and self._features_are_normed:
+                h = every if keep is None else every[keep]  # the LM head reads the features: one norm
             else:
                 h = self._norm(h if keep is None else h[keep], self.final_norm)
         # The LM head runs outside inference mode so the logits are ordinary tensors: callers
@@ -376,7 +405,9 @@ class LeanLlamaRunner(ModelRunner):
                 return logits, every.float() if hidden else None
             if to_cpu:
                 logits = logits.cpu()
-            states = (every if every is not None else h).float().cpu() if hidden else None
+            if every is not None and keep is not None and not all_hidden:
+                every = every[keep]
+            states = every.float().cpu() if hidden else None
         self._commit_lengths(chunks)
         if last_only:
             return logits, states
@@ -481,10 +512,13 @@ class LeanLlamaRunner(ModelRunner):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * weight).to(x.dtype) if self.gemma_norm else weight * xf.to(x.dtype)
 
-    def _attention(self, layer: _Layer, h: torch.Tensor, cos, sin, batch: _Batch) -> torch.Tensor:
+    def _attention(self, layer: _Layer, h: torch.Tensor, cos, sin, batch: _Batch,
+                   normed: torch.Tensor | None = None) -> torch.Tensor:
+        """h + the attention block's output; `normed`: its input rows when they are not
+        input_norm(h) (an EAGLE-3 head reads [embedding; feature], each normed, beside residual h)."""
         n_tok = h.shape[0]
         nh, nkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = layer.qkv(self._norm(h, layer.input_norm))
+        qkv = layer.qkv(self._norm(h, layer.input_norm) if normed is None else normed)
         qk = qkv[:, : (nh + nkv) * hd].view(n_tok, nh + nkv, hd)
         if layer.q_norm is not None:
             qk = torch.cat((self._norm(qk[:, :nh], layer.q_norm), self._norm(qk[:, nh:], layer.k_norm)), dim=1)

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from duospec.training.data import STDLIB, DataError, collect_data_files
+from duospec.training.loop import mean_metrics
 
 STATE_DIR = ".train-heads"
 KL_WEIGHT = 0.5
@@ -59,17 +60,27 @@ class HeadOptions:
     resume: bool = True
     eval_prompts: int = 24
     bf16: bool = False  # autocast on CPU too; CUDA always (not part of the run's identity: a resume may switch)
+    # eagle3 (duospec/training/eagle3_run.py)
+    draft_vocab: int = 8192  # the draft LM head's tokens: the ones the target emits most
+    ttt_steps: int = 4  # training-time-test steps: the head learns to draft this far on its own outputs
+    stdlib_tokens: int = 200_000  # raw-code tokens cached when --data names stdlib
+    layout: str = "duospec"  # published: also write OUT/published (config.json + safetensors, vLLM/SGLang)
+    init: Path | None = None  # start from this head's weights (continue a shipped head)
 
     def validate(self) -> None:
-        if self.method not in ("eagle", "medusa"):
-            raise HeadTrainingError(f"--method must be eagle or medusa, got {self.method!r}")
+        if self.method not in ("eagle", "eagle3", "medusa"):
+            raise HeadTrainingError(f"--method must be eagle, eagle3 or medusa, got {self.method!r}")
+        if self.layout not in ("duospec", "published"):
+            raise HeadTrainingError(f"--layout must be duospec or published, got {self.layout!r}")
+        if self.init is not None and not self.init.is_dir():
+            raise HeadTrainingError(f"--init {self.init}: not a head directory")
         if self.steps is None and self.minutes is None:
             raise HeadTrainingError("give a budget: --steps N or --minutes M")
         for name in ("steps", "minutes"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise HeadTrainingError(f"--{name} must be positive, got {value}")
-        for name in ("batch_size", "seq_len", "medusa_heads"):
+        for name in ("batch_size", "seq_len", "medusa_heads", "draft_vocab", "ttt_steps"):
             if getattr(self, name) < 1:
                 raise HeadTrainingError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0:
@@ -135,16 +146,8 @@ class _HeadObjective:
     def lm(self, hidden):
         return self.target.lm_head(hidden)
 
-    @torch.no_grad()
     def evaluate(self, batches) -> dict:
-        self.head.eval()
-        sums: dict[str, float] = {}
-        for batch in batches:
-            _, metrics = self.loss(batch)
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v
-        self.head.train()
-        return {k: v / max(len(batches), 1) for k, v in sums.items()}
+        return mean_metrics(self, batches)
 
 
 class EagleObjective(_HeadObjective):
@@ -286,6 +289,15 @@ def train_heads(options: HeadOptions) -> Path:
     from duospec.training.models import SUPPORTED_TARGET_TYPES
 
     options.validate()
+    if options.method == "eagle3":
+        from duospec.training.eagle3_run import train_eagle3
+
+        try:
+            return train_eagle3(options)
+        except (OSError, ValueError) as err:
+            if isinstance(err, HeadTrainingError):
+                raise
+            raise HeadTrainingError(str(err)) from err
     try:
         io = read_target_io(options.target)
     except Exception as err:

@@ -171,6 +171,19 @@ def run_loop(objective, source, heldout_batches, cfg: LoopConfig, checkpoint_pat
     return state
 
 
+@torch.no_grad()
+def mean_metrics(objective, batches) -> dict:
+    """An objective's metrics averaged over held-out batches, its head in eval mode meanwhile."""
+    objective.head.eval()
+    sums: dict[str, float] = {}
+    for batch in batches:
+        _, metrics = objective.loss(batch)
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + v
+    objective.head.train()
+    return {k: v / max(len(batches), 1) for k, v in sums.items()}
+
+
 def _bar_total(cfg: LoopConfig) -> int:
     return cfg.max_steps if cfg.max_steps is not None else int(cfg.max_seconds)
 
