@@ -305,3 +305,39 @@ def test_greedy_through_actors(ray_runtime, target_dir, hf_target, heads):
     finally:
         loop.run(coordinator.close())
         loop.close()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+async def test_greedy_through_the_server_at_tp_1_and_2(ray_runtime, target_dir, hf_target, heads):
+    """Through the real gRPC server, every mode equals transformers with the target at TP=1 and TP=2
+    (rank 0 taps the all-reduced residual stream; tests/engine/test_tensor_parallel.py checks the taps
+    equal one process's), and the head drafts from the features the group sends."""
+    import asyncio
+    import dataclasses
+
+    from duospec.coordinator.config import ServerSettings
+    from duospec.coordinator.pipeline import start_pipeline
+    from duospec.v1 import generation_pb2 as gpb
+    from pipeline_support import model_config
+    from server_support import collect, running_server
+
+    settings = ServerSettings(host="127.0.0.1", port=0, metrics_port=0, http_port=0)
+    prompts = _prompts(6, seed=31)
+    modes = (gpb.SPECULATION_MODE_OFF, gpb.SPECULATION_MODE_VANILLA, gpb.SPECULATION_MODE_PEARL)
+    for tp in (1, 2):
+        name = f"eagle3-tp{tp}-{target_dir.parent.name}"
+        config = dataclasses.replace(model_config(name, target_dir, None), tensor_parallel_size=tp, max_model_len=256,
+                                     draft=DraftSpec(DraftMethod.EAGLE3, path=str(heads[0])))
+        coordinator = start_pipeline([config])
+        async with running_server(coordinator, settings) as h:
+            runs = [(p, mode) for p in prompts for mode in modes]
+            got = await asyncio.gather(*(collect(h.stub, gpb.GenerateRequest(
+                prompt_token_ids=gpb.TokenIds(ids=p), stopping=gpb.StoppingCriteria(max_new_tokens=24, ignore_eos=True),
+                speculation=gpb.SpeculationParams(mode=mode)), timeout=240) for p, mode in runs))
+            for (prompt, _), messages in zip(runs, got):
+                assert_greedy_equal(hf_target, prompt, [t for m in messages for t in m.token_ids],
+                                    hf_greedy(hf_target, prompt, 24))
+            drafted = sum(messages[-1].stats.drafted_tokens for (_, mode), messages in zip(runs, got)
+                          if mode != gpb.SPECULATION_MODE_OFF)
+            assert drafted >= len(prompts) * 4, f"TP={tp}: the head hardly drafted ({drafted})"

@@ -29,7 +29,7 @@ TOLERANCE = 1e-5  # fp32: a row-parallel sum adds the same terms in another orde
 def script(runner) -> list[torch.Tensor]:
     """The calls a worker makes: a ragged prefill, decode next to a multi-token chunk, a rollback, a
     token tree, keeping one path, and decoding after it; every logits row they return, and the final
-    hidden states of the last forward."""
+    hidden states of a forward, then the EAGLE-3 taps of the next."""
     out: list[torch.Tensor] = []
     a, b = runner.allocate_slot(), runner.allocate_slot()
     out += runner.forward([SlotChunk(a, 0, [5, 9, 14, 3, 7, 21, 8]), SlotChunk(b, 0, [11, 4, 30])])
@@ -40,6 +40,9 @@ def script(runner) -> list[torch.Tensor]:
     out += runner.forward([SlotChunk(b, 7, [13]), SlotChunk(a, 8, [1, 2])])
     logits, hidden = runner.forward_with_hidden([SlotChunk(a, 10, [40, 41])])
     out += logits + hidden
+    runner.set_feature_layers((0, 1))  # an EAGLE-3 drafter's taps (rank 0 alone sends features)
+    logits, taps = runner.forward_with_hidden([SlotChunk(b, 8, [42, 43])])
+    out += logits + taps
     runner.free_slot(a)
     return [t.detach().clone() for t in out]
 
