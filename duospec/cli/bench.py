@@ -42,8 +42,9 @@ def register(subparsers) -> None:
                    help="what drafts: model (the draft checkpoint, the default with --models or --draft), ngram "
                         "(model-free: matches in the prompt and output; no draft needed) or layers:K (the target's "
                         "first K layers; with --draft DIR a fine-tuned shallow draft from `duospec distill "
-                        "--init-layers K`), eagle or medusa (a head from `duospec train-heads`: --draft HEAD_DIR) or "
-                        "random (the adversarial case: a random-weight draft of the --draft checkpoint's shape)")
+                        "--init-layers K`), eagle, eagle3 or medusa (a head from `duospec train-heads`, eagle3 also "
+                        "a published one: --draft HEAD_DIR) or random (the adversarial case: a random-weight draft "
+                        "of the --draft checkpoint's shape)")
     p.add_argument("--models-label", default="", help="what the models are, printed in the report")
     p.add_argument("--prompts", type=pathlib.Path, help="JSONL prompt set (default benchmarks/prompts/prompts.jsonl)")
     p.add_argument("--limit-prompts", type=int, help="use only the first N prompts")
