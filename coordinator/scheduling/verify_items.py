@@ -66,9 +66,10 @@ class VerifyBatchBuilder:
         # an empty round (Scheduler._may_verify_without_drafts): its bonus keeps the drafter's epoch
         spec = seq.spec
         spec.start_round(empty=not tokens and self._may_verify_without_drafts(seq))
-        if spec.empty_round and seq.policy.lookup and not seq.needs_features and bonus != pb.BONUS_POLICY_SKIP:
+        if spec.empty_round and seq.policy.lookup and bonus != pb.BONUS_POLICY_SKIP:
             # (not in a prompt's prefill round, which leaves the next token to the drafter's first
-            # draft; not for a head drafter, whose features would cover positions it never drafted)
+            # draft). A head drafter gets the features of what the round commits like any verdict's:
+            # its rows re-read them, or a RESET brings it to the committed tokens.
             tokens = spec.look_up(seq.committed, self._lookup_length(seq))
         parents: list[int] = []
         # A tree's nodes sit at their depth's position but take one KV row each after the main chain:
