@@ -8,8 +8,9 @@ tokenizer has a chat template, chat (held-out instruction prompts, duospec/train
     .venv/bin/python benchmarks/acceptance.py --target ~/.cache/duospec/models/smollm2-135m-instruct \
         --draft models/smollm2/draft --heads models/smollm2/eagle --prompts 16 --new-tokens 64 --no-regression
 
-`--heads`: EAGLE / Medusa heads of the target (duospec train-heads), measured on the same prompts by
-exact simulation (duospec/training/heads.py `measure_head`: each round the head drafts on the target's
+`--heads`: EAGLE / EAGLE-3 / Medusa heads of the target (duospec train-heads; EAGLE-3 also published),
+measured on the same prompts by exact simulation (duospec/training/heads.py `measure_head`; EAGLE-3 on
+the engine, duospec/training/eagle3_run.py `measure_eagle3`: each round the head drafts on the target's
 features of the verified positions, then on its own) and reported next to the draft.
 
 Cost: median seconds of one single-token decode step (position 64, one thread, fp32) on duospec's
@@ -66,9 +67,13 @@ def prompts_by_kind(tokenizer, count: int, prompt_tokens: int) -> dict[str, list
 def measure_head_dir(target, tokenizer, head_dir: Path, target_dir: Path, kinds: dict, args):
     """(method, {kind: mean accepted length}, mean accepted length on the regression set or None, one
     draft step in seconds or None: EAGLE's on the engine; Medusa's heads run once per verify)."""
+    from duospec.engine.eagle3 import is_published
+    from duospec.engine.heads import read_head
     from duospec.training.acceptance import heldout_prompts
     from duospec.training.heads import load_trained_head, measure_head
 
+    if is_published(head_dir) or read_head(head_dir).method == "eagle3":
+        return measure_eagle3_dir(tokenizer, head_dir, target_dir, kinds, args)
     method, head = load_trained_head(head_dir, target_dir)
     step = None
     if method == "eagle":
@@ -84,6 +89,28 @@ def measure_head_dir(target, tokenizer, head_dir: Path, target_dir: Path, kinds:
                              heldout_prompts(tokenizer, REGRESSION_SET["prompts"], REGRESSION_SET["prompt_tokens"]),
                              REGRESSION_SET["new_tokens"], REGRESSION_SET["draft_len"])[0]
     return method, by_kind, small, step
+
+
+def measure_eagle3_dir(tokenizer, head_dir: Path, target_dir: Path, kinds: dict, args):
+    """As measure_head_dir, for an EAGLE-3 head (either layout), on the engine (eagle3_run.measure_eagle3)."""
+    from duospec.bench.simulate_heads import eagle_cost_runner
+    from duospec.engine import load_checkpoint
+    from duospec.engine.eagle3 import load_eagle3
+    from duospec.training.acceptance import heldout_prompts, runner_step_seconds
+    from duospec.training.eagle3_run import measure_eagle3
+
+    head = load_eagle3(head_dir, target_dir, max_slots=2)
+    target = load_checkpoint(target_dir, device="cpu", dtype="float32", max_slots=2).runner
+    target.set_feature_layers(head.target_feature_layers)
+    by_kind = {kind: measure_eagle3(target, head, prompts, args.new_tokens, args.draft_len)[0]
+               for kind, prompts in kinds.items()}
+    small = None
+    if not args.no_regression:
+        small = measure_eagle3(target, head, heldout_prompts(tokenizer, REGRESSION_SET["prompts"],
+                                                             REGRESSION_SET["prompt_tokens"]),
+                               REGRESSION_SET["new_tokens"], REGRESSION_SET["draft_len"])[0]
+    step = runner_step_seconds(eagle_cost_runner(str(head_dir), str(target_dir), 1, "eagle3"), repeats=args.repeats)
+    return "eagle3", by_kind, small, step
 
 
 def main(argv=None) -> int:

@@ -63,9 +63,12 @@ class _ZeroFeatures:
         return self.runner.forward_eagle(chunks, torch.zeros(rows, self.runner.config.hidden_size))[0]
 
 
-def eagle_cost_runner(head_dir: str, target_dir: str, max_slots: int):
+def eagle_cost_runner(head_dir: str, target_dir: str, max_slots: int, method: str = "eagle"):
+    """An EAGLE (or, `method` eagle3, EAGLE-3) head as a plain runner, for its step cost."""
     import torch
 
+    from duospec.engine.eagle3 import load_eagle3
     from duospec.engine.heads import load_eagle
 
-    return _ZeroFeatures(load_eagle(head_dir, target_dir, dtype=torch.float32, max_slots=max_slots, max_context=1024))
+    load = load_eagle3 if method == "eagle3" else load_eagle
+    return _ZeroFeatures(load(head_dir, target_dir, dtype=torch.float32, max_slots=max_slots, max_context=1024))

@@ -108,9 +108,11 @@ class FeatureCache:
         return [s for s in self.sequences if s.held_out == held_out]
 
     def answer_token_counts(self, vocab_size: int) -> np.ndarray:
-        """How often each token is one the loss counts (what the target emits): the draft vocabulary's source."""
+        """How often the target emits each token in its own answers (all training tokens when the cache
+        holds no answers): the draft vocabulary's source."""
         counts = np.zeros(vocab_size, dtype=np.int64)
-        for seq in self.split(False):
+        answers = [s for s in self.split(False) if s.kind != "stdlib"]
+        for seq in answers or self.split(False):
             ids = self.tokens[seq.start + seq.loss_from: seq.start + seq.length]
             counts += np.bincount(ids, minlength=vocab_size)
         return counts

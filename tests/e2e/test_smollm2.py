@@ -1,8 +1,9 @@
 """The pulled SmolLM2-135M-Instruct (`duospec pull smollm2`) served by duospec: greedy chat replies
 through the real gRPC server, in every mode, equal transformers' apply_chat_template + generate +
-decode(skip_special_tokens=True). The target runs on duospec's own forward; the drafter is the EAGLE
-head trained for it, shipped in models/smollm2/eagle (the shipped draft model is covered through
-deploy/examples/smollm2.yaml in test_smollm2_served.py). Skips when the model has not been pulled."""
+decode(skip_special_tokens=True). The target runs on duospec's own forward; the drafters are the heads
+trained for it, shipped in models/smollm2/eagle and models/smollm2/eagle3 (the shipped draft model is
+covered through deploy/examples/smollm2.yaml in test_smollm2_served.py). Skips when the model has not
+been pulled."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 PROMPTS = 20
 MAX_NEW_TOKENS = 32
 TARGET = pulled_model("smollm2")
-HEAD = pathlib.Path(__file__).resolve().parents[2] / "models" / "smollm2" / "eagle"
+HEADS = pathlib.Path(__file__).resolve().parents[2] / "models" / "smollm2"
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +48,14 @@ def reference():
     return cases
 
 
-async def test_served_chat_equals_transformers_in_every_mode(reference):
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+async def test_served_chat_equals_transformers_in_every_mode(reference, method):
     from duospec.coordinator.config import ModelConfig
     from duospec.coordinator.local import LocalCoordinator
     from duospec.draft_worker.proposer import DraftMethod, DraftSpec
 
-    config = ModelConfig(name="smollm2", target=str(TARGET), draft=DraftSpec(DraftMethod.EAGLE, path=str(HEAD)),
-                         device="cpu", dtype="float32")
+    config = ModelConfig(name="smollm2", target=str(TARGET), device="cpu", dtype="float32",
+                         draft=DraftSpec(DraftMethod(method), path=str(HEADS / method)))
     async with running_server(LocalCoordinator([config])) as h:
         for mode in (pb.SPECULATION_MODE_OFF, pb.SPECULATION_MODE_VANILLA, pb.SPECULATION_MODE_PEARL):
             for prompt, want_ids, want_text in reference:
