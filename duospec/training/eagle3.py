@@ -230,7 +230,7 @@ def collate(windows):
 
 def choose_draft_vocab(counts, size: int, always: list[int]) -> torch.Tensor:
     """The `size` tokens the target emits most (plus `always`: its end tokens), ascending ids."""
-    counts = torch.as_tensor(counts).clone()
+    counts = torch.as_tensor(counts, dtype=torch.float64).clone()
     for token in always:
         counts[token] = counts.max() + 1
     size = min(size, counts.shape[0])
@@ -238,6 +238,6 @@ def choose_draft_vocab(counts, size: int, always: list[int]) -> torch.Tensor:
 
 
 def coverage(counts, draft_ids: torch.Tensor) -> float:
-    counts = torch.as_tensor(counts)
+    counts = torch.as_tensor(counts, dtype=torch.float64)
     return float(counts[draft_ids].sum()) / max(float(counts.sum()), 1.0)
 

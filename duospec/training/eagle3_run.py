@@ -142,11 +142,12 @@ def train_eagle3(options) -> Path:
         f"features at layers {list(layers)}")
     cache = build_feature_cache(options.target, state_dir / "features", sequences, layers,
                                 fingerprint=io.fingerprint, log=log)
-    counts = cache.answer_token_counts(io.config.vocab_size)
+    counts = cache.emitted_token_weights(io.config.vocab_size)
     ends = [t for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if isinstance(t, int)
             and 0 <= t < io.config.vocab_size]
     draft_ids = choose_draft_vocab(counts, options.draft_vocab, ends)
-    log(f"draft vocabulary: {len(draft_ids)} tokens cover {coverage(counts, draft_ids):.1%} of the answer tokens")
+    log(f"draft vocabulary: {len(draft_ids)} tokens cover {coverage(counts, draft_ids):.1%} of the training tokens "
+        "(each kind of data weighing the same)")
 
     torch.manual_seed(options.seed)
     head = Eagle3TrainHead(eagle_layer_config(io.config), draft_ids, n_features=len(layers))

@@ -107,15 +107,17 @@ class FeatureCache:
     def split(self, held_out: bool) -> list[CachedSequence]:
         return [s for s in self.sequences if s.held_out == held_out]
 
-    def answer_token_counts(self, vocab_size: int) -> np.ndarray:
-        """How often the target emits each token in its own answers (all training tokens when the cache
-        holds no answers): the draft vocabulary's source."""
-        counts = np.zeros(vocab_size, dtype=np.int64)
-        answers = [s for s in self.split(False) if s.kind != "stdlib"]
-        for seq in answers or self.split(False):
+    def emitted_token_weights(self, vocab_size: int) -> np.ndarray:
+        """How often each token is the next token at a position the loss counts, each kind of data
+        (the target's answers, raw code) weighing the same: the draft vocabulary's source. A kind
+        alone would leave the other's tokens out (answers-only keeps 89 % of held-out stdlib code's
+        tokens in 8,192, both 94 %)."""
+        by_kind: dict[str, np.ndarray] = {}
+        for seq in self.split(False):
             ids = self.tokens[seq.start + seq.loss_from: seq.start + seq.length]
-            counts += np.bincount(ids, minlength=vocab_size)
-        return counts
+            kind = "stdlib" if seq.kind == "stdlib" else "answers"
+            by_kind[kind] = by_kind.get(kind, np.zeros(vocab_size, dtype=np.int64)) + np.bincount(ids, minlength=vocab_size)
+        return sum(counts / max(counts.sum(), 1) for counts in by_kind.values())
 
     def window(self, seq: CachedSequence, length: int, offset: int = 0):
         """(tokens [n], taps [n, 3H], final [n, H], loss mask [n]) of up to `length` positions from `offset`."""
