@@ -152,7 +152,8 @@ def run_loop(objective, source, heldout_batches, cfg: LoopConfig, checkpoint_pat
         state.elapsed_s += time.perf_counter() - tick
         window_tokens += tokens_per_step
         bar.n = _bar_position(cfg, state)
-        bar.set_postfix({k: f"{v:.3f}" for k, v in metrics.items()}, refresh=False)
+        held = {f"held_{k}": v for k, v in (state.last_eval or {}).items() if k.startswith("agree")}
+        bar.set_postfix({k: f"{v:.3f}" for k, v in {**metrics, **held}.items()}, refresh=False)
         bar.update(0)
         if state.elapsed_s - last_eval >= cfg.eval_every_s and heldout_batches:
             rate = window_tokens / (time.perf_counter() - window_start)
