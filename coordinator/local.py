@@ -78,7 +78,7 @@ class LocalCoordinator(ModelRouter):
         async def open_scheduler() -> Scheduler:
             sched_config = scheduler_config(config)
             target_runner, proposer = preloaded
-            target = LocalTargetLink(Verifier(target_runner))
+            target = LocalTargetLink(Verifier(target_runner, tokenizer_path=info.target_path))
             draft = LocalDraftLink(Drafter(proposer)) if proposer is not None else None
             scheduler = Scheduler(info, target, draft, sched_config)
             await scheduler.start()

@@ -12,7 +12,7 @@ class TargetWorker(GrpcModelWorker):
     role = "target"
 
     def _serve(self, server) -> None:
-        self.verifier = Verifier(self.runner)
+        self.verifier = Verifier(self.runner, tokenizer_path=self.model_path)
         pb_grpc.add_TargetServiceServicer_to_server(TargetServicer(self.verifier), server)
 
     def stats(self) -> dict:

@@ -26,6 +26,13 @@ A prefill chunk with `max_compute` carries more of the prompt than it may comput
 the cache supplies plus `max_compute` positions, and its verdict says how far (`context_fed`).
 When the pool cannot hold a batch, items are left out from the last one on, each answered with a
 KV_CACHE_FULL error (nothing of it changed), until the rest fits.
+
+Constrained sequences (an item with start_pos 0 carries the constraint): the verifier holds each one's
+authoritative matcher (`duospec.structured.SequenceGrammars`), advanced only by committed tokens (the
+items' context and the verdicts). Each verify row's logits are masked (-inf outside the grammar) before
+the verify rule, which then sees p = 0 for every illegal token: greedy takes the masked argmax, sampling
+accepts an illegal draft with probability 0 and recovers from norm(max(0, p' - q)). A grammar that
+fails or reaches a dead end answers its own item with a GRAMMAR error; the batch goes on.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import time
 import torch
 
 from duospec.engine import BlocksExhausted, ModelRunner, SlotChunk, SlotsExhausted
+from duospec.internal.constraint_wire import constraint_from_proto
 from duospec.internal.features_wire import features_to_proto
 from duospec.internal.kv_wire import kv_usage_to_proto
 from duospec.internal.sampling_wire import sampling_from_proto
@@ -43,6 +51,7 @@ from duospec.internal.v1 import pearl_pb2 as pb
 from duospec.target_worker.hidden_cache import HiddenRowCache
 from duospec.qcodec import DraftProbs
 from duospec.sampling import logprobs_from_logits
+from duospec.structured import ConstraintError, GrammarStateError, ItemMasks, SequenceGrammars, apply_bitmask
 from duospec.verify import NextTokenKind, TreeVerdict
 from duospec.verify.batch import VerifyTask, verify_batch, verify_each
 
@@ -56,10 +65,18 @@ _KIND_TO_PROTO = {
 class Verifier:
     """Target model state (one KV slot per sequence) and the verify step."""
 
-    def __init__(self, runner: ModelRunner, *, batched: bool | None = None):
+    def __init__(self, runner: ModelRunner, *, batched: bool | None = None, tokenizer_path: str | None = None,
+                 grammar_compilers=None):
         """`batched`: decide a batch with `verify_batch` on the runner's device (default: where that
-        is an accelerator) instead of the reference item by item (`verify_each`, faster on a CPU)."""
+        is an accelerator) instead of the reference item by item (`verify_each`, faster on a CPU).
+        `tokenizer_path`: the target's checkpoint, whose tokenizer compiles constraints (None: none
+        can be served); `grammar_compilers`: a callable (end token ids) -> GrammarCompiler in its place
+        (tests with a toy vocabulary)."""
         self.runner = runner
+        self.grammars = SequenceGrammars()
+        self._tokenizer_path = tokenizer_path
+        self._grammar_compilers = grammar_compilers
+        self._compilers: dict[tuple[int, ...], object] = {}  # end token ids -> GrammarCompiler
         self._decide = verify_batch if (runner.device.type != "cpu" if batched is None else batched) else verify_each
         self.slots: dict[int, int] = {}  # seq_id -> slot
         self.forwards = 0
@@ -75,6 +92,7 @@ class Verifier:
             self.runner.free_slot(slot)
         if self.hidden_rows is not None:
             self.hidden_rows.forget(seq_id)
+        self.grammars.release(seq_id)
 
     def release_all(self) -> None:
         for seq_id in list(self.slots):
@@ -86,6 +104,7 @@ class Verifier:
             self.release(seq_id)
         out = pb.VerdictBatch(batch_id=batch.batch_id)
         items, chunks, tasks, cached = [], [], [], []
+        masks: dict[int, ItemMasks] = {}  # seq_id -> its rows' grammar masks (constrained items only)
         first_row = 0  # where the next item's verify rows start in the forward's logits
         for item in batch.items:
             error = self._check(item)
@@ -95,6 +114,14 @@ class Verifier:
             item = self._as_supported(item)
             skip = self._cached_prefix(item)
             item = _fed_part(item, skip)
+            try:
+                item_masks = self._grammar_masks(item)
+            except (ConstraintError, GrammarStateError) as exc:  # this sequence ends; the batch goes on
+                self.release(item.seq_id)
+                out.errors.append(_error(item, pb.VERIFY_ERROR_KIND_GRAMMAR, f"constraint: {exc}"))
+                continue
+            if item_masks is not None:
+                masks[item.seq_id] = item_masks
             try:
                 tasks.append(_task(item, first_row))
             except ValueError as exc:  # a malformed q fails its own item only
@@ -110,6 +137,10 @@ class Verifier:
             want_hidden = any(item.features for item in items) and self.runner.supports_hidden
             try:
                 logits, hidden = self._forward_fitting(chunks, items, tasks, cached, out, want_hidden)
+                for item, task in zip(items, tasks):
+                    if item.seq_id in masks:  # p = 0 outside the grammar, before anything reads the rows
+                        rows = range(task.first_row, task.first_row + len(item.draft_tokens) + 1)
+                        apply_bitmask(logits, rows, masks[item.seq_id].bitmask)
                 decisions = self._decide(logits, tasks) if items else []
             except Exception as exc:  # a broken batch must not take the worker down: report, go on
                 for item in items:
@@ -126,7 +157,13 @@ class Verifier:
                 try:
                     if isinstance(decision, Exception):
                         raise decision
-                    out.verdicts.append(self._verdict(item, task, decision, rows, item_hidden, skip))
+                    verdict = self._verdict(item, task, decision, rows, item_hidden, skip)
+                    if item.seq_id in masks:
+                        self._commit_grammar(item, decision)
+                    out.verdicts.append(verdict)
+                except GrammarStateError as exc:
+                    self.release(item.seq_id)
+                    out.errors.append(_error(item, pb.VERIFY_ERROR_KIND_GRAMMAR, f"constraint: {exc}"))
                 except Exception as exc:
                     self.release(item.seq_id)
                     out.errors.append(_error(item, pb.VERIFY_ERROR_KIND_BAD_REQUEST, f"verify failed: {exc}"))
@@ -135,6 +172,40 @@ class Verifier:
         if (kv := kv_usage_to_proto(self.runner.cache_stats())) is not None:
             out.kv.CopyFrom(kv)
         return out
+
+    def _grammar_masks(self, item: pb.VerifyItem) -> ItemMasks | None:
+        """The item's mask rows, its sequence's matcher moved to its first draft (opened by an item at
+        position 0 that carries a constraint); None for an unconstrained sequence."""
+        if item.start_pos == 0:
+            self.grammars.release(item.seq_id)  # a sequence (re)starts: whatever it held is gone
+            constraint = constraint_from_proto(item.constraint)
+            if constraint is not None:
+                grammar = self._compiler(tuple(item.constraint.end_token_ids)).compile(constraint)
+                self.grammars.open(item.seq_id, grammar, item.constraint.output_start)
+        return self.grammars.prepare(item.seq_id, item.start_pos, item.context, item.draft_tokens,
+                                     item.draft_parents or None)
+
+    def _compiler(self, end_token_ids: tuple[int, ...]):
+        compiler = self._compilers.get(end_token_ids)
+        if compiler is None:
+            if self._grammar_compilers is not None:
+                compiler = self._grammar_compilers(end_token_ids)
+            elif self._tokenizer_path is None:
+                raise ConstraintError("this target worker was started without a tokenizer for constraints")
+            else:
+                from duospec.structured.llguidance_backend import LLGuidanceBackend
+                from duospec.structured.manager import GrammarCompiler
+
+                compiler = GrammarCompiler(LLGuidanceBackend.from_pretrained(self._tokenizer_path, end_token_ids))
+            self._compilers[end_token_ids] = compiler
+        return compiler
+
+    def _commit_grammar(self, item: pb.VerifyItem, decision: TreeVerdict) -> None:
+        """The verdict's committed tokens (the accepted path, then the next token) advance the matcher."""
+        tokens = [item.draft_tokens[i] for i in decision.path]
+        if decision.verdict.next_token is not None:
+            tokens.append(decision.verdict.next_token)
+        self.grammars.commit(item.seq_id, item.start_pos + len(item.context), tokens)
 
     def _cached_prefix(self, item: pb.VerifyItem) -> int:
         """How many of the item's context positions the prefix cache supplies (the slot then holds them)."""

@@ -96,6 +96,8 @@ class Matcher(abc.ABC):
 class Grammar(abc.ABC):
     """A compiled constraint for one tokenizer; immutable, shared by every sequence that uses it."""
 
+    vocab_size: int  # the tokenizer's vocabulary: the width of its masks
+
     @abc.abstractmethod
     def matcher(self) -> Matcher:
         """A fresh matcher at the start of the grammar."""

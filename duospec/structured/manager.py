@@ -82,6 +82,7 @@ class GrammarStateError(ValueError):
 class _State:
     matcher: Matcher
     output_start: int  # position of the first generated token: the grammar covers positions from here
+    vocab_size: int  # the tokenizer's: the masks' width
     tokens: list[int] = field(default_factory=list)  # consumed: the tokens at output_start, output_start + 1, ...
 
     @property
@@ -99,8 +100,7 @@ class ItemMasks:
 class SequenceGrammars:
     """The target worker's authoritative matchers, keyed by sequence id."""
 
-    def __init__(self, compiler: GrammarCompiler) -> None:
-        self.compiler = compiler
+    def __init__(self) -> None:
         self._states: dict[int, _State] = {}
         self.mask_rows = 0  # metrics: mask rows filled ...
         self.mask_seconds = 0.0  # ... and the time spent on them (sync, masks, rollback)
@@ -108,9 +108,9 @@ class SequenceGrammars:
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._states
 
-    def open(self, seq_id: int, constraint: Constraint, output_start: int) -> None:
+    def open(self, seq_id: int, grammar: Grammar, output_start: int) -> None:
         """(Re)start `seq_id` at the grammar's start; positions < output_start are the prompt."""
-        self._states[seq_id] = _State(self.compiler.compile(constraint).matcher(), output_start)
+        self._states[seq_id] = _State(grammar.matcher(), output_start, grammar.vocab_size)
 
     def release(self, seq_id: int) -> None:
         self._states.pop(seq_id, None)
@@ -124,8 +124,7 @@ class SequenceGrammars:
             return None
         started = time.perf_counter()
         self._sync(state, start_pos, context)
-        vocab = self.compiler.backend.vocab_size
-        bitmask = allocate_bitmask(len(draft_tokens) + 1, vocab)
+        bitmask = allocate_bitmask(len(draft_tokens) + 1, state.vocab_size)
         state.matcher.fill_bitmask(bitmask, 0)
         if not _any(bitmask[0]):
             raise GrammarStateError("the constraint reached a dead end: no token is legal here")
