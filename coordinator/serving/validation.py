@@ -14,6 +14,7 @@ from typing import Any
 from duospec.coordinator.api import GenerationRequest, ModelInfo, SpeculationMode
 from duospec.coordinator.config import ServerSettings
 from duospec.sampling import SamplingParams
+from duospec.structured.constraint import Constraint, ConstraintError, ConstraintKind
 from duospec.v1 import generation_pb2 as pb
 
 MAX_REQUEST_ID_CHARS = 128
@@ -109,6 +110,7 @@ def validate_request(
         ignore_eos=req.stopping.ignore_eos,
         model=info.name,
         logprobs=_logprobs(req),
+        constraint=_constraint(req),
     )
     return ValidatedRequest(request, stops, req.request_id or internal_request_id)
 
@@ -172,6 +174,32 @@ def _chat_token_ids(messages: pb.ChatMessages, info: ModelInfo, tokenizer: Any) 
     except Exception as exc:  # the template refuses them (e.g. roles that do not alternate)
         raise invalid("messages", f"the model's chat template refused these messages: {exc}") from None
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _constraint(req: pb.GenerateRequest) -> Constraint | None:
+    """The request's constraint as data; whether it compiles is checked by the gateway (off the loop,
+    with a time limit), which names the same field."""
+    if not req.HasField("constraint"):
+        return None
+    which = req.constraint.WhichOneof("kind")
+    if which is None:
+        raise invalid("constraint", "set one of json_schema, json_object, regex or grammar")
+    try:
+        if which == "json_schema":
+            return Constraint.json_schema(req.constraint.json_schema)
+        if which == "json_object":
+            if not req.constraint.json_object:
+                raise ConstraintError("must be true (or leave `constraint` unset)")
+            return Constraint(ConstraintKind.JSON_OBJECT)
+        kind = ConstraintKind.REGEX if which == "regex" else ConstraintKind.GRAMMAR
+        return Constraint(kind, getattr(req.constraint, which))
+    except ConstraintError as exc:
+        raise invalid(f"constraint.{which}", str(exc)) from None
+
+
+def constraint_field(req: pb.GenerateRequest) -> str:
+    """The field a constraint's compile error names (`constraint.regex`, ...)."""
+    return f"constraint.{req.constraint.WhichOneof('kind')}"
 
 
 def _max_new_tokens(stopping: pb.StoppingCriteria, n_prompt: int, info: ModelInfo, s: ServerSettings) -> int:

@@ -25,6 +25,12 @@ LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_it
               max_lexer_states=250_000, max_grammar_size=500_000, max_items_in_row=2000)
 
 
+# JSON as `json.dumps` writes it (", " and ": ", no other whitespace): what instruct models write, and no
+# room for a model to pad a document with whitespace until max_tokens. A schema's own "x-guidance"
+# options override these.
+JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+
+
 def _limits() -> llguidance.LLParserLimits:
     return llguidance.LLParserLimits(**LIMITS)
 
@@ -147,16 +153,22 @@ class LLGuidanceBackend(GrammarBackend):
     def from_pretrained(cls, path: str, end_token_ids: Sequence[int] = ()) -> "LLGuidanceBackend":
         """The tokenizer of a checkpoint directory; `end_token_ids` (the model's end tokens, all of which
         the grammar allows once it is complete) default to the tokenizer's EOS."""
-        import llguidance.hf
         from transformers import AutoTokenizer
 
-        hf = AutoTokenizer.from_pretrained(path)
-        ends = [int(t) for t in end_token_ids] or ([hf.eos_token_id] if hf.eos_token_id is not None else [])
+        return cls.from_tokenizer(AutoTokenizer.from_pretrained(path), end_token_ids, key=path)
+
+    @classmethod
+    def from_tokenizer(cls, hf_tokenizer, end_token_ids: Sequence[int] = (), *, key: str) -> "LLGuidanceBackend":
+        """A loaded transformers tokenizer (fast tokenizers only: llguidance reads its tokenizer.json)."""
+        import llguidance.hf
+
+        eos = hf_tokenizer.eos_token_id
+        ends = sorted({int(t) for t in end_token_ids}) or ([eos] if eos is not None else [])
         try:
-            tokenizer = llguidance.hf.from_tokenizer(hf, eos_token=ends or None)
-        except ValueError as exc:
+            tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, eos_token=ends or None)
+        except (ValueError, TypeError) as exc:
             raise ConstraintError(f"the model's tokenizer cannot be used for constraints: {exc}") from None
-        return cls(tokenizer, key=f"{path}|{sorted(ends)}")
+        return cls(tokenizer, key=f"{key}|{ends}")
 
     def compile(self, constraint: Constraint) -> LLGuidanceGrammar:
         grammar = _grammar_text(constraint)
@@ -182,9 +194,9 @@ class LLGuidanceBackend(GrammarBackend):
 def _grammar_text(constraint: Constraint) -> str:
     try:
         if constraint.kind is ConstraintKind.JSON_SCHEMA:
-            return llguidance.LLMatcher.grammar_from_json_schema(json.loads(constraint.text))
+            return llguidance.LLMatcher.grammar_from_json_schema(json.loads(constraint.text), defaults=JSON_OPTIONS)
         if constraint.kind is ConstraintKind.JSON_OBJECT:
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if constraint.kind is ConstraintKind.REGEX:
             return llguidance.LLMatcher.grammar_from_regex(constraint.text)
         return llguidance.LLMatcher.grammar_from_lark(constraint.text)
@@ -193,5 +205,10 @@ def _grammar_text(constraint: Constraint) -> str:
 
 
 def _first_line(message: str) -> str:
-    """llguidance's errors carry a parser dump after the first line; users need the first line."""
-    return message.strip().splitlines()[0][:500] if message.strip() else "invalid constraint"
+    """llguidance's errors carry a parser dump after the first line; users need the first line and the
+    `error: ...` lines of a regex parser (which say what is wrong where the first line says where)."""
+    lines = [line.strip() for line in message.strip().splitlines()]
+    if not lines:
+        return "invalid constraint"
+    details = [line for line in lines[1:] if line.startswith("error:")]
+    return " ".join([lines[0], *details])[:500]
