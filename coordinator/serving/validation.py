@@ -6,6 +6,7 @@ unknown model) with the proto field path, so nothing user-caused reaches the coo
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 from dataclasses import dataclass, replace
@@ -164,16 +165,41 @@ def _chat_token_ids(messages: pb.ChatMessages, info: ModelInfo, tokenizer: Any) 
             raise invalid(f"messages.messages[{i}].role", f"{m.role!r}; use one of {', '.join(CHAT_ROLES)}")
     if not getattr(tokenizer, "chat_template", None):
         raise invalid("messages", f"model {info.name!r} has no chat template; send `prompt` text instead")
+    turns = [{"role": m.role, "content": m.content} for m in messages.messages]
+    tools = _tools(messages.tools_json)
+    extra = {}
+    if tools and "tools" in str(tokenizer.chat_template):
+        extra["tools"] = tools  # the model's own tool format
+    elif tools:
+        from duospec.structured.tools import Tool, default_tool_prompt
+
+        offer = default_tool_prompt([Tool(t["function"]["name"], t["function"].get("parameters") or {},
+                                          t["function"].get("description") or "") for t in tools])
+        if turns[0]["role"] == "system":
+            turns[0] = {"role": "system", "content": turns[0]["content"] + "\n\n" + offer}
+        else:
+            turns.insert(0, {"role": "system", "content": offer})
     # Render to text first, then encode: the template already contains any BOS it wants.
     try:
-        text = tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages.messages],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
+        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, **extra)
     except Exception as exc:  # the template refuses them (e.g. roles that do not alternate)
         raise invalid("messages", f"the model's chat template refused these messages: {exc}") from None
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _tools(tools_json: str) -> list[dict]:
+    """ChatMessages.tools_json: a JSON list of {"type": "function", "function": {"name", ...}}."""
+    if not tools_json:
+        return []
+    try:
+        tools = json.loads(tools_json)
+    except json.JSONDecodeError as exc:
+        raise invalid("messages.tools_json", f"not valid JSON: {exc}") from None
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+            for t in tools):
+        raise invalid("messages.tools_json", 'must be a list of {"type": "function", "function": {"name": ...}}')
+    return tools
 
 
 def _constraint(req: pb.GenerateRequest) -> Constraint | None:
