@@ -44,7 +44,8 @@ class Constraint:
 
     @classmethod
     def json_schema(cls, schema: dict | str) -> "Constraint":
-        """From a schema object (or its JSON text); keys are sorted so equal schemas share a cache entry."""
+        """From a schema object (or its JSON text), re-serialised compactly. Key order is kept: the grammar
+        writes an object's properties in the order the schema lists them."""
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -52,4 +53,4 @@ class Constraint:
                 raise ConstraintError(f"is not valid JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise ConstraintError(f"a JSON schema must be an object, got {type(schema).__name__}")
-        return cls(ConstraintKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        return cls(ConstraintKind.JSON_SCHEMA, json.dumps(schema, separators=(",", ":")))

@@ -213,3 +213,26 @@ def _point_mass_q(vocab):
     from duospec.qcodec import DraftProbs
 
     return DraftProbs.from_probs(torch.full((vocab,), 1.0 / vocab)).to_bytes()
+
+
+def test_tree_rows_get_the_mask_of_their_own_path():
+    """A token tree's row 1 + i is the mask after the path to node i (what the target alone would see
+    there); a node with an illegal token, and everything under it, leaves its row unmasked (never read),
+    and the matcher ends where it started."""
+    from duospec.structured import SequenceGrammars
+
+    constraint = GRAMMARS["braces"]
+    grammars = SequenceGrammars()
+    grammars.open(1, COMPILER.compile(constraint), output_start=len(PROMPT))
+    t = TOY_IDS
+    #        0: {     1: a (under 0)  2: x (under 0, illegal)  3: b (under 0)  4: c (under 3)  5: a (under 2)
+    tokens = [t["{"], t["a"], t["x"], t["b"], t["c"], t["a"]]
+    parents = [-1, 0, 0, 0, 3, 2]
+    masks = grammars.prepare(1, 0, PROMPT, tokens, parents)
+    rows = [allowed_tokens(masks.bitmask[r], VOCAB) for r in range(len(tokens) + 1)]
+    paths = {0: [0], 1: [0, 1], 3: [0, 3], 4: [0, 3, 4]}
+    assert rows[0] == _legal(_replay(constraint, []))
+    for node, path in paths.items():
+        assert rows[1 + node] == _legal(_replay(constraint, [tokens[i] for i in path])), node
+    assert rows[1 + 2] == rows[1 + 5] == list(range(VOCAB))  # under an illegal token: all allowed
+    assert grammars.consumed(1) == [] and _legal(grammars.matcher(1)) == rows[0]

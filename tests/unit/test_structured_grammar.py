@@ -52,8 +52,9 @@ def test_constraint_data_is_checked_before_any_compile():
         Constraint(ConstraintKind.REGEX, "  ")
     with pytest.raises(ConstraintError, match="bytes"):
         Constraint(ConstraintKind.REGEX, "a" * (256 * 1024 + 1))
-    # equal schemas written differently share one cache key
-    assert Constraint.json_schema({"b": 1, "type": "object"}) == Constraint.json_schema('{"type":"object","b":1}')
+    # equal schemas written differently share one cache key; key order is the schema's (it orders the output)
+    assert Constraint.json_schema({"type": "object", "b": 1}) == Constraint.json_schema('{"type": "object",  "b": 1}')
+    assert Constraint.json_schema({"b": 1, "type": "object"}) != Constraint.json_schema({"type": "object", "b": 1})
 
 
 def test_compiles_are_cached_per_constraint_and_tokenizer(bundled):
