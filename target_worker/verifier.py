@@ -52,6 +52,7 @@ from duospec.target_worker.hidden_cache import HiddenRowCache
 from duospec.qcodec import DraftProbs
 from duospec.sampling import logprobs_from_logits
 from duospec.structured import ConstraintError, GrammarStateError, ItemMasks, SequenceGrammars, apply_bitmask
+from duospec.structured.manager import WorkerCompilers
 from duospec.verify import NextTokenKind, TreeVerdict
 from duospec.verify.batch import VerifyTask, verify_batch, verify_each
 
@@ -74,9 +75,7 @@ class Verifier:
         (tests with a toy vocabulary)."""
         self.runner = runner
         self.grammars = SequenceGrammars()
-        self._tokenizer_path = tokenizer_path
-        self._grammar_compilers = grammar_compilers
-        self._compilers: dict[tuple[int, ...], object] = {}  # end token ids -> GrammarCompiler
+        self.compilers = WorkerCompilers(tokenizer_path, grammar_compilers)
         self._decide = verify_batch if (runner.device.type != "cpu" if batched is None else batched) else verify_each
         self.slots: dict[int, int] = {}  # seq_id -> slot
         self.forwards = 0
@@ -180,25 +179,10 @@ class Verifier:
             self.grammars.release(item.seq_id)  # a sequence (re)starts: whatever it held is gone
             constraint = constraint_from_proto(item.constraint)
             if constraint is not None:
-                grammar = self._compiler(tuple(item.constraint.end_token_ids)).compile(constraint)
+                grammar = self.compilers.get(item.constraint.end_token_ids).compile(constraint)
                 self.grammars.open(item.seq_id, grammar, item.constraint.output_start)
         return self.grammars.prepare(item.seq_id, item.start_pos, item.context, item.draft_tokens,
                                      item.draft_parents or None)
-
-    def _compiler(self, end_token_ids: tuple[int, ...]):
-        compiler = self._compilers.get(end_token_ids)
-        if compiler is None:
-            if self._grammar_compilers is not None:
-                compiler = self._grammar_compilers(end_token_ids)
-            elif self._tokenizer_path is None:
-                raise ConstraintError("this target worker was started without a tokenizer for constraints")
-            else:
-                from duospec.structured.llguidance_backend import LLGuidanceBackend
-                from duospec.structured.manager import GrammarCompiler
-
-                compiler = GrammarCompiler(LLGuidanceBackend.from_pretrained(self._tokenizer_path, end_token_ids))
-            self._compilers[end_token_ids] = compiler
-        return compiler
 
     def _commit_grammar(self, item: pb.VerifyItem, decision: TreeVerdict) -> None:
         """The verdict's committed tokens (the accepted path, then the next token) advance the matcher."""

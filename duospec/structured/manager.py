@@ -74,6 +74,37 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+class WorkerCompilers:
+    """A worker's compilers, one per set of end tokens (each constraint names the model's end tokens,
+    which every grammar admits once complete), made on first use from the tokenizer at
+    `tokenizer_path`; `factory(end_token_ids)` in its place builds them another way (tests)."""
+
+    def __init__(self, tokenizer_path: str | None, factory=None) -> None:
+        self._tokenizer_path = tokenizer_path
+        self._factory = factory
+        self._compilers: dict[tuple[int, ...], GrammarCompiler] = {}
+
+    def get(self, end_token_ids: Sequence[int]) -> GrammarCompiler:
+        key = tuple(sorted(int(t) for t in end_token_ids))
+        compiler = self._compilers.get(key)
+        if compiler is None:
+            if self._factory is not None:
+                compiler = self._factory(key)
+            elif self._tokenizer_path is None:
+                raise ConstraintError("this worker was started without a tokenizer for constraints")
+            else:
+                from duospec.structured.llguidance_backend import LLGuidanceBackend  # only once one is asked for
+
+                compiler = GrammarCompiler(LLGuidanceBackend.from_pretrained(self._tokenizer_path, key))
+            self._compilers[key] = compiler
+        return compiler
+
+    def stats(self) -> dict:
+        compilers = self._compilers.values()
+        return {"grammar_compiles": sum(c.compiles for c in compilers),
+                "grammar_compile_seconds": sum(c.compile_seconds for c in compilers)}
+
+
 class GrammarStateError(ValueError):
     """The sequence cannot go on under its grammar (a dead end, or a committed token it forbids)."""
 
@@ -145,6 +176,24 @@ class SequenceGrammars:
         state.tokens.extend(tokens[:legal])
         if legal < len(tokens):
             raise GrammarStateError(f"committed token {tokens[legal]} is not legal under the constraint")
+
+    def follow(self, seq_id: int, tokens: Sequence[int], stable: int) -> bool:
+        """Make `seq_id`'s matcher hold `tokens` (the whole sequence, from position 0; the positions
+        before `stable` are unchanged since the last call). False where a token is illegal: the matcher
+        then holds the legal part (a drafter drafts on unmasked; the target decides). For drafters."""
+        state = self._states[seq_id]
+        start = max(state.output_start, min(stable, state.end))
+        try:
+            self._sync(state, start, tokens[start:])
+        except GrammarStateError:
+            return False
+        return True
+
+    def fill(self, seq_id: int, bitmask: torch.Tensor, row: int = 0) -> None:
+        started = time.perf_counter()
+        self._states[seq_id].matcher.fill_bitmask(bitmask, row)
+        self.mask_rows += 1
+        self.mask_seconds += time.perf_counter() - started
 
     def consumed(self, seq_id: int) -> list[int]:
         """The tokens the sequence's matcher has consumed (tests: a fresh replay must agree)."""

@@ -147,6 +147,7 @@ def test_every_state_of_a_finite_language_follows_the_masked_target(monkeypatch,
         assert set(torch.nonzero(want).flatten().tolist()) <= set(legal)
         drafters = {
             "raw": torch.softmax(fake_logits([X, *prefix]), -1),  # unmasked: mass on illegal tokens
+            "masked-draft": _masked_q(fake_logits([X, *prefix]), legal),  # a drafter that masks itself
             "illegal": _only(sorted(set(range(VOCAB)) - set(legal)) or legal),
             "masked-target": want,  # a perfect masked drafter: everything accepted
         }
@@ -156,6 +157,13 @@ def test_every_state_of_a_finite_language_follows_the_masked_target(monkeypatch,
                 _close(got, want)
             except AssertionError as exc:
                 raise AssertionError(f"state {prefix}, drafter {name}: {exc}") from None
+
+
+def _masked_q(logits, legal):
+    """The q of a drafter that masks its own logits with the grammar (what draft_worker sends)."""
+    masked = torch.full_like(logits, float("-inf"))
+    masked[legal] = logits[legal]
+    return torch.softmax(masked, -1)
 
 
 def _only(tokens):

@@ -92,7 +92,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class DraftCommand(_message.Message):
-    __slots__ = ("seq_id", "epoch", "kind", "start_pos", "tail", "draft_until", "sampling", "pool", "committed_len", "max_hedges", "adopt", "features", "cache_salt")
+    __slots__ = ("seq_id", "epoch", "kind", "start_pos", "tail", "draft_until", "sampling", "pool", "committed_len", "max_hedges", "adopt", "features", "cache_salt", "constraint")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class DraftCommand(_message.Message):
     ADOPT_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     epoch: int
     kind: DraftCommandKind
@@ -119,7 +120,8 @@ class DraftCommand(_message.Message):
     adopt: HedgeKey
     features: Features
     cache_salt: str
-    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., kind: _Optional[_Union[DraftCommandKind, str]] = ..., start_pos: _Optional[int] = ..., tail: _Optional[_Iterable[int]] = ..., draft_until: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., pool: _Optional[str] = ..., committed_len: _Optional[int] = ..., max_hedges: _Optional[int] = ..., adopt: _Optional[_Union[HedgeKey, _Mapping]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    constraint: GrammarConstraint
+    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., kind: _Optional[_Union[DraftCommandKind, str]] = ..., start_pos: _Optional[int] = ..., tail: _Optional[_Iterable[int]] = ..., draft_until: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., pool: _Optional[str] = ..., committed_len: _Optional[int] = ..., max_hedges: _Optional[int] = ..., adopt: _Optional[_Union[HedgeKey, _Mapping]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., cache_salt: _Optional[str] = ..., constraint: _Optional[_Union[GrammarConstraint, _Mapping]] = ...) -> None: ...
 
 class Features(_message.Message):
     __slots__ = ("start_pos", "hidden_size", "fp16")
