@@ -22,5 +22,6 @@ class TargetWorker(GrpcModelWorker):
             "free_slots": self.runner.free_slots,
             "forwards": self.verifier.forwards,
             "tokens_verified": self.verifier.tokens_verified,
+            **self.verifier.grammar_stats(),
             **self.runner.kv_stats(),
         }

@@ -85,6 +85,11 @@ class Verifier:
         self.hidden_rows = (HiddenRowCache(kv.block_size, kv.pool.num_blocks)
                             if kv is not None and kv.prefix_caching and runner.supports_hidden else None)
 
+    def grammar_stats(self) -> dict:
+        """Constrained sequences' cost on this worker: compiles and mask rows (for `stats`)."""
+        return {"grammar_sequences": len(self.grammars), "grammar_mask_rows": self.grammars.mask_rows,
+                "grammar_mask_seconds": self.grammars.mask_seconds, **self.compilers.stats()}
+
     def release(self, seq_id: int) -> None:
         slot = self.slots.pop(seq_id, None)
         if slot is not None:

@@ -139,6 +139,9 @@ class SequenceGrammars:
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._states
 
+    def __len__(self) -> int:
+        return len(self._states)
+
     def open(self, seq_id: int, grammar: Grammar, output_start: int) -> None:
         """(Re)start `seq_id` at the grammar's start; positions < output_start are the prompt."""
         self._states[seq_id] = _State(grammar.matcher(), output_start, grammar.vocab_size)

@@ -28,8 +28,10 @@ GRAMMARS = {
 COMPILER = GrammarCompiler(toy_backend())
 
 
-def _verifier() -> Verifier:
-    return Verifier(FakeRunner(), grammar_compilers=lambda ends: COMPILER)
+def _verifier(batched: bool = False) -> Verifier:
+    """batched: the batched tensor rule (duospec/verify/batch.py, what a GPU runs) instead of the
+    reference item by item; both read the same masked logits."""
+    return Verifier(FakeRunner(), grammar_compilers=lambda ends: COMPILER, batched=batched)
 
 
 def _legal(matcher) -> list[int]:
@@ -149,8 +151,8 @@ def drive(verifier, constraint, drafter, rng, *, max_new: int, max_drafts: int =
 def test_greedy_output_is_the_masked_target_alone(name, drafter, max_drafts):
     constraint, max_new = GRAMMARS[name], 16
     want = reference(constraint, max_new)
-    for seed in range(3):
-        verifier = _verifier()
+    for seed in range(4):
+        verifier = _verifier(batched=seed % 2 == 1)
         got, committed = drive(verifier, constraint, drafter, random.Random(seed), max_new=max_new,
                                max_drafts=max_drafts)
         assert got == want, f"seed {seed}: {got} != masked target alone {want}"
@@ -189,8 +191,9 @@ def test_a_constraint_the_target_cannot_compile_fails_only_its_own_item():
     assert [v.seq_id for v in out.verdicts] == [2] and 1 not in verifier.slots
 
 
-def test_a_sampled_sequence_commits_only_legal_tokens():
-    verifier = _verifier()
+@pytest.mark.parametrize("batched", [False, True], ids=["reference", "batched"])
+def test_a_sampled_sequence_commits_only_legal_tokens(batched):
+    verifier = _verifier(batched)
     constraint = GRAMMARS["lark"]
     rng, committed, target_len = random.Random(5), list(PROMPT), 0
     for batch_id in range(1, 30):
@@ -236,3 +239,11 @@ def test_tree_rows_get_the_mask_of_their_own_path():
         assert rows[1 + node] == _legal(_replay(constraint, [tokens[i] for i in path])), node
     assert rows[1 + 2] == rows[1 + 5] == list(range(VOCAB))  # under an illegal token: all allowed
     assert grammars.consumed(1) == [] and _legal(grammars.matcher(1)) == rows[0]
+
+
+def test_grammar_costs_are_counted():
+    verifier = _verifier()
+    drive(verifier, GRAMMARS["braces"], masked, random.Random(0), max_new=6)
+    stats = verifier.grammar_stats()
+    assert stats["grammar_sequences"] == 1 and stats["grammar_compiles"] >= 1 and stats["grammar_compile_seconds"] > 0
+    assert stats["grammar_mask_rows"] >= 6 and stats["grammar_mask_seconds"] > 0

@@ -170,3 +170,30 @@ def _only(tokens):
     q = torch.zeros(VOCAB)
     q[tokens] = 1.0 / len(tokens)
     return q
+
+
+def test_the_batched_rule_decides_masked_rows_as_the_reference():
+    """Masked rows (-inf outside the grammar) through the batched tensor rule a GPU runs give the
+    reference's verdicts, greedy and sampled, with q's that put mass on masked-out tokens."""
+    from duospec.qcodec import DraftProbs
+    from duospec.verify.batch import VerifyTask, verify_batch, verify_each
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows, tasks = 16, [], []
+    for item in range(24):
+        k = item % 4
+        logits = torch.randn(k + 1, vocab, generator=gen) * 2
+        for r in range(k + 1):  # a random non-empty legal set per row
+            legal = torch.rand(vocab, generator=gen) < 0.4
+            legal[int(torch.randint(vocab, (1,), generator=gen))] = True
+            logits[r, ~legal] = float("-inf")
+        params = SamplingParams() if item % 3 == 0 else SamplingParams(temperature=0.9, top_k=item % 5, seed=item)
+        drafts = torch.randint(vocab, (k,), generator=gen).tolist()
+        probs = None
+        if not params.greedy and k:
+            probs = [DraftProbs.from_probs(torch.softmax(torch.randn(vocab, generator=gen), -1)) for _ in range(k)]
+            drafts = [int(q.token_ids[int(torch.randint(len(q.token_ids), (1,), generator=gen))]) for q in probs]
+        tasks.append(VerifyTask(drafts, sum(r.shape[0] for r in rows), params, 10 + item, draft_probs=probs))
+        rows.append(logits)
+    flat = torch.cat(rows)
+    assert verify_batch(flat, tasks) == verify_each(flat, tasks)
