@@ -133,9 +133,13 @@ def chat_request(body: dict, request_id: str = "") -> pb.GenerateRequest:
             role = "system"
         if not isinstance(role, str):
             raise bad(f"messages[{i}].role", "must be a string: system, user or assistant")
-        req.messages.messages.add(role=_text(role, f"messages[{i}].role"),
-                                  content=_text(_content_text(m.get("content"), f"messages[{i}].content"),
-                                                f"messages[{i}].content"))
+        field = f"messages[{i}].content"
+        if role == "tool" or (role == "assistant" and m.get("tool_calls")):  # an agent's earlier turns
+            content = _content_text(m["content"], field) if m.get("content") is not None else ""
+            role, content = openai_tools.tool_turn(role, content, m.get("tool_calls"), f"messages[{i}]")
+        else:
+            content = _content_text(m.get("content"), field)
+        req.messages.messages.add(role=_text(role, f"messages[{i}].role"), content=_text(content, field))
     openai_tools.apply_response_format(body, req)
     openai_tools.apply_tools(openai_tools.tool_request(body), body, req)
     return req

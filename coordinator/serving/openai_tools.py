@@ -12,6 +12,8 @@ back into OpenAI's response shapes.
   A response with calls has `message.tool_calls` (`content` the text around them, or null) and
   `finish_reason: "tool_calls"`; streamed, each call is one delta `{tool_calls: [{index, id, type,
   function: {name, arguments}}]}`.
+- An agent's history: an assistant message with `tool_calls` is rendered as its `<tool_call>` blocks,
+  a `tool` message as a user turn `<tool_response>\n...\n</tool_response>` (any chat template takes it).
 Pure functions, no I/O, like coordinator/serving/openai_protocol.py (which calls them).
 """
 
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from duospec.coordinator.serving.gateway import GatewayError
-from duospec.structured.tools import Tool, ToolCall, ToolCallParser, calls_constraint
+from duospec.structured.tools import CLOSE, OPEN, Tool, ToolCall, ToolCallParser, calls_constraint
 from duospec.v1 import generation_pb2 as pb
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -116,6 +118,26 @@ def apply_tools(tools: ToolRequest | None, body: dict, req: pb.GenerateRequest) 
         req.constraint.grammar = calls_constraint(tools.tools).text
     elif tools.choice == "named":
         req.constraint.grammar = calls_constraint([t for t in tools.tools if t.name == tools.name], single=True).text
+
+
+def tool_turn(role: str, content: str, calls: Any, field: str) -> tuple[str, str]:
+    """(role, content) of an earlier assistant turn that called tools, or of a tool's result."""
+    if role == "tool":
+        return "user", f"<tool_response>\n{content}\n</tool_response>"
+    if not isinstance(calls, list):
+        raise _bad(f"{field}.tool_calls", "must be a list of {id, type: function, function: {name, arguments}}")
+    blocks = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise _bad(f"{field}.tool_calls[{j}]", 'must be {"type": "function", "function": {"name": ..., '
+                       '"arguments": "<JSON text>"}}')
+        try:
+            arguments = json.loads(fn["arguments"])
+        except json.JSONDecodeError:
+            raise _bad(f"{field}.tool_calls[{j}].function.arguments", "must be JSON text") from None
+        blocks.append(f"{OPEN}\n{json.dumps({'name': fn['name'], 'arguments': arguments}, ensure_ascii=False)}\n{CLOSE}")
+    return "assistant", "\n".join([content, *blocks] if content else blocks)
 
 
 def tool_call_json(call: ToolCall, index: int) -> dict:

@@ -152,3 +152,24 @@ async def test_bad_structured_requests_are_400s_naming_the_field(harness, kwargs
         await client(harness).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, **kwargs)
     error = info.value.body
     assert error["param"] == param and words in error["message"], error
+
+
+async def test_an_agents_history_with_tool_calls_and_results_is_rendered(harness):
+    history = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "ping", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "pong"},
+    ]
+    reply = await client(harness).chat.completions.create(model="tiny", messages=history, max_tokens=4,
+                                                          temperature=0, tools=TOOLS)
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    from transformers import AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(str(harness.target)).decode(list(harness.coordinator.started[-1].prompt_token_ids))
+    assert '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>' in prompt
+    assert "<tool_response>\npong\n</tool_response>" in prompt
+    with pytest.raises(openai.BadRequestError) as info:
+        await client(harness).chat.completions.create(model="tiny", max_tokens=4, messages=[
+            {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{x"}}]}])
+    assert info.value.body["param"] == "messages[0].tool_calls[0].function.arguments"
