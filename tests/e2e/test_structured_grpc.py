@@ -131,3 +131,64 @@ async def test_a_bad_constraint_does_not_disturb_a_good_one_running_beside_it(ha
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     text, _, _ = await good
     jsonschema.validate(json.loads(text), SCHEMAS["flat"])
+
+
+def _exact_output_distribution(target_path, prompt: str, regex: str, temperature: float) -> dict:
+    """P(output tokens) of the masked target alone, by enumerating the finite language token by token
+    (transformers' logits, the grammar's masks, then temperature)."""
+    from transformers import AutoTokenizer
+
+    from duospec.coordinator.config import ModelConfig
+    from duospec.coordinator.models import model_info
+    from duospec.sampling import SamplingParams, probs_from_logits
+    from duospec.structured import Constraint, ConstraintKind
+    from duospec.structured.backend import allocate_bitmask, apply_bitmask
+    from duospec.structured.llguidance_backend import LLGuidanceBackend
+
+    info = model_info(ModelConfig(name="ref", target=str(target_path), device="cpu"))
+    backend = LLGuidanceBackend.from_pretrained(str(target_path), sorted(info.end_token_ids))
+    grammar = backend.compile(Constraint(ConstraintKind.REGEX, regex))
+    model = reference_model(target_path)
+    ids = AutoTokenizer.from_pretrained(str(target_path)).encode(prompt, add_special_tokens=False)
+    out, frontier = {}, [((), 1.0)]
+    with torch.no_grad():
+        while frontier:
+            prefix, mass = frontier.pop()
+            matcher = grammar.matcher()
+            matcher.accept_tokens(list(prefix))
+            logits = model(torch.tensor([ids + list(prefix)])).logits[0, -1:].float().clone()
+            bitmask = allocate_bitmask(1, backend.vocab_size)
+            matcher.fill_bitmask(bitmask, 0)
+            apply_bitmask(logits, [0], bitmask)
+            p = probs_from_logits(logits, SamplingParams(temperature=temperature, seed=0))[0].double()
+            for token in torch.nonzero(p).flatten().tolist():
+                if token in info.end_token_ids:
+                    out[prefix + (token,)] = out.get(prefix + (token,), 0.0) + mass * float(p[token])
+                else:
+                    frontier.append((prefix + (token,), mass * float(p[token])))
+    return out
+
+
+@pytest.mark.slow
+async def test_sampled_constrained_output_follows_the_masked_target_chi_square(harness, tiny_pair):
+    """Seeded sampled requests through the server (pearl, the drafter masking its q and drafting forced
+    tokens): the outputs' frequencies match the masked target's exact distribution."""
+    import asyncio
+    from collections import Counter
+
+    from exactness import chi_square_pvalue
+
+    regex, n = "(yes|no|maybe)!?", 400
+    joint = _exact_output_distribution(tiny_pair[0], "x", regex, 1.0)
+    assert abs(sum(joint.values()) - 1.0) < 1e-6 and len(joint) >= 4
+
+    async def one(seed):
+        req = request("x", 12, constraint=pb.Constraint(regex=regex), sampling=pb.SamplingParams(temperature=1.0, seed=seed),
+                      speculation=pb.SpeculationParams(mode=pb.SPECULATION_MODE_PEARL))
+        return tuple(t for m in await collect(harness.stub, req) for t in m.token_ids)
+
+    counts = Counter()
+    for start in range(0, n, 16):
+        counts.update(await asyncio.gather(*(one(seed) for seed in range(start, start + 16))))
+    assert set(counts) <= set(joint), set(counts) - set(joint)
+    assert chi_square_pvalue(joint, counts, n) > 1e-3
