@@ -108,7 +108,6 @@ class Verifier:
             self.release(seq_id)
         out = pb.VerdictBatch(batch_id=batch.batch_id)
         items, chunks, tasks, cached = [], [], [], []
-        masks: dict[int, ItemMasks] = {}  # seq_id -> its rows' grammar masks (constrained items only)
         first_row = 0  # where the next item's verify rows start in the forward's logits
         for item in batch.items:
             error = self._check(item)
@@ -119,13 +118,11 @@ class Verifier:
             skip = self._cached_prefix(item)
             item = _fed_part(item, skip)
             try:
-                item_masks = self._grammar_masks(item)
-            except (ConstraintError, GrammarStateError) as exc:  # this sequence ends; the batch goes on
+                self._open_grammar(item)
+            except ConstraintError as exc:  # this sequence ends; the batch goes on
                 self.release(item.seq_id)
                 out.errors.append(_error(item, pb.VERIFY_ERROR_KIND_GRAMMAR, f"constraint: {exc}"))
                 continue
-            if item_masks is not None:
-                masks[item.seq_id] = item_masks
             try:
                 tasks.append(_task(item, first_row))
             except ValueError as exc:  # a malformed q fails its own item only
@@ -139,8 +136,12 @@ class Verifier:
                                     [*item.context[skip:], *item.draft_tokens], _chunk_parents(item, skip)))
         if chunks:
             want_hidden = any(item.features for item in items) and self.runner.supports_hidden
+            masks, grammar_failed = {}, {}
             try:
                 logits, hidden = self._forward_fitting(chunks, items, tasks, cached, out, want_hidden)
+                # The masks are filled while the device runs the forward (launched, not awaited): on an
+                # accelerator the grammar's host time hides behind it.
+                masks, grammar_failed = self._grammar_masks(items)
                 for item, task in zip(items, tasks):
                     if item.seq_id in masks:  # p = 0 outside the grammar, before anything reads the rows
                         rows = range(task.first_row, task.first_row + len(item.draft_tokens) + 1)
@@ -159,6 +160,8 @@ class Verifier:
                 item_hidden = hidden[hidden_start : hidden_start + len(chunk.token_ids)] if hidden is not None else None
                 hidden_start += len(chunk.token_ids)
                 try:
+                    if item.seq_id in grammar_failed:
+                        raise GrammarStateError(grammar_failed[item.seq_id])
                     if isinstance(decision, Exception):
                         raise decision
                     verdict = self._verdict(item, task, decision, rows, item_hidden, skip)
@@ -177,17 +180,29 @@ class Verifier:
             out.kv.CopyFrom(kv)
         return out
 
-    def _grammar_masks(self, item: pb.VerifyItem) -> ItemMasks | None:
-        """The item's mask rows, its sequence's matcher moved to its first draft (opened by an item at
-        position 0 that carries a constraint); None for an unconstrained sequence."""
+    def _open_grammar(self, item: pb.VerifyItem) -> None:
+        """An item at position 0 (re)starts its sequence: with a constraint, at the grammar's start."""
         if item.start_pos == 0:
-            self.grammars.release(item.seq_id)  # a sequence (re)starts: whatever it held is gone
+            self.grammars.release(item.seq_id)  # whatever the sequence held is gone
             constraint = constraint_from_proto(item.constraint)
             if constraint is not None:
                 grammar = self.compilers.get(item.constraint.end_token_ids).compile(constraint)
                 self.grammars.open(item.seq_id, grammar, item.constraint.output_start)
-        return self.grammars.prepare(item.seq_id, item.start_pos, item.context, item.draft_tokens,
-                                     item.draft_parents or None)
+
+    def _grammar_masks(self, items: list[pb.VerifyItem]) -> tuple[dict[int, ItemMasks], dict[int, str]]:
+        """Each constrained item's mask rows, its matcher moved to its first draft; and the items whose
+        grammar cannot go on (seq_id -> why): they end with a GRAMMAR error after the forward."""
+        masks, failed = {}, {}
+        for item in items:
+            try:
+                item_masks = self.grammars.prepare(item.seq_id, item.start_pos, item.context, item.draft_tokens,
+                                                   item.draft_parents or None)
+            except GrammarStateError as exc:
+                failed[item.seq_id] = str(exc)
+                continue
+            if item_masks is not None:
+                masks[item.seq_id] = item_masks
+        return masks, failed
 
     def _commit_grammar(self, item: pb.VerifyItem, decision: TreeVerdict) -> None:
         """The verdict's committed tokens (the accepted path, then the next token) advance the matcher."""

@@ -247,3 +247,19 @@ def test_grammar_costs_are_counted():
     stats = verifier.grammar_stats()
     assert stats["grammar_sequences"] == 1 and stats["grammar_compiles"] >= 1 and stats["grammar_compile_seconds"] > 0
     assert stats["grammar_mask_rows"] >= 6 and stats["grammar_mask_seconds"] > 0
+
+
+def test_a_sequence_whose_tokens_leave_its_grammar_ends_alone():
+    """A committed token the grammar forbids (a coordinator out of step) ends that sequence with a
+    GRAMMAR error after the batch's forward; the other sequence in the batch gets its verdict."""
+    verifier = _verifier()
+    constraint = GRAMMARS["braces"]
+    opened = pb.VerifyItem(seq_id=1, start_pos=0, context=PROMPT,
+                           constraint=constraint_to_proto(constraint, len(PROMPT), [EOS]))
+    verifier.run(pb.VerifyBatch(batch_id=1, items=[opened]))
+    bad = pb.VerifyItem(seq_id=1, start_pos=len(PROMPT) - 1, context=[PROMPT[-1], TOY_IDS["x"]])
+    fine = pb.VerifyItem(seq_id=2, start_pos=0, context=PROMPT, draft_tokens=[TOY_IDS["a"]])
+    out = verifier.run(pb.VerifyBatch(batch_id=2, items=[bad, fine]))
+    assert [(e.seq_id, e.kind) for e in out.errors] == [(1, pb.VERIFY_ERROR_KIND_GRAMMAR)]
+    assert "not legal" in out.errors[0].message and [v.seq_id for v in out.verdicts] == [2]
+    assert 1 not in verifier.slots and 1 not in verifier.grammars
