@@ -186,18 +186,18 @@ class Drafter:
         active = [seq for seq in active if not seq.exhausted]
         ends = [seq.draft_until if limit is None else min(seq.draft_until, limit) for seq in active]
         budgets = [end - seq.next_pos for seq, end in zip(active, ends)]
-        chunks += self._draft_forced(active, budgets)
+        chunks += self._draft_forced(active, budgets)  # sets each constrained sequence's grammar_mask
         active, budgets = [s for s, b in zip(active, budgets) if b > 0], [b for b in budgets if b > 0]
-        for seq in active:
-            seq.grammar_mask = self.grammars.mask(seq)
         hedging = self.hedges.growing([seq for seq in self.sequences.values() if self._may_hedge(seq)])
-        if not active and not hedging:
-            return chunks
+        for _, hedge, _ in hedging:  # a hedge copied its parent's fields: never its parent's mask
+            hedge.grammar_mask = None
         try:
+            if not active and not hedging:
+                return chunks
             proposals = self._propose_within_pool(active, budgets, hedging)
         finally:
-            for seq in active:
-                seq.grammar_mask = None  # for this step only; hedges never have one
+            for seq in self.sequences.values():
+                seq.grammar_mask = None  # for this step only
         for seq, budget, proposal in zip(active, budgets, proposals):
             if proposal.prefilling:  # still reading its prompt: nothing to send, more work next step
                 continue
@@ -221,10 +221,11 @@ class Drafter:
         return chunks
 
     def _draft_forced(self, active: list[DraftState], budgets: list[int]) -> list[pb.DraftChunk]:
-        """Tokens the grammar forces, drafted at no model cost (q: the point mass); `budgets` shrink."""
+        """Tokens the grammar forces, drafted at no model cost (q: the point mass); `budgets` shrink,
+        and each sequence's `grammar_mask` is the mask its proposer drafts the next token with."""
         chunks = []
         for i, seq in enumerate(active):
-            forced = self.grammars.forced(seq, budgets[i])
+            forced, seq.grammar_mask = self.grammars.forced(seq, budgets[i])
             if not forced:
                 continue
             start = seq.next_pos

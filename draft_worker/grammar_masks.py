@@ -82,29 +82,30 @@ class DraftGrammars:
         self.matchers.fill(seq.seq_id, bitmask)
         return bitmask if bool((bitmask != 0).any()) else None  # a dead end is the target's to report
 
-    def forced(self, seq: DraftState, budget: int) -> list[int]:
-        """The tokens the grammar forces after `seq.tokens`, one after another, at most `budget` (and
-        none past an end token); the matcher consumes them (the drafter appends them to the sequence)."""
+    def forced(self, seq: DraftState, budget: int) -> tuple[list[int], torch.Tensor | None]:
+        """The tokens the grammar forces after `seq.tokens`, one after another, at most `budget` (none
+        past an end token), which the matcher consumes (the drafter appends them to the sequence); and
+        the mask after them (`mask`'s, for the proposer), None when unconstrained."""
         out: list[int] = []
-        while len(out) < budget:
-            bitmask = self.mask(seq) if not out else self._mask_after(seq, out)
-            if bitmask is None:
-                break
+        bitmask = self.mask(seq)
+        while bitmask is not None and len(out) < budget:
             legal = allowed_tokens(bitmask[0], self._vocab[seq.seq_id])
             if len(legal) != 1:
                 break
             out.append(legal[0])
+            bitmask = self._mask_after(seq, out)
             if legal[0] in self._ends[seq.seq_id]:
                 break
         self.forced_tokens += len(out)
-        return out
+        return out, bitmask
 
     def _mask_after(self, seq: DraftState, extra: list[int]) -> torch.Tensor | None:
         if not self.matchers.follow(seq.seq_id, [*seq.tokens, *extra], len(seq.tokens) + len(extra) - 1):
+            self.release(seq.seq_id)
             return None
         bitmask = allocate_bitmask(1, self._vocab[seq.seq_id])
         self.matchers.fill(seq.seq_id, bitmask)
-        return bitmask
+        return bitmask if bool((bitmask != 0).any()) else None
 
     def legal_prefix(self, seq: DraftState, tokens: list[int]) -> int:
         """How many of `tokens` (proposed after `seq.tokens`) are legal in turn; all when unconstrained."""
