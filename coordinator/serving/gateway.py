@@ -150,6 +150,7 @@ class _Stream:
     status_code: str = "OK"
     revoked: asyncio.Event = field(default_factory=asyncio.Event)
     progress_t: float = 0.0  # when the ledger last got this stream's progress (monotonic)
+    constrained: bool = False  # the request has a constraint (its acceptance is also counted on its own)
 
     @property
     def tenant(self) -> Tenant:
@@ -312,7 +313,8 @@ class Gateway:
             raise self.refuse(caller, GatewayError(exc.code, str(exc))) from None
         except AdmissionError as exc:
             raise self.refuse(caller, GatewayError(exc.code, str(exc), exc.retry_after_s)) from None
-        stream = _Stream(validated.request.request_id, caller, info.name, validated.client_request_id, n_prompt)
+        stream = _Stream(validated.request.request_id, caller, info.name, validated.client_request_id, n_prompt,
+                         constrained=validated.request.constraint is not None)
         return validated, ticket, stream
 
     async def _check_constraint(self, info: ModelInfo, constraint, field: str) -> None:
@@ -322,10 +324,13 @@ class Gateway:
         compiler = self._grammars.get(info.name)
         if compiler is None:
             compiler = self._grammars[info.name] = await asyncio.to_thread(self._new_compiler, info)
+        started = time.monotonic()
         try:
             await compiler.compile_async(constraint)
         except ConstraintError as exc:
             raise RequestError("INVALID_ARGUMENT", f"{field}: {exc}", field) from None
+        finally:
+            self.metrics.observe_grammar_compile(info.name, time.monotonic() - started)
 
     def _new_compiler(self, info: ModelInfo):
         from duospec.structured.llguidance_backend import LLGuidanceBackend
@@ -427,7 +432,7 @@ class Gateway:
         if stream.status_code == "OK" or stream.finish_reason is FinishReason.CANCELLED:
             reason = stream.finish_reason or FinishReason.CANCELLED
             self.metrics.observe_finish(tenant, reason, stream.prompt_tokens, stream.completion_tokens, stream.stats,
-                                        time.monotonic() - stream.t0)
+                                        time.monotonic() - stream.t0, constrained=stream.constrained)
             finish = reason.value
         else:
             self.metrics.observe_failure(tenant, stream.status_code)

@@ -192,3 +192,12 @@ async def test_sampled_constrained_output_follows_the_masked_target_chi_square(h
         counts.update(await asyncio.gather(*(one(seed) for seed in range(start, start + 16))))
     assert set(counts) <= set(joint), set(counts) - set(joint)
     assert chi_square_pvalue(joint, counts, n) > 1e-3
+
+
+async def test_constrained_requests_are_counted_in_metrics(harness):
+    await _generate(harness, pb.Constraint(json_schema=json.dumps(SCHEMAS["flat"])))
+    await _generate(harness, pb.Constraint(json_schema=json.dumps(SCHEMAS["flat"])))  # a cached compile
+    get = harness.server.metrics.registry.get_sample_value
+    assert get("duospec:constrained_requests_total", {"tenant": "default"}) == 2
+    assert get("duospec:spec_decode_constrained_num_draft_tokens_total", {"tenant": "default"}) > 0
+    assert get("duospec:grammar_compile_seconds_count", {"model": "tiny"}) == 2
