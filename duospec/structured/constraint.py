@@ -51,6 +51,10 @@ class Constraint:
                 schema = json.loads(schema)
             except json.JSONDecodeError as exc:
                 raise ConstraintError(f"is not valid JSON: {exc}") from None
-        if not isinstance(schema, (dict, bool)):
+        if schema is False:
+            raise ConstraintError("the schema `false` matches no JSON value")
+        if schema is True:
+            schema = {}  # any JSON value, as an object schema (what the grammar compiler takes)
+        if not isinstance(schema, dict):
             raise ConstraintError(f"a JSON schema must be an object, got {type(schema).__name__}")
         return cls(ConstraintKind.JSON_SCHEMA, json.dumps(schema, separators=(",", ":")))

@@ -111,6 +111,7 @@ class GrammarStateError(ValueError):
 
 @dataclass
 class _State:
+    grammar: Grammar
     matcher: Matcher
     output_start: int  # position of the first generated token: the grammar covers positions from here
     vocab_size: int  # the tokenizer's: the masks' width
@@ -135,6 +136,7 @@ class SequenceGrammars:
         self._states: dict[int, _State] = {}
         self.mask_rows = 0  # metrics: mask rows filled ...
         self.mask_seconds = 0.0  # ... and the time spent on them (sync, masks, rollback)
+        self.replays = 0  # rollbacks done by replaying the committed tokens into a fresh matcher
 
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._states
@@ -144,7 +146,7 @@ class SequenceGrammars:
 
     def open(self, seq_id: int, grammar: Grammar, output_start: int) -> None:
         """(Re)start `seq_id` at the grammar's start; positions < output_start are the prompt."""
-        self._states[seq_id] = _State(grammar.matcher(), output_start, grammar.vocab_size)
+        self._states[seq_id] = _State(grammar, grammar.matcher(), output_start, grammar.vocab_size)
 
     def release(self, seq_id: int) -> None:
         self._states.pop(seq_id, None)
@@ -221,8 +223,14 @@ class SequenceGrammars:
             else:
                 break
         if keep < len(state.tokens):
-            state.matcher.rollback(len(state.tokens) - keep)
             del state.tokens[keep:]
+            try:
+                state.matcher.rollback(state.matcher.num_tokens - keep)
+            except RuntimeError:  # the library could not roll back that far: replay the committed tokens
+                state.matcher = state.grammar.matcher()
+                if state.matcher.accept_tokens(state.tokens) != keep:
+                    raise GrammarStateError("the committed tokens no longer replay under the constraint") from None
+                self.replays += 1
         fresh = [t for pos, t in new if pos - state.output_start >= keep]
         legal = state.matcher.accept_tokens(fresh)
         state.tokens.extend(fresh[:legal])

@@ -263,3 +263,27 @@ def test_a_sequence_whose_tokens_leave_its_grammar_ends_alone():
     assert [(e.seq_id, e.kind) for e in out.errors] == [(1, pb.VERIFY_ERROR_KIND_GRAMMAR)]
     assert "not legal" in out.errors[0].message and [v.seq_id for v in out.verdicts] == [2]
     assert 1 not in verifier.slots and 1 not in verifier.grammars
+
+
+def test_a_rollback_the_library_refuses_falls_back_to_replaying_the_committed_tokens(monkeypatch):
+    from duospec.structured import SequenceGrammars
+    from duospec.structured.llguidance_backend import LLGuidanceMatcher
+
+    constraint = GRAMMARS["braces"]
+    grammars = SequenceGrammars()
+    grammars.open(1, COMPILER.compile(constraint), output_start=len(PROMPT))
+    t = TOY_IDS
+    committed = [t["{"], t["b"], t["c"], t["a"]]
+    grammars.prepare(1, 0, PROMPT + committed, [])
+    real = LLGuidanceMatcher.rollback
+
+    def refuse(self, n):
+        if n:
+            raise RuntimeError("history too short")
+        real(self, n)
+
+    monkeypatch.setattr(LLGuidanceMatcher, "rollback", refuse)
+    # the coordinator re-sends from after "{b" with another token: roll back two, consume the new one
+    masks = grammars.prepare(1, len(PROMPT) + 2, [t["a"]], [])
+    assert grammars.replays == 1 and grammars.consumed(1) == [t["{"], t["b"], t["a"]]
+    assert allowed_tokens(masks.bitmask[0], VOCAB) == _legal(_replay(constraint, [t["{"], t["b"], t["a"]]))

@@ -39,6 +39,8 @@ def _legal(matcher, vocab):
     (Constraint(ConstraintKind.REGEX, "(unclosed"), "unclosed"),
     (Constraint(ConstraintKind.REGEX, "[^\\s\\S]"), "matches no text"),
     (Constraint(ConstraintKind.GRAMMAR, "start: missing_rule"), "missing_rule"),
+    (Constraint.json_schema({"not": {"type": "string"}}), "not"),  # unsupported: said, not ignored
+    (Constraint.json_schema({"type": "integer", "minimum": 5, "maximum": 2}), "Unsatisfiable"),
 ])
 def test_bad_constraints_are_refused_with_a_reason(bundled, constraint, message):
     with pytest.raises(ConstraintError, match=message):
@@ -50,6 +52,9 @@ def test_constraint_data_is_checked_before_any_compile():
         Constraint.json_schema("{nope")
     with pytest.raises(ConstraintError, match="non-empty"):
         Constraint(ConstraintKind.REGEX, "  ")
+    with pytest.raises(ConstraintError, match="matches no JSON value"):
+        Constraint.json_schema(False)
+    assert Constraint.json_schema(True) == Constraint.json_schema({})
     with pytest.raises(ConstraintError, match="bytes"):
         Constraint(ConstraintKind.REGEX, "a" * (256 * 1024 + 1))
     # equal schemas written differently share one cache key; key order is the schema's (it orders the output)
