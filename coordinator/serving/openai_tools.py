@@ -7,7 +7,8 @@ back into OpenAI's response shapes.
 - `tools` with `tool_choice`:
   - `none`: the tools are not offered; free text.
   - `auto` (the default with tools): offered; free text, parsed for `<tool_call>` blocks.
-  - `required`: offered; the output is constrained to one or more tool calls.
+  - `required`: offered; the output is constrained to one or more tool calls (one with
+    `parallel_tool_calls: false`).
   - `{type: function, function: {name}}`: offered; the output is one call to that tool.
   A response with calls has `message.tool_calls` (`content` the text around them, or null) and
   `finish_reason: "tool_calls"`; streamed, each call is one delta `{tool_calls: [{index, id, type,
@@ -115,7 +116,9 @@ def apply_tools(tools: ToolRequest | None, body: dict, req: pb.GenerateRequest) 
         raise _bad("response_format", "cannot be combined with tools; send one of them")
     req.messages.tools_json = json.dumps([t.as_openai() for t in tools.tools])
     if tools.choice == "required":
-        req.constraint.grammar = calls_constraint(tools.tools).text
+        # parallel_tool_calls: false asks for one call at most (OpenAI's default allows several)
+        single = body.get("parallel_tool_calls") is False
+        req.constraint.grammar = calls_constraint(tools.tools, single=single).text
     elif tools.choice == "named":
         req.constraint.grammar = calls_constraint([t for t in tools.tools if t.name == tools.name], single=True).text
 

@@ -126,6 +126,14 @@ async def test_required_tool_choice_gives_valid_calls_of_the_offered_tools(harne
         assert finish == choice.finish_reason
 
 
+async def test_required_without_parallel_calls_gives_one_call(harness):
+    reply = await client(harness).chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=200, temperature=1.0, seed=3, tools=TOOLS,
+        tool_choice="required", parallel_tool_calls=False)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+
+
 async def test_auto_offers_the_tools_in_the_prompt_and_answers(harness):
     reply = await client(harness).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12,
                                                           temperature=0, tools=TOOLS)
