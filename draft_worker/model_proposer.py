@@ -40,9 +40,14 @@ def proposals_from_logits(logits: torch.Tensor, seqs: list[DraftState]) -> list[
     its masked logits: its q is the masked q, and that is what it sends."""
     masked = [(row, seq.grammar_mask) for row, seq in enumerate(seqs) if seq.grammar_mask is not None]
     if masked:
-        logits = logits.clone()  # the runner's output buffer is not ours to change
+        raw, logits = logits, logits.clone()  # the runner's output buffer is not ours to change
         for row, bitmask in masked:
             apply_bitmask(logits, [row], bitmask)
+        rows = [row for row, _ in masked]
+        # a draft vocabulary (EAGLE-3) may hold no legal token: that row drafts unmasked (the target decides)
+        for row, alive in zip(rows, torch.isfinite(logits[rows]).any(dim=-1).tolist()):
+            if not alive:
+                logits[row] = raw[row]
     top = torch.topk(logits, min(ALTERNATIVES + 1, logits.shape[-1]), dim=-1)
     picks = torch.cat([logits.argmax(dim=-1, keepdim=True), top.indices], dim=1).tolist()  # one copy off the device
     # a masked row's runners-up may be illegal (-inf): never a hedge key

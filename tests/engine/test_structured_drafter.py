@@ -128,3 +128,25 @@ def test_greedy_proposals_of_any_proposer_are_cut_before_an_illegal_token():
     chunks = drafter.step()
     assert [list(c.tokens) for c in chunks] == [[TOY_IDS["a"], TOY_IDS["b"]]]
     assert drafter.grammars.cut_tokens == 2
+
+
+def test_a_draft_vocabulary_without_a_legal_token_drafts_unmasked():
+    """A drafter whose logits are -inf outside a draft vocabulary (EAGLE-3) that holds no legal token
+    drafts that position unmasked instead of failing; sampled too (q from the raw logits)."""
+    import torch
+
+    class NarrowRunner(FakeRunner):
+        def _forward(self, chunks, **kwargs):
+            out = super()._forward(chunks, **kwargs)
+            narrow = lambda rows: torch.where(torch.arange(VOCAB) == TOY_IDS["x"], rows, float("-inf"))  # noqa: E731
+            return narrow(out) if torch.is_tensor(out) else [narrow(rows) for rows in out]
+
+    for sampling in (pb.Sampling(), pb.Sampling(temperature=1.0, seed=4)):
+        drafter = _drafter(NarrowRunner())
+        _start(drafter, constraint=Constraint(ConstraintKind.REGEX, "[ab]+"), sampling=sampling, lookahead=3)
+        chunks = _drain(drafter)
+        drafted = _drafted(drafter)
+        if sampling.temperature:  # sampled drafts are never cut: the illegal "x" goes to the target
+            assert drafted and set(drafted) == {TOY_IDS["x"]}
+        else:  # greedy: cut before it, nothing to send
+            assert drafted == [] and chunks and all(c.outlook == pb.DRAFT_OUTLOOK_EXHAUSTED for c in chunks)
