@@ -189,14 +189,14 @@ class Drafter:
         chunks += self._draft_forced(active, budgets)  # sets each constrained sequence's grammar_mask
         active, budgets = [s for s, b in zip(active, budgets) if b > 0], [b for b in budgets if b > 0]
         hedging = self.hedges.growing([seq for seq in self.sequences.values() if self._may_hedge(seq)])
-        for _, hedge, _ in hedging:  # a hedge copied its parent's fields: never its parent's mask
-            hedge.grammar_mask = None
+        for _, hedge, _ in hedging:  # (a hedge copied its parent's fields, its mask included: replaced)
+            hedge.grammar_mask = self.grammars.hedge_mask(hedge)
         try:
             if not active and not hedging:
                 return chunks
             proposals = self._propose_within_pool(active, budgets, hedging)
         finally:
-            for seq in self.sequences.values():
+            for seq in [*self.sequences.values(), *(hedge for _, hedge, _ in hedging)]:
                 seq.grammar_mask = None  # for this step only
         for seq, budget, proposal in zip(active, budgets, proposals):
             if proposal.prefilling:  # still reading its prompt: nothing to send, more work next step

@@ -1,7 +1,8 @@
 """The drafter's side of constrained requests (docs/design.md §4, "Constrained requests").
 
 Per constrained sequence a matcher follows the sequence's tokens, verified and drafted, so that:
-- a model proposer draws from q masked by the grammar, and sends that masked q (`mask`);
+- a model proposer draws from q masked by the grammar, and sends that masked q (`mask`; a hedge of the
+  speculation cache likewise, through a copy of its parent's matcher: `hedge_mask`);
 - where the grammar allows exactly one token, that token is drafted without a model step (`forced`),
   with q the point mass on it: the target's mask there holds the same single token (same grammar,
   same tokenizer, same tokens before it), so it is accepted, and still verified;
@@ -10,7 +11,7 @@ Per constrained sequence a matcher follows the sequence's tokens, verified and d
   A sampled draft is never cut: that would bias the recovered token.
 None of this is needed for exactness: the target masks p and verifies every draft. It is what keeps
 drafts inside JSON legal, so that they are accepted. A matcher that cannot follow (a constraint that
-does not compile here, a token it forbids) leaves its sequence drafting unmasked.
+does not compile here, tokens it forbids) leaves its sequence drafting unmasked meanwhile.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class DraftGrammars:
         self._ends: dict[int, frozenset[int]] = {}
         self.forced_tokens = 0  # drafted without a model step
         self.cut_tokens = 0  # greedy proposals' tokens dropped as illegal
+        self.unmasked_steps = 0  # steps a constrained sequence drafted unmasked (its tokens left the grammar)
 
     def open(self, seq: DraftState, constraint: pb.GrammarConstraint) -> None:
         parsed = constraint_from_proto(constraint)
@@ -64,12 +66,14 @@ class DraftGrammars:
             self._stable[seq_id] = min(self._stable[seq_id], from_pos)
 
     def _follow(self, seq: DraftState) -> bool:
-        """Bring the matcher to the end of `seq.tokens`; False (and forget it) where it cannot."""
+        """Bring the matcher to the end of `seq.tokens`; False where it cannot. That happens when a RESET
+        keeps drafts of a hedge (hedges draft unmasked) that the grammar forbids: the matcher then
+        holds the legal part, the sequence drafts unmasked (the target rejects the illegal token and
+        corrects), and the RESET that removes the token lets it follow again."""
         if seq.seq_id not in self._stable:
             return False
         if not self.matchers.follow(seq.seq_id, seq.tokens, self._stable[seq.seq_id]):
-            log.warning("seq %d: its tokens leave the constraint; drafting on unmasked", seq.seq_id)
-            self.release(seq.seq_id)
+            self.unmasked_steps += 1
             return False
         self._stable[seq.seq_id] = len(seq.tokens)
         return True
@@ -101,10 +105,22 @@ class DraftGrammars:
 
     def _mask_after(self, seq: DraftState, extra: list[int]) -> torch.Tensor | None:
         if not self.matchers.follow(seq.seq_id, [*seq.tokens, *extra], len(seq.tokens) + len(extra) - 1):
-            self.release(seq.seq_id)
             return None
         bitmask = allocate_bitmask(1, self._vocab[seq.seq_id])
         self.matchers.fill(seq.seq_id, bitmask)
+        return bitmask if bool((bitmask != 0).any()) else None
+
+    def hedge_mask(self, hedge: DraftState) -> torch.Tensor | None:
+        """The mask after a hedge's tokens (its parent's prefix, its key token, its drafts): a copy of
+        the parent's matcher follows them, so hedges draft legal tokens too. None: unconstrained, or
+        the hedge's tokens leave the grammar (its key is a draft's runner-up: possibly illegal)."""
+        if hedge.seq_id not in self._stable:
+            return None
+        matcher = self.matchers.fork_following(hedge.seq_id, hedge.tokens)
+        if matcher is None:
+            return None
+        bitmask = allocate_bitmask(1, self._vocab[hedge.seq_id])
+        matcher.fill_bitmask(bitmask, 0)
         return bitmask if bool((bitmask != 0).any()) else None
 
     def legal_prefix(self, seq: DraftState, tokens: list[int]) -> int:
@@ -117,5 +133,6 @@ class DraftGrammars:
 
     def stats(self) -> dict:
         return {"grammar_forced_tokens": self.forced_tokens, "grammar_cut_tokens": self.cut_tokens,
+                "grammar_unmasked_steps": self.unmasked_steps,
                 "grammar_mask_rows": self.matchers.mask_rows, "grammar_mask_seconds": self.matchers.mask_seconds,
                 **self.compilers.stats()}

@@ -62,6 +62,9 @@ class FakeRunner(ModelRunner):
     def _on_allocate(self, slot):
         self._tokens[slot] = []
 
+    def _copy_prefix(self, src, dst, length):  # a drafter's hedge starts from its parent's prefix
+        self._tokens[dst] = self._tokens[src][:length]
+
     def _set_length(self, slot, length):
         super()._set_length(slot, length)
         del self._tokens[slot][length:]

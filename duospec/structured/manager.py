@@ -194,6 +194,23 @@ class SequenceGrammars:
             return False
         return True
 
+    def fork_following(self, seq_id: int, tokens: Sequence[int]) -> Matcher | None:
+        """A copy of `seq_id`'s matcher holding `tokens` (the whole of another sequence that shares a
+        prefix with it: a drafter's hedge), the original untouched; None where a token is illegal."""
+        state = self._states[seq_id]
+        ours = tokens[state.output_start:]
+        common = 0
+        while common < min(len(ours), len(state.tokens)) and ours[common] == state.tokens[common]:
+            common += 1
+        fork = state.matcher.fork()
+        try:
+            fork.rollback(len(state.tokens) - common)
+        except RuntimeError:
+            fork = state.grammar.matcher()
+            fork.accept_tokens(state.tokens[:common])
+        rest = [int(t) for t in ours[common:]]
+        return fork if fork.accept_tokens(rest) == len(rest) else None
+
     def fill(self, seq_id: int, bitmask: torch.Tensor, row: int = 0) -> None:
         started = time.perf_counter()
         self._states[seq_id].matcher.fill_bitmask(bitmask, row)

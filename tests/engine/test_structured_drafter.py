@@ -150,3 +150,34 @@ def test_a_draft_vocabulary_without_a_legal_token_drafts_unmasked():
             assert drafted and set(drafted) == {TOY_IDS["x"]}
         else:  # greedy: cut before it, nothing to send
             assert drafted == [] and chunks and all(c.outlook == pb.DRAFT_OUTLOOK_EXHAUSTED for c in chunks)
+
+
+def test_a_reset_that_keeps_an_illegal_token_drafts_unmasked_until_a_reset_removes_it():
+    """A RESET's tail may keep a hedge's drafts, and hedges draft unmasked: past an illegal token the
+    sequence drafts unmasked (the target corrects it); once a RESET removes it, masks come back."""
+    drafter = _drafter()
+    _start(drafter)
+    _drain(drafter)
+    t = TOY_IDS
+    drafter.apply(pb.DraftCommand(seq_id=1, epoch=1, kind=pb.DRAFT_COMMAND_KIND_RESET, start_pos=len(PROMPT),
+                                  tail=[t["{"], t["x"]], draft_until=len(PROMPT) + 6, committed_len=len(PROMPT) + 1))
+    _drain(drafter)
+    assert len(_drafted(drafter)) == 6 and drafter.grammars.unmasked_steps > 0
+    drafter.apply(pb.DraftCommand(seq_id=1, epoch=2, kind=pb.DRAFT_COMMAND_KIND_RESET, start_pos=len(PROMPT) + 1,
+                                  tail=[t["a"]], draft_until=len(PROMPT) + 10, committed_len=len(PROMPT) + 2))
+    _drain(drafter)
+    drafted = _drafted(drafter)
+    assert drafted[:2] == [t["{"], t["a"]] and len(drafted) == 10
+    _legal_after(drafted)
+
+
+def test_hedges_of_the_speculation_cache_draft_legal_tokens_too():
+    drafter = _drafter()
+    drafter.apply(pb.DraftCommand(
+        seq_id=1, kind=pb.DRAFT_COMMAND_KIND_START, tail=PROMPT, draft_until=len(PROMPT) + 8,
+        committed_len=len(PROMPT), max_hedges=4, constraint=constraint_to_proto(BRACES, len(PROMPT), [EOS])))
+    chunks = _drain(drafter)
+    hedges = list(drafter.hedges._hedges.get(1, {}).values())
+    assert hedges and any(c.HasField("hedge") and c.tokens for c in chunks)
+    for hedge in hedges:  # key tokens are masked runners-up, and what the hedge drafted after them is masked
+        _legal_after(hedge.tokens[len(PROMPT):])
