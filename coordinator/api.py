@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
 from duospec.sampling import SamplingParams
+from duospec.structured.constraint import Constraint
 
 MAX_DRAFT_TOKENS = 64  # per verify, in any mode: the config, a request, `duospec bench`
 
@@ -49,6 +50,8 @@ class GenerationRequest:
     tenant: str = "default"
     priority_weight: float = 1.0  # weighted fair share of the target when saturated
     logprobs: int | None = None  # set: each token's log p under the target, with this many (0..20) alternatives
+    # set: the output must match it; the target masks p at every step (validated and compiled by the front)
+    constraint: Constraint | None = None
 
 
 @dataclass

@@ -78,8 +78,8 @@ class LocalCoordinator(ModelRouter):
         async def open_scheduler() -> Scheduler:
             sched_config = scheduler_config(config)
             target_runner, proposer = preloaded
-            target = LocalTargetLink(Verifier(target_runner))
-            draft = LocalDraftLink(Drafter(proposer)) if proposer is not None else None
+            target = LocalTargetLink(Verifier(target_runner, tokenizer_path=info.target_path))
+            draft = LocalDraftLink(Drafter(proposer, tokenizer_path=info.target_path)) if proposer is not None else None
             scheduler = Scheduler(info, target, draft, sched_config)
             await scheduler.start()
             return scheduler

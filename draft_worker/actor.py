@@ -29,7 +29,8 @@ class DraftWorker(GrpcModelWorker):
 
     def _serve(self, server) -> None:
         self.drafter = Drafter(build_proposer(self.spec, self.target_path, runner=self.runner, device=str(self.device),
-                                              prefill_chunk_tokens=self.prefill_chunk_tokens))
+                                              prefill_chunk_tokens=self.prefill_chunk_tokens),
+                               tokenizer_path=self.target_path)
         pb_grpc.add_DraftServiceServicer_to_server(DraftServicer(self.drafter), server)
 
     def info(self) -> dict:

@@ -6,24 +6,31 @@ for the next tokens of every sequence below its bound and turns the answers into
 (abort + rollback) truncates the sequence's tokens and takes effect at the next step. The protocol
 is the same whatever proposes the tokens: a model (one token per step), or n-gram matching (several
 at once, or nothing: an EXHAUSTED chunk tells the coordinator not to wait). The same step grows the
-speculation cache's hedges (draft_worker/hedges.py).
+speculation cache's hedges (draft_worker/hedges.py). A constrained sequence's proposals are masked by
+its grammar, and tokens the grammar forces are drafted without asking the proposer
+(draft_worker/grammar_masks.py).
 """
 
 from __future__ import annotations
 
+from duospec.draft_worker.grammar_masks import DraftGrammars
 from duospec.draft_worker.hedges import HedgeBook, extend, forget_alternatives
 from duospec.draft_worker.proposer import DraftState, FeatureStore, Proposer
 from duospec.engine.errors import BlocksExhausted, SlotsExhausted
 from duospec.internal.features_wire import features_from_proto
 from duospec.internal.sampling_wire import sampling_from_proto
 from duospec.internal.v1 import pearl_pb2 as pb
+from duospec.qcodec import DraftProbs
 
 
 class Drafter:
     """Draft state for every live sequence; `apply` commands, then `step` to draft."""
 
-    def __init__(self, proposer: Proposer):
+    def __init__(self, proposer: Proposer, *, tokenizer_path: str | None = None, grammar_compilers=None):
+        """`tokenizer_path`: the target's checkpoint, whose tokenizer compiles constraints (None: constrained
+        sequences draft unmasked); `grammar_compilers`: (end token ids) -> GrammarCompiler instead (tests)."""
         self.proposer = proposer
+        self.grammars = DraftGrammars(tokenizer_path, grammar_compilers)
         self.sequences: dict[int, DraftState] = {}
         self.hedges = HedgeBook(proposer)
         self.steps = 0
@@ -65,6 +72,7 @@ class Drafter:
         """Abort + rollback to `tail` from `start_pos`; with `adopt`, the hedge the verdict hit becomes
         the main line when this drafter holds it with the tokens the coordinator kept."""
         tokens = seq.tokens[: cmd.start_pos] + list(cmd.tail)
+        self.grammars.changed(seq.seq_id, min(cmd.start_pos, cmd.adopt.pos) if cmd.HasField("adopt") else cmd.start_pos)
         hedge = self.hedges.take(seq.seq_id, (cmd.adopt.pos, cmd.adopt.token)) if cmd.HasField("adopt") else None
         self.hedges.drop(seq.seq_id)
         shared = _common_prefix(hedge.tokens, tokens) if hedge is not None else 0
@@ -117,6 +125,8 @@ class Drafter:
             self.hedges.drop_all()
             self.proposer.open(seq)
         self.sequences[cmd.seq_id] = seq
+        if cmd.HasField("constraint"):
+            self.grammars.open(seq, cmd.constraint)
 
     def _verified(self, seq: DraftState, committed_len: int) -> None:
         # Only what this drafter holds can be verified text; an old coordinator sends 0 (unknown).
@@ -128,6 +138,7 @@ class Drafter:
             forget_alternatives(seq, below=committed_len)
 
     def release(self, seq_id: int) -> None:
+        self.grammars.release(seq_id)
         self.hedges.drop(seq_id)
         seq = self.sequences.pop(seq_id, None)
         if seq is not None:
@@ -175,10 +186,18 @@ class Drafter:
         active = [seq for seq in active if not seq.exhausted]
         ends = [seq.draft_until if limit is None else min(seq.draft_until, limit) for seq in active]
         budgets = [end - seq.next_pos for seq, end in zip(active, ends)]
+        chunks += self._draft_forced(active, budgets)  # sets each constrained sequence's grammar_mask
+        active, budgets = [s for s, b in zip(active, budgets) if b > 0], [b for b in budgets if b > 0]
         hedging = self.hedges.growing([seq for seq in self.sequences.values() if self._may_hedge(seq)])
-        if not active and not hedging:
-            return chunks
-        proposals = self._propose_within_pool(active, budgets, hedging)
+        for _, hedge, _ in hedging:  # (a hedge copied its parent's fields, its mask included: replaced)
+            hedge.grammar_mask = self.grammars.hedge_mask(hedge)
+        try:
+            if not active and not hedging:
+                return chunks
+            proposals = self._propose_within_pool(active, budgets, hedging)
+        finally:
+            for seq in [*self.sequences.values(), *(hedge for _, hedge, _ in hedging)]:
+                seq.grammar_mask = None  # for this step only
         for seq, budget, proposal in zip(active, budgets, proposals):
             if proposal.prefilling:  # still reading its prompt: nothing to send, more work next step
                 continue
@@ -186,6 +205,8 @@ class Drafter:
                 seq.waiting = True
                 continue
             tokens = proposal.tokens[:budget]
+            if seq.sampling.greedy:  # a greedy draft past an illegal token is rejected there anyway
+                tokens = tokens[: self.grammars.legal_prefix(seq, tokens)]
             start = seq.next_pos
             extend(seq, tokens, proposal.alternatives)
             seq.tokens_drafted += len(tokens)
@@ -197,6 +218,23 @@ class Drafter:
             if tokens := self.hedges.grew(hedge, proposal, budget):
                 chunks.append(self._chunk(hedge, start, tokens, proposal.probs[: len(tokens)], False, hedge=key))
         self.steps += 1
+        return chunks
+
+    def _draft_forced(self, active: list[DraftState], budgets: list[int]) -> list[pb.DraftChunk]:
+        """Tokens the grammar forces, drafted at no model cost (q: the point mass); `budgets` shrink,
+        and each sequence's `grammar_mask` is the mask its proposer drafts the next token with."""
+        chunks = []
+        for i, seq in enumerate(active):
+            forced, seq.grammar_mask = self.grammars.forced(seq, budgets[i])
+            if not forced:
+                continue
+            start = seq.next_pos
+            extend(seq, forced, [])
+            seq.tokens_drafted += len(forced)
+            self.tokens_drafted += len(forced)
+            budgets[i] -= len(forced)
+            probs = [] if seq.sampling.greedy else [DraftProbs([t], [1.0]) for t in forced]
+            chunks.append(self._chunk(seq, start, forced, probs, False))
         return chunks
 
     def _propose_within_pool(self, active: list[DraftState], budgets: list[int], hedging: list) -> list:
@@ -239,6 +277,7 @@ class Drafter:
             "steps": self.steps,
             "tokens_drafted": self.tokens_drafted,
             **self.hedges.stats(),
+            **self.grammars.stats(),
             **self.proposer.stats(),
         }
 

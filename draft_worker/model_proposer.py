@@ -26,6 +26,7 @@ import torch
 from duospec.draft_worker.proposer import DraftMethod, DraftState, Proposal, Proposer
 from duospec.engine import ModelRunner, SlotChunk, SlotsExhausted
 from duospec.qcodec import draft_sample
+from duospec.structured.backend import apply_bitmask
 
 
 ALTERNATIVES = 2  # next-best tokens named per drafted position (hedge keys)
@@ -35,15 +36,29 @@ def proposals_from_logits(logits: torch.Tensor, seqs: list[DraftState]) -> list[
     """One drafted token per row of ``logits [n, V]`` for ``seqs[i]`` at its next position — greedy:
     the argmax; sampled: a draw from q (`draft_sample`) — with the draft's next-best tokens as hedge
     keys. The logits may stay on the runner's device: only token ids come back from it, plus the rows
-    of sampled sequences (their q is encoded on the host)."""
-    ranked = torch.topk(logits, min(ALTERNATIVES + 1, logits.shape[-1]), dim=-1).indices
-    picks = torch.cat([logits.argmax(dim=-1, keepdim=True), ranked], dim=1).tolist()  # one copy off the device
+    of sampled sequences (their q is encoded on the host). A sequence with a grammar mask drafts from
+    its masked logits: its q is the masked q, and that is what it sends."""
+    masked = [(row, seq.grammar_mask) for row, seq in enumerate(seqs) if seq.grammar_mask is not None]
+    if masked:
+        raw, logits = logits, logits.clone()  # the runner's output buffer is not ours to change
+        for row, bitmask in masked:
+            apply_bitmask(logits, [row], bitmask)
+        rows = [row for row, _ in masked]
+        # a draft vocabulary (EAGLE-3) may hold no legal token: that row drafts unmasked (the target decides)
+        for row, alive in zip(rows, torch.isfinite(logits[rows]).any(dim=-1).tolist()):
+            if not alive:
+                logits[row] = raw[row]
+    top = torch.topk(logits, min(ALTERNATIVES + 1, logits.shape[-1]), dim=-1)
+    picks = torch.cat([logits.argmax(dim=-1, keepdim=True), top.indices], dim=1).tolist()  # one copy off the device
+    # a masked row's runners-up may be illegal (-inf): never a hedge key
+    legal = torch.isfinite(top.values).tolist() if masked else None
     sampled = [i for i, seq in enumerate(seqs) if not seq.sampling.greedy]
     host = dict(zip(sampled, logits[sampled].cpu())) if sampled else {}
     proposals = []
     for row, seq in enumerate(seqs):
         token, q = draft_sample(host[row], seq.sampling, seq.next_pos) if row in host else (picks[row][0], None)
-        others = [t for t in picks[row][1:] if t != token][:ALTERNATIVES]
+        others = [t for i, t in enumerate(picks[row][1:]) if t != token and (legal is None or legal[row][i])]
+        others = others[:ALTERNATIVES]
         proposals.append(Proposal([token], [q] if q is not None else [], alternatives=[others]))
     return proposals
 

@@ -176,6 +176,9 @@ class DraftState:
     alternatives: dict[int, list[int]] = field(default_factory=dict)
     features: FeatureStore | None = None  # head drafters: the target's hidden states (shared with hedges)
     waiting: bool = False  # the proposer waits for features: not asked again before the next FEATURES
+    # [1, ceil(V/32)] int32 or None: the grammar's legal next tokens, set by the drafter for one `propose`
+    # (draft_worker/grammar_masks.py); a proposer that samples from logits masks them with it first
+    grammar_mask: object = None
 
     @property
     def next_pos(self) -> int:

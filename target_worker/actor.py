@@ -22,7 +22,7 @@ class TargetWorker(GrpcModelWorker):
             self.runner.set_feature_layers(feature_layers)  # rank 0 alone sends features
 
     def _serve(self, server) -> None:
-        self.verifier = Verifier(self.runner)
+        self.verifier = Verifier(self.runner, tokenizer_path=self.model_path)
         pb_grpc.add_TargetServiceServicer_to_server(TargetServicer(self.verifier), server)
 
     def stats(self) -> dict:
@@ -32,5 +32,6 @@ class TargetWorker(GrpcModelWorker):
             "free_slots": self.runner.free_slots,
             "forwards": self.verifier.forwards,
             "tokens_verified": self.verifier.tokens_verified,
+            **self.verifier.grammar_stats(),
             **self.runner.kv_stats(),
         }

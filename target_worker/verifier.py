@@ -26,6 +26,13 @@ A prefill chunk with `max_compute` carries more of the prompt than it may comput
 the cache supplies plus `max_compute` positions, and its verdict says how far (`context_fed`).
 When the pool cannot hold a batch, items are left out from the last one on, each answered with a
 KV_CACHE_FULL error (nothing of it changed), until the rest fits.
+
+Constrained sequences (an item with start_pos 0 carries the constraint): the verifier holds each one's
+authoritative matcher (`duospec.structured.SequenceGrammars`), advanced only by committed tokens (the
+items' context and the verdicts). Each verify row's logits are masked (-inf outside the grammar) before
+the verify rule, which then sees p = 0 for every illegal token: greedy takes the masked argmax, sampling
+accepts an illegal draft with probability 0 and recovers from norm(max(0, p' - q)). A grammar that
+fails or reaches a dead end answers its own item with a GRAMMAR error; the batch goes on.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import time
 import torch
 
 from duospec.engine import BlocksExhausted, ModelRunner, SlotChunk, SlotsExhausted
+from duospec.internal.constraint_wire import constraint_from_proto
 from duospec.internal.features_wire import features_to_proto
 from duospec.internal.kv_wire import kv_usage_to_proto
 from duospec.internal.sampling_wire import sampling_from_proto
@@ -43,6 +51,8 @@ from duospec.internal.v1 import pearl_pb2 as pb
 from duospec.target_worker.hidden_cache import HiddenRowCache
 from duospec.qcodec import DraftProbs
 from duospec.sampling import logprobs_from_logits
+from duospec.structured import ConstraintError, GrammarStateError, ItemMasks, SequenceGrammars, apply_bitmask
+from duospec.structured.manager import WorkerCompilers
 from duospec.verify import NextTokenKind, TreeVerdict
 from duospec.verify.batch import VerifyTask, verify_batch, verify_each
 
@@ -56,10 +66,16 @@ _KIND_TO_PROTO = {
 class Verifier:
     """Target model state (one KV slot per sequence) and the verify step."""
 
-    def __init__(self, runner: ModelRunner, *, batched: bool | None = None):
+    def __init__(self, runner: ModelRunner, *, batched: bool | None = None, tokenizer_path: str | None = None,
+                 grammar_compilers=None):
         """`batched`: decide a batch with `verify_batch` on the runner's device (default: where that
-        is an accelerator) instead of the reference item by item (`verify_each`, faster on a CPU)."""
+        is an accelerator) instead of the reference item by item (`verify_each`, faster on a CPU).
+        `tokenizer_path`: the target's checkpoint, whose tokenizer compiles constraints (None: none
+        can be served); `grammar_compilers`: a callable (end token ids) -> GrammarCompiler in its place
+        (tests with a toy vocabulary)."""
         self.runner = runner
+        self.grammars = SequenceGrammars()
+        self.compilers = WorkerCompilers(tokenizer_path, grammar_compilers)
         self._decide = verify_batch if (runner.device.type != "cpu" if batched is None else batched) else verify_each
         self.slots: dict[int, int] = {}  # seq_id -> slot
         self.forwards = 0
@@ -69,12 +85,18 @@ class Verifier:
         self.hidden_rows = (HiddenRowCache(kv.block_size, kv.pool.num_blocks)
                             if kv is not None and kv.prefix_caching and runner.supports_hidden else None)
 
+    def grammar_stats(self) -> dict:
+        """Constrained sequences' cost on this worker: compiles and mask rows (for `stats`)."""
+        return {"grammar_sequences": len(self.grammars), "grammar_mask_rows": self.grammars.mask_rows,
+                "grammar_mask_seconds": self.grammars.mask_seconds, **self.compilers.stats()}
+
     def release(self, seq_id: int) -> None:
         slot = self.slots.pop(seq_id, None)
         if slot is not None:
             self.runner.free_slot(slot)
         if self.hidden_rows is not None:
             self.hidden_rows.forget(seq_id)
+        self.grammars.release(seq_id)
 
     def release_all(self) -> None:
         for seq_id in list(self.slots):
@@ -96,6 +118,12 @@ class Verifier:
             skip = self._cached_prefix(item)
             item = _fed_part(item, skip)
             try:
+                self._open_grammar(item)
+            except ConstraintError as exc:  # this sequence ends; the batch goes on
+                self.release(item.seq_id)
+                out.errors.append(_error(item, pb.VERIFY_ERROR_KIND_GRAMMAR, f"constraint: {exc}"))
+                continue
+            try:
                 tasks.append(_task(item, first_row))
             except ValueError as exc:  # a malformed q fails its own item only
                 self.release(item.seq_id)
@@ -108,8 +136,16 @@ class Verifier:
                                     [*item.context[skip:], *item.draft_tokens], _chunk_parents(item, skip)))
         if chunks:
             want_hidden = any(item.features for item in items) and self.runner.supports_hidden
+            masks, grammar_failed = {}, {}
             try:
                 logits, hidden = self._forward_fitting(chunks, items, tasks, cached, out, want_hidden)
+                # The masks are filled while the device runs the forward (launched, not awaited): on an
+                # accelerator the grammar's host time hides behind it.
+                masks, grammar_failed = self._grammar_masks(items)
+                for item, task in zip(items, tasks):
+                    if item.seq_id in masks:  # p = 0 outside the grammar, before anything reads the rows
+                        rows = range(task.first_row, task.first_row + len(item.draft_tokens) + 1)
+                        apply_bitmask(logits, rows, masks[item.seq_id].bitmask)
                 decisions = self._decide(logits, tasks) if items else []
             except Exception as exc:  # a broken batch must not take the worker down: report, go on
                 for item in items:
@@ -124,9 +160,17 @@ class Verifier:
                 item_hidden = hidden[hidden_start : hidden_start + len(chunk.token_ids)] if hidden is not None else None
                 hidden_start += len(chunk.token_ids)
                 try:
+                    if item.seq_id in grammar_failed:
+                        raise GrammarStateError(grammar_failed[item.seq_id])
                     if isinstance(decision, Exception):
                         raise decision
-                    out.verdicts.append(self._verdict(item, task, decision, rows, item_hidden, skip))
+                    verdict = self._verdict(item, task, decision, rows, item_hidden, skip)
+                    if item.seq_id in masks:
+                        self._commit_grammar(item, decision)
+                    out.verdicts.append(verdict)
+                except GrammarStateError as exc:
+                    self.release(item.seq_id)
+                    out.errors.append(_error(item, pb.VERIFY_ERROR_KIND_GRAMMAR, f"constraint: {exc}"))
                 except Exception as exc:
                     self.release(item.seq_id)
                     out.errors.append(_error(item, pb.VERIFY_ERROR_KIND_BAD_REQUEST, f"verify failed: {exc}"))
@@ -135,6 +179,37 @@ class Verifier:
         if (kv := kv_usage_to_proto(self.runner.cache_stats())) is not None:
             out.kv.CopyFrom(kv)
         return out
+
+    def _open_grammar(self, item: pb.VerifyItem) -> None:
+        """An item at position 0 (re)starts its sequence: with a constraint, at the grammar's start."""
+        if item.start_pos == 0:
+            self.grammars.release(item.seq_id)  # whatever the sequence held is gone
+            constraint = constraint_from_proto(item.constraint)
+            if constraint is not None:
+                grammar = self.compilers.get(item.constraint.end_token_ids).compile(constraint)
+                self.grammars.open(item.seq_id, grammar, item.constraint.output_start)
+
+    def _grammar_masks(self, items: list[pb.VerifyItem]) -> tuple[dict[int, ItemMasks], dict[int, str]]:
+        """Each constrained item's mask rows, its matcher moved to its first draft; and the items whose
+        grammar cannot go on (seq_id -> why): they end with a GRAMMAR error after the forward."""
+        masks, failed = {}, {}
+        for item in items:
+            try:
+                item_masks = self.grammars.prepare(item.seq_id, item.start_pos, item.context, item.draft_tokens,
+                                                   item.draft_parents or None)
+            except GrammarStateError as exc:
+                failed[item.seq_id] = str(exc)
+                continue
+            if item_masks is not None:
+                masks[item.seq_id] = item_masks
+        return masks, failed
+
+    def _commit_grammar(self, item: pb.VerifyItem, decision: TreeVerdict) -> None:
+        """The verdict's committed tokens (the accepted path, then the next token) advance the matcher."""
+        tokens = [item.draft_tokens[i] for i in decision.path]
+        if decision.verdict.next_token is not None:
+            tokens.append(decision.verdict.next_token)
+        self.grammars.commit(item.seq_id, item.start_pos + len(item.context), tokens)
 
     def _cached_prefix(self, item: pb.VerifyItem) -> int:
         """How many of the item's context positions the prefix cache supplies (the slot then holds them)."""

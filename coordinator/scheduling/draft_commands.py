@@ -16,6 +16,7 @@ import time
 from duospec.coordinator.scheduling.kv_budget import cache_salt
 from duospec.coordinator.scheduling.sequence import DraftAction, Sequence, VerdictOutcome
 from duospec.draft_worker.proposer import DraftMethod
+from duospec.internal.constraint_wire import constraint_to_proto
 from duospec.internal.sampling_wire import sampling_to_proto
 from duospec.internal.v1 import pearl_pb2 as pb
 
@@ -74,6 +75,7 @@ class DraftChannel:
                 cache_salt=cache_salt(self._prefix_cache, seq.request.tenant),
                 committed_len=len(seq.committed),
                 max_hedges=max_hedges(seq),
+                constraint=_draft_constraint(seq),
             )
         )
 
@@ -189,3 +191,11 @@ class DraftChannel:
         """The verdict's path went into a hedge's branch: the drafter continues on that branch."""
         branch = outcome.branch
         self.abort(seq, (branch.drafts, branch.probs), branch.key)
+
+
+def _draft_constraint(seq: Sequence) -> pb.GrammarConstraint | None:
+    """The request's constraint for the drafter (it masks its proposals; the target still decides)."""
+    constraint = seq.request.constraint
+    if constraint is None:
+        return None
+    return constraint_to_proto(constraint, len(seq.request.prompt_token_ids), seq.eos_token_ids)

@@ -213,4 +213,6 @@ def verify_error(error):
         return Overloaded(f"the target has no free KV slot: {error.message}; retry shortly")
     if error.kind == pb.VERIFY_ERROR_KIND_CONTEXT_OVERFLOW:
         return InvalidRequest(error.message)
+    if error.kind == pb.VERIFY_ERROR_KIND_GRAMMAR:  # the request's constraint left no legal token
+        return InvalidRequest(error.message)
     return CoordinatorError(f"target rejected the sequence: {error.message}", code="INTERNAL")

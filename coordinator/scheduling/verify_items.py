@@ -14,6 +14,7 @@ from duospec.coordinator.api import SpeculationMode
 from duospec.coordinator.scheduling.draft_commands import max_hedges
 from duospec.coordinator.scheduling.kv_budget import cache_salt
 from duospec.coordinator.scheduling.sequence import Sequence
+from duospec.internal.constraint_wire import constraint_to_proto
 from duospec.internal.sampling_wire import sampling_to_proto
 from duospec.internal.v1 import pearl_pb2 as pb
 
@@ -55,7 +56,8 @@ class VerifyBatchBuilder:
                                  context=seq.committed[seq.target_len: seq.verify_context_end + CACHE_PROBE_TOKENS],
                                  max_compute=context_limit,
                                  sampling=sampling_to_proto(seq.request.sampling), bonus=pb.BONUS_POLICY_SKIP,
-                                 features=wants_features(seq), cache_salt=self._item_salt(seq))
+                                 features=wants_features(seq), cache_salt=self._item_salt(seq),
+                                 constraint=_item_constraint(seq))
         seq.verify_context_end = None
         k = min(seq.policy.verify_count(len(seq.drafts), seq.remaining), self._draft_limit(seq)) if seq.uses_draft else 0
         # Past an exhausted chunk no draft will come: the bonus is the only way on. Which positions
@@ -92,6 +94,7 @@ class VerifyBatchBuilder:
             top_logprobs=seq.request.logprobs or 0,
             features=wants_features(seq),
             cache_salt=self._item_salt(seq),
+            constraint=_item_constraint(seq),
         )
 
     def _item_salt(self, seq: Sequence) -> str:
@@ -109,6 +112,15 @@ class VerifyBatchBuilder:
             and self._draft_limit(seq) > 0
             and seq.target_len < len(seq.committed) - 1
         )
+
+
+def _item_constraint(seq: Sequence) -> pb.GrammarConstraint | None:
+    """The constraint, on every item that (re)opens a constrained sequence on the target (start_pos 0:
+    its first item, or a re-prefill after the target lost it); the target keeps the matcher after."""
+    constraint = seq.request.constraint
+    if constraint is None or seq.target_len != 0:
+        return None
+    return constraint_to_proto(constraint, len(seq.request.prompt_token_ids), seq.eos_token_ids)
 
 
 def wants_features(seq: Sequence) -> bool:

@@ -40,8 +40,9 @@ from duospec.coordinator.tenants.ledger import FLUSH_INTERVAL_S, RUNNING, UsageL
 from duospec.coordinator.serving.metrics import UNAUTHENTICATED_TENANT, ServerMetrics
 from duospec.coordinator.tenants.tenancy import ANONYMOUS, AuthError, Tenant, TenantRegistry, authorize_model
 from duospec.coordinator.serving.validation import (
-    RequestError, ValidatedRequest, max_prompt_chars, resolve_model, validate_request, with_tenant,
+    RequestError, ValidatedRequest, constraint_field, max_prompt_chars, resolve_model, validate_request, with_tenant,
 )
+from duospec.structured.constraint import ConstraintError
 from duospec.v1 import generation_pb2 as pb
 
 log = logging.getLogger("duospec.server")
@@ -149,6 +150,7 @@ class _Stream:
     status_code: str = "OK"
     revoked: asyncio.Event = field(default_factory=asyncio.Event)
     progress_t: float = 0.0  # when the ledger last got this stream's progress (monotonic)
+    constrained: bool = False  # the request has a constraint (its acceptance is also counted on its own)
 
     @property
     def tenant(self) -> Tenant:
@@ -184,6 +186,7 @@ class Gateway:
         self.max_prompt_chars = {name: max_prompt_chars(self.models[name], tok)
                                  for name, tok in tokenizers.items() if name in self.models}
         self._streams: dict[str, _Stream] = {}
+        self._grammars: dict[str, Any] = {}  # model -> its GrammarCompiler, made at the first constraint
 
     # ---- who is calling ----------------------------------------------------------------------------
 
@@ -300,6 +303,8 @@ class Gateway:
                 self.default_modes.get(info.name, SpeculationMode.PEARL), uuid.uuid4().hex,
                 max_prompt_chars=self.max_prompt_chars.get(info.name),
             )
+            if validated.request.constraint is not None:
+                await self._check_constraint(info, validated.request.constraint, constraint_field(request))
             n_prompt = len(validated.request.prompt_token_ids)
             ticket = await self.admission.admit(tenant, n_prompt + validated.request.max_new_tokens, info.name)
         except RequestError as exc:
@@ -308,8 +313,35 @@ class Gateway:
             raise self.refuse(caller, GatewayError(exc.code, str(exc))) from None
         except AdmissionError as exc:
             raise self.refuse(caller, GatewayError(exc.code, str(exc), exc.retry_after_s)) from None
-        stream = _Stream(validated.request.request_id, caller, info.name, validated.client_request_id, n_prompt)
+        stream = _Stream(validated.request.request_id, caller, info.name, validated.client_request_id, n_prompt,
+                         constrained=validated.request.constraint is not None)
         return validated, ticket, stream
+
+    async def _check_constraint(self, info: ModelInfo, constraint, field: str) -> None:
+        """Compile the constraint for the model's tokenizer (cached; off the event loop, time-limited),
+        so that a bad one is a 400 naming `field` before it is admitted; the target compiles it again
+        where its matcher lives."""
+        compiler = self._grammars.get(info.name)
+        if compiler is None:
+            compiler = self._grammars[info.name] = await asyncio.to_thread(self._new_compiler, info)
+        started = time.monotonic()
+        try:
+            await compiler.compile_async(constraint)
+        except ConstraintError as exc:
+            raise RequestError("INVALID_ARGUMENT", f"{field}: {exc}", field) from None
+        finally:
+            self.metrics.observe_grammar_compile(info.name, time.monotonic() - started)
+
+    def _new_compiler(self, info: ModelInfo):
+        from duospec.structured.llguidance_backend import LLGuidanceBackend
+        from duospec.structured.manager import GrammarCompiler
+
+        try:
+            backend = LLGuidanceBackend.from_tokenizer(self.tokenizers[info.name], info.end_token_ids,
+                                                       key=info.target_path)
+        except ConstraintError as exc:
+            raise RequestError("INVALID_ARGUMENT", f"constraint: model {info.name!r}: {exc}", "constraint") from None
+        return GrammarCompiler(backend)
 
     async def _run(self, v: ValidatedRequest, stream: _Stream) -> AsyncIterator[Delta]:
         from duospec.detokenizer import IncrementalDetokenizer
@@ -400,7 +432,7 @@ class Gateway:
         if stream.status_code == "OK" or stream.finish_reason is FinishReason.CANCELLED:
             reason = stream.finish_reason or FinishReason.CANCELLED
             self.metrics.observe_finish(tenant, reason, stream.prompt_tokens, stream.completion_tokens, stream.stats,
-                                        time.monotonic() - stream.t0)
+                                        time.monotonic() - stream.t0, constrained=stream.constrained)
             finish = reason.value
         else:
             self.metrics.observe_failure(tenant, stream.status_code)

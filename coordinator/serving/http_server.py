@@ -26,6 +26,8 @@ import time
 from typing import Callable
 
 from duospec.coordinator.serving import openai_protocol as oai
+from duospec.coordinator.serving import openai_tools as oai_tools
+from duospec.structured.tools import parse_tool_calls
 from duospec.coordinator.config import TlsSettings
 from duospec.coordinator.serving.gateway import Caller, Gateway, GatewayError
 
@@ -93,14 +95,16 @@ def create_app(gateway: Gateway, is_serving: Callable[[], bool]):
         return JSONResponse(oai.model_list(gateway.visible_models(caller)))
 
     async def parse(request: Request, caller: Caller, chat: bool, naming: dict):
-        """(GenerateRequest, stream, include_usage) from the body; a GatewayError counted as refused."""
+        """(GenerateRequest, ToolRequest | None, stream, include_usage) from the body; a GatewayError
+        counted as refused."""
         try:
             body = oai.parse_body(await _read_body(request, gateway.settings.max_request_body_bytes))
             if chat and body.get("max_completion_tokens") is not None:
                 naming["max_tokens_field"] = "max_completion_tokens"
             client_id = request.headers.get("x-request-id", "")
             req = oai.chat_request(body, client_id) if chat else oai.completion_request(body, client_id)
-            return (req, *oai.stream_options(body))
+            tools = oai_tools.tool_request(body) if chat else None  # whether to look for tool calls
+            return (req, tools, *oai.stream_options(body))
         except GatewayError as exc:
             raise gateway.refuse(caller, exc) from None
 
@@ -108,7 +112,7 @@ def create_app(gateway: Gateway, is_serving: Callable[[], bool]):
         naming = {"chat": chat, "max_tokens_field": "max_tokens"}
         try:
             caller = gateway.accept(request.headers.get("authorization"))
-            req, stream, include_usage = await parse(request, caller, chat, naming)
+            req, tools, stream, include_usage = await parse(request, caller, chat, naming)
             deltas = gateway.generate(caller, req)
             try:
                 # Errors before the first token are plain HTTP errors; a client that leaves while its
@@ -124,7 +128,8 @@ def create_app(gateway: Gateway, is_serving: Callable[[], bool]):
         created = int(time.time())
         shape = _LogprobShape(gateway.tokenizers[model], chat) if req.HasField("logprobs") else None
         if stream:
-            return _ClosingStream(_events(deltas, first, rid, model, created, chat, include_usage, naming, shape),
+            calls = oai_tools.StreamedCalls() if tools is not None else None
+            return _ClosingStream(_events(deltas, first, rid, model, created, chat, include_usage, naming, shape, calls),
                                   media_type="text/event-stream", headers={"cache-control": "no-cache"})
         try:
             final, text = await _until_disconnect(request, _collect(deltas, first))
@@ -132,7 +137,13 @@ def create_app(gateway: Gateway, is_serving: Callable[[], bool]):
             return error_response(exc, **naming)
         finish = oai.finish_reason(final.finish_reason)
         logprobs = shape(final.logprobs) if shape else None
-        if chat:
+        if chat and tools is not None:
+            content, calls = parse_tool_calls(text)
+            obj = oai.chat_object(rid, model, created, (content or None) if calls else text,
+                                  oai_tools.finish_with_calls(finish, len(calls)), chunk=False,
+                                  token_ids=final.token_ids, logprobs=logprobs,
+                                  tool_calls=[oai_tools.tool_call_json(c, i) for i, c in enumerate(calls)])
+        elif chat:
             obj = oai.chat_object(rid, model, created, text, finish, chunk=False, token_ids=final.token_ids,
                                   logprobs=logprobs)
         else:
@@ -222,14 +233,23 @@ async def _wait_disconnect(request) -> None:
 
 
 async def _events(deltas, first, rid: str, model: str, created: int, chat: bool, include_usage: bool, naming,
-                  shape: _LogprobShape | None):
+                  shape: _LogprobShape | None, calls: oai_tools.StreamedCalls | None = None):
+    """The SSE events of a stream; with `calls` (a chat request with tools) text inside <tool_call>
+    blocks goes out as tool-call deltas instead of content."""
     delta, is_first = first, True
     async with contextlib.aclosing(deltas):
         try:
             while True:
                 finish = oai.finish_reason(delta.finish_reason)
                 logprobs = shape(delta.logprobs) if shape and delta.logprobs else None
-                if chat:
+                if chat and calls is not None:
+                    content, tool_calls = calls.feed(delta.text, last=finish is not None)
+                    finish = oai_tools.finish_with_calls(finish, calls.calls)
+                    if is_first or content or tool_calls or delta.token_ids or finish:
+                        yield oai.sse(oai.chat_object(rid, model, created, content or None, finish, chunk=True,
+                                                      first=is_first, token_ids=delta.token_ids, logprobs=logprobs,
+                                                      tool_calls=tool_calls))
+                elif chat:
                     if is_first or delta.text or delta.token_ids or finish:
                         yield oai.sse(oai.chat_object(rid, model, created, delta.text, finish, chunk=True,
                                                       first=is_first, token_ids=delta.token_ids, logprobs=logprobs))

@@ -66,6 +66,17 @@ class ServerMetrics:
             "duospec:spec_decode_lookup_accepted_tokens", "Looked-up tokens the target kept", t, registry=r)
         self.wasted_draft_tokens = Counter(
             "duospec:spec_decode_num_wasted_draft_tokens", "Draft tokens discarded after a rejection", t, registry=r)
+        # constrained requests (a JSON schema, regex, grammar or tool calls): their acceptance on its own
+        self.constrained_requests = Counter(
+            "duospec:constrained_requests", "Finished requests with a constraint", t, registry=r)
+        self.constrained_draft_tokens = Counter(
+            "duospec:spec_decode_constrained_num_draft_tokens", "Draft tokens of constrained requests", t, registry=r)
+        self.constrained_accepted_tokens = Counter(
+            "duospec:spec_decode_constrained_num_accepted_tokens", "Accepted draft tokens of constrained requests",
+            t, registry=r)
+        self.grammar_compile = Histogram(
+            "duospec:grammar_compile_seconds", "Time to check a request's constraint at the gateway (a cached "
+            "compile is a lookup)", ["model"], buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("duospec:prompt_tokens", "Prompt tokens processed", t, registry=r)
         self.generation_tokens = Counter("duospec:generation_tokens", "Tokens generated", t, registry=r)
         self.request_success = Counter(
@@ -132,8 +143,12 @@ class ServerMetrics:
             hist.observe(gap)
 
     def observe_finish(self, tenant: str, finish_reason: FinishReason, prompt_tokens: int,
-                       completion_tokens: int, stats: SpecStats, e2e_seconds: float) -> None:
+                       completion_tokens: int, stats: SpecStats, e2e_seconds: float, *, constrained: bool = False) -> None:
         self.request_success.labels(tenant, finish_reason.value).inc()
+        if constrained:
+            self.constrained_requests.labels(tenant).inc()
+            self.constrained_draft_tokens.labels(tenant).inc(stats.drafted_tokens)
+            self.constrained_accepted_tokens.labels(tenant).inc(stats.accepted_tokens)
         self.prompt_tokens.labels(tenant).inc(prompt_tokens)
         self.generation_tokens.labels(tenant).inc(completion_tokens)
         self.e2e.labels(tenant).observe(e2e_seconds)
@@ -152,6 +167,9 @@ class ServerMetrics:
         self.lookup_tokens.labels(tenant).inc(stats.lookup_tokens)
         self.lookup_accepted.labels(tenant).inc(stats.lookup_accepted)
         self.hedge_tokens_kept.labels(tenant).inc(stats.hedge_tokens_kept)
+
+    def observe_grammar_compile(self, model: str, seconds: float) -> None:
+        self.grammar_compile.labels(model).observe(seconds)
 
     def observe_failure(self, tenant: str, code: str) -> None:
         self.request_failure.labels(tenant, code).inc()

@@ -7,6 +7,7 @@ sent (`sampling.temperature` -> `temperature`).
 
 Defaults follow OpenAI's API, not duospec's gRPC one: `temperature` 1.0 (send 0 for greedy),
 `top_p` 1.0, `n` 1. `max_tokens` unset = the server's default_max_new_tokens (within the context).
+Structured output (`response_format`, `tools`, `tool_choice`): coordinator/serving/openai_tools.py.
 Log-probabilities (`logprobs: N` for completions; `logprobs: true, top_logprobs: N` for chat, N <= 20)
 are the target's, the same in every speculation mode (greedy: its log-softmax; sampled: log p after
 temperature, top-k and top-p).
@@ -24,6 +25,7 @@ import time
 from typing import Any
 
 from duospec.coordinator.api import FinishReason, ModelInfo, SpecStats
+from duospec.coordinator.serving import openai_tools
 from duospec.coordinator.serving.gateway import GatewayError
 from duospec.v1 import generation_pb2 as pb
 
@@ -109,11 +111,6 @@ def completion_request(body: dict, request_id: str = "") -> pb.GenerateRequest:
 def chat_request(body: dict, request_id: str = "") -> pb.GenerateRequest:
     """`POST /v1/chat/completions` body -> GenerateRequest (rendered with the model's chat template)."""
     _reject_unknown(body, CHAT_FIELDS)
-    for name in ("tools", "tool_choice"):
-        if body.get(name) not in (None, [], "none"):
-            raise bad(name, "tool calling is not supported; leave it unset")
-    if body.get("response_format") not in (None, {"type": "text"}):
-        raise bad("response_format", "only {\"type\": \"text\"} is supported")
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
         raise bad("max_completion_tokens", "send max_completion_tokens or max_tokens, not both")
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -136,9 +133,15 @@ def chat_request(body: dict, request_id: str = "") -> pb.GenerateRequest:
             role = "system"
         if not isinstance(role, str):
             raise bad(f"messages[{i}].role", "must be a string: system, user or assistant")
-        req.messages.messages.add(role=_text(role, f"messages[{i}].role"),
-                                  content=_text(_content_text(m.get("content"), f"messages[{i}].content"),
-                                                f"messages[{i}].content"))
+        field = f"messages[{i}].content"
+        if role == "tool" or (role == "assistant" and m.get("tool_calls")):  # an agent's earlier turns
+            content = _content_text(m["content"], field) if m.get("content") is not None else ""
+            role, content = openai_tools.tool_turn(role, content, m.get("tool_calls"), f"messages[{i}]")
+        else:
+            content = _content_text(m.get("content"), field)
+        req.messages.messages.add(role=_text(role, f"messages[{i}].role"), content=_text(content, field))
+    openai_tools.apply_response_format(body, req)
+    openai_tools.apply_tools(openai_tools.tool_request(body), body, req)
     return req
 
 
@@ -299,6 +302,8 @@ _FIELD_NAMES = [  # gRPC field path (validation.py) -> the JSON field the user s
     (re.compile(r"^prompt_token_ids\.ids(\[\d+\])?$"), r"prompt\1"),
     (re.compile(r"^messages\.messages(\[\d+\])?(\.role|\.content)?$"), r"messages\1\2"),
     (re.compile(r"^messages$"), "messages"),
+    (re.compile(r"^constraint\.json_(schema|object)$"), "response_format"),  # (coordinator/serving/openai_tools.py)
+    (re.compile(r"^constraint\.grammar$"), "tools"),  # tool_choice required / named
 ]
 
 
@@ -391,7 +396,7 @@ def chat_logprobs(tokenizer, logprobs) -> dict:
 
 def chat_object(rid: str, model: str, created: int, text: str | None, finish: str | None, *,
                 chunk: bool, first: bool = False, token_ids: tuple[int, ...] = (),
-                logprobs: dict | None = None) -> dict:
+                logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
     """A chat completion, or (`chunk`) one of its stream chunks; `token_ids` is duospec's extension."""
     if chunk:
         delta: dict = {}
@@ -399,13 +404,16 @@ def chat_object(rid: str, model: str, created: int, text: str | None, finish: st
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs,
                   "token_ids": list(token_ids)}
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [choice]}
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                         "logprobs": logprobs, "token_ids": list(token_ids)}]}
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text,
+                                                 **({"tool_calls": tool_calls} if tool_calls else {})},
+                         "finish_reason": finish, "logprobs": logprobs, "token_ids": list(token_ids)}]}
 
 
 def usage_chunk(rid: str, model: str, created: int, *, chat: bool, usage_body: dict) -> dict:

@@ -6,6 +6,7 @@ unknown model) with the proto field path, so nothing user-caused reaches the coo
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 from dataclasses import dataclass, replace
@@ -14,6 +15,7 @@ from typing import Any
 from duospec.coordinator.api import GenerationRequest, ModelInfo, SpeculationMode
 from duospec.coordinator.config import ServerSettings
 from duospec.sampling import SamplingParams
+from duospec.structured.constraint import Constraint, ConstraintError, ConstraintKind
 from duospec.v1 import generation_pb2 as pb
 
 MAX_REQUEST_ID_CHARS = 128
@@ -109,6 +111,7 @@ def validate_request(
         ignore_eos=req.stopping.ignore_eos,
         model=info.name,
         logprobs=_logprobs(req),
+        constraint=_constraint(req),
     )
     return ValidatedRequest(request, stops, req.request_id or internal_request_id)
 
@@ -162,16 +165,67 @@ def _chat_token_ids(messages: pb.ChatMessages, info: ModelInfo, tokenizer: Any) 
             raise invalid(f"messages.messages[{i}].role", f"{m.role!r}; use one of {', '.join(CHAT_ROLES)}")
     if not getattr(tokenizer, "chat_template", None):
         raise invalid("messages", f"model {info.name!r} has no chat template; send `prompt` text instead")
+    turns = [{"role": m.role, "content": m.content} for m in messages.messages]
+    tools = _tools(messages.tools_json)
+    extra = {}
+    if tools and "tools" in str(tokenizer.chat_template):
+        extra["tools"] = tools  # the model's own tool format
+    elif tools:
+        from duospec.structured.tools import Tool, default_tool_prompt
+
+        offer = default_tool_prompt([Tool(t["function"]["name"], t["function"].get("parameters") or {},
+                                          t["function"].get("description") or "") for t in tools])
+        if turns[0]["role"] == "system":
+            turns[0] = {"role": "system", "content": turns[0]["content"] + "\n\n" + offer}
+        else:
+            turns.insert(0, {"role": "system", "content": offer})
     # Render to text first, then encode: the template already contains any BOS it wants.
     try:
-        text = tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages.messages],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
+        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, **extra)
     except Exception as exc:  # the template refuses them (e.g. roles that do not alternate)
         raise invalid("messages", f"the model's chat template refused these messages: {exc}") from None
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _tools(tools_json: str) -> list[dict]:
+    """ChatMessages.tools_json: a JSON list of {"type": "function", "function": {"name", ...}}."""
+    if not tools_json:
+        return []
+    try:
+        tools = json.loads(tools_json)
+    except json.JSONDecodeError as exc:
+        raise invalid("messages.tools_json", f"not valid JSON: {exc}") from None
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+            for t in tools):
+        raise invalid("messages.tools_json", 'must be a list of {"type": "function", "function": {"name": ...}}')
+    return tools
+
+
+def _constraint(req: pb.GenerateRequest) -> Constraint | None:
+    """The request's constraint as data; whether it compiles is checked by the gateway (off the loop,
+    with a time limit), which names the same field."""
+    if not req.HasField("constraint"):
+        return None
+    which = req.constraint.WhichOneof("kind")
+    if which is None:
+        raise invalid("constraint", "set one of json_schema, json_object, regex or grammar")
+    try:
+        if which == "json_schema":
+            return Constraint.json_schema(req.constraint.json_schema)
+        if which == "json_object":
+            if not req.constraint.json_object:
+                raise ConstraintError("must be true (or leave `constraint` unset)")
+            return Constraint(ConstraintKind.JSON_OBJECT)
+        kind = ConstraintKind.REGEX if which == "regex" else ConstraintKind.GRAMMAR
+        return Constraint(kind, getattr(req.constraint, which))
+    except ConstraintError as exc:
+        raise invalid(f"constraint.{which}", str(exc)) from None
+
+
+def constraint_field(req: pb.GenerateRequest) -> str:
+    """The field a constraint's compile error names (`constraint.regex`, ...)."""
+    return f"constraint.{req.constraint.WhichOneof('kind')}"
 
 
 def _max_new_tokens(stopping: pb.StoppingCriteria, n_prompt: int, info: ModelInfo, s: ServerSettings) -> int:

@@ -42,6 +42,12 @@ def register(subparsers) -> None:
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
                      help="stop string (repeatable)")
     gen.add_argument("--model", default="", help="model name (default: the server's first)")
+    shape = gen.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="SCHEMA", default=None,
+                       help="the output must be JSON valid under this schema (JSON text, or @FILE)")
+    shape.add_argument("--regex", metavar="REGEX", default=None, help="the output must match this regex")
+    shape.add_argument("--grammar", metavar="LARK", default=None,
+                       help="the output must match this Lark grammar (text, or @FILE)")
     _add_connection_args(gen)
     gen.set_defaults(func=generate_command)
 
@@ -85,6 +91,14 @@ def stats_line(n_tokens: int, elapsed_s: float, final) -> str:
     return " | ".join(parts)
 
 
+def _text_or_file(value: str | None) -> str | None:
+    """`@path` reads the file (a schema or grammar is rarely typed on a command line)."""
+    if value is None or not value.startswith("@"):
+        return value
+    with open(value[1:], encoding="utf-8") as f:
+        return f.read()
+
+
 def generate_command(args) -> int:
     from duospec.sdk import DuospecError
 
@@ -96,6 +110,7 @@ def generate_command(args) -> int:
             with client.generate(
                 prompt, model=args.model, max_new_tokens=args.max_tokens, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop, mode=args.mode,
+                json_schema=_text_or_file(args.json_schema), regex=args.regex, grammar=_text_or_file(args.grammar),
                 stream=True,
             ) as stream:
                 for chunk in stream:

@@ -116,6 +116,9 @@ class AsyncClient:
         speculation_cache: bool | None = None,
         speculation_tree: bool | None = None,
         logprobs: int | None = None,
+        json_schema: dict | str | None = None,
+        regex: str | None = None,
+        grammar: str | None = None,
         stream: bool = False,
         timeout: float | None = None,
     ) -> GenerationResult | AsyncGenerationStream:
@@ -127,6 +130,7 @@ class AsyncClient:
             seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, mode=mode,
             max_draft_tokens=max_draft_tokens, request_id=request_id, speculation_cache=speculation_cache,
             speculation_tree=speculation_tree, logprobs=logprobs,
+            json_schema=json_schema, regex=regex, grammar=grammar,
         )
         chunks = await self._open_stream(request, self._deadline(timeout))
         if stream:

@@ -118,11 +118,15 @@ class Client:
         speculation_cache: bool | None = None,
         speculation_tree: bool | None = None,
         logprobs: int | None = None,
+        json_schema: dict | str | None = None,
+        regex: str | None = None,
+        grammar: str | None = None,
         stream: bool = False,
         timeout: float | None = None,
     ) -> GenerationResult | GenerationStream:
         """Generates a completion. `mode` None = the model's default; `max_new_tokens` None = the
         server's default; `logprobs` N: each token's log p under the target plus N (<= 20) alternatives.
+        `json_schema` (a dict or JSON text), `regex` or `grammar` (Lark): the output must match it.
         With stream=True returns a GenerationStream (blocks until the first chunk)."""
         request = build_request(
             prompt, prompt_token_ids=prompt_token_ids, messages=messages, model=model,
@@ -130,6 +134,7 @@ class Client:
             seed=seed, stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, mode=mode,
             max_draft_tokens=max_draft_tokens, request_id=request_id, speculation_cache=speculation_cache,
             speculation_tree=speculation_tree, logprobs=logprobs,
+            json_schema=json_schema, regex=regex, grammar=grammar,
         )
         chunks = self._open_stream(request, self._deadline(timeout))
         if stream:

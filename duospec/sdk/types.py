@@ -189,8 +189,13 @@ def build_request(
     speculation_cache: bool | None = None,
     speculation_tree: bool | None = None,
     logprobs: int | None = None,
+    json_schema: dict | str | None = None,
+    regex: str | None = None,
+    grammar: str | None = None,
 ) -> pb.GenerateRequest:
-    """The wire request. Only checks what the proto cannot carry; the server validates the rest."""
+    """The wire request. Only checks what the proto cannot carry; the server validates the rest.
+    At most one of `json_schema` (a dict, or its JSON text), `regex` and `grammar` (Lark) constrains
+    the output."""
     request = pb.GenerateRequest(model=model, request_id=request_id)
     _set_input(request, prompt, prompt_token_ids, messages)
     request.sampling.temperature = _check_float("temperature", temperature)
@@ -214,7 +219,25 @@ def build_request(
         request.speculation.tree = bool(speculation_tree)
     if logprobs is not None:
         request.logprobs = _check_count("logprobs", logprobs)
+    _set_constraint(request, json_schema, regex, grammar)
     return request
+
+
+def _set_constraint(request: pb.GenerateRequest, json_schema, regex, grammar) -> None:
+    given = {k: v for k, v in (("json_schema", json_schema), ("regex", regex), ("grammar", grammar)) if v is not None}
+    if len(given) > 1:
+        raise InvalidArgument("INVALID_ARGUMENT", f"constrain the output with one of json_schema, regex or grammar, "
+                              f"not {' and '.join(given)}")
+    if json_schema is not None:
+        if not isinstance(json_schema, str):
+            import json
+
+            json_schema = json.dumps(json_schema)
+        request.constraint.json_schema = json_schema
+    elif regex is not None:
+        request.constraint.regex = regex
+    elif grammar is not None:
+        request.constraint.grammar = grammar
 
 
 def _mode_to_proto(mode: str | None) -> int:

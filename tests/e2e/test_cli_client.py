@@ -107,3 +107,14 @@ def test_duospec_entry_point_generate(server):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == COMPLETION_TEXT + "\n"
     assert "tok/s" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_generate_sends_a_constraint_from_text_or_a_file(server, capsys, tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object"}')
+    assert run_cli(["generate", "x", "--address", server.address, "--json-schema", f"@{schema}"]) == 0
+    assert run_cli(["generate", "x", "--address", server.address, "--regex", "[0-9]+"]) == 0
+    first, second = server.servicer.requests
+    assert first.constraint.json_schema == '{"type": "object"}' and second.constraint.regex == "[0-9]+"
+    with pytest.raises(SystemExit):  # argparse: one shape at a time
+        run_cli(["generate", "x", "--address", server.address, "--regex", "a", "--grammar", "start: x"])

@@ -8,6 +8,8 @@ three-chunk completion (`COMPLETION`).
 
 from __future__ import annotations
 
+import json
+
 import asyncio
 import datetime
 import os
@@ -572,3 +574,17 @@ def test_every_speculation_stat_reaches_the_grpc_response_the_sdk_and_the_openai
     for name in ("drafted_tokens", "accepted_tokens", "target_forwards", "cache_lookups", "cache_hits", "tree_nodes",
                  "tree_hits", "lookup_tokens", "lookup_accepted", "hedge_tokens_kept"):
         assert speculation[name] == getattr(stats, name), name
+
+
+def test_constraints_travel_in_the_request_and_only_one_at_a_time(server):
+    from duospec.sdk import Client
+    from duospec.sdk.types import build_request
+
+    with Client(server.address) as client:
+        client.generate("x", json_schema={"type": "object", "properties": {"a": {"type": "integer"}}})
+        client.generate("x", grammar='start: "a"+')
+    first, second = server.servicer.requests[-2:]
+    assert json.loads(first.constraint.json_schema)["properties"]["a"] == {"type": "integer"}
+    assert second.constraint.grammar == 'start: "a"+'
+    with pytest.raises(sdk.InvalidArgument, match="one of json_schema, regex or grammar"):
+        build_request("x", regex="a", grammar="start: x")

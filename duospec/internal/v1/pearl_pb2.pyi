@@ -28,6 +28,14 @@ class BonusPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BONUS_POLICY_SAMPLE: _ClassVar[BonusPolicy]
     BONUS_POLICY_SKIP: _ClassVar[BonusPolicy]
 
+class ConstraintKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CONSTRAINT_KIND_UNSPECIFIED: _ClassVar[ConstraintKind]
+    CONSTRAINT_KIND_JSON_SCHEMA: _ClassVar[ConstraintKind]
+    CONSTRAINT_KIND_JSON_OBJECT: _ClassVar[ConstraintKind]
+    CONSTRAINT_KIND_REGEX: _ClassVar[ConstraintKind]
+    CONSTRAINT_KIND_GRAMMAR: _ClassVar[ConstraintKind]
+
 class NextTokenKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     NEXT_TOKEN_KIND_UNSPECIFIED: _ClassVar[NextTokenKind]
@@ -42,6 +50,7 @@ class VerifyErrorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     VERIFY_ERROR_KIND_CONTEXT_OVERFLOW: _ClassVar[VerifyErrorKind]
     VERIFY_ERROR_KIND_BAD_REQUEST: _ClassVar[VerifyErrorKind]
     VERIFY_ERROR_KIND_KV_CACHE_FULL: _ClassVar[VerifyErrorKind]
+    VERIFY_ERROR_KIND_GRAMMAR: _ClassVar[VerifyErrorKind]
 DRAFT_COMMAND_KIND_UNSPECIFIED: DraftCommandKind
 DRAFT_COMMAND_KIND_START: DraftCommandKind
 DRAFT_COMMAND_KIND_RESET: DraftCommandKind
@@ -54,6 +63,11 @@ DRAFT_OUTLOOK_EXHAUSTED: DraftOutlook
 BONUS_POLICY_UNSPECIFIED: BonusPolicy
 BONUS_POLICY_SAMPLE: BonusPolicy
 BONUS_POLICY_SKIP: BonusPolicy
+CONSTRAINT_KIND_UNSPECIFIED: ConstraintKind
+CONSTRAINT_KIND_JSON_SCHEMA: ConstraintKind
+CONSTRAINT_KIND_JSON_OBJECT: ConstraintKind
+CONSTRAINT_KIND_REGEX: ConstraintKind
+CONSTRAINT_KIND_GRAMMAR: ConstraintKind
 NEXT_TOKEN_KIND_UNSPECIFIED: NextTokenKind
 NEXT_TOKEN_KIND_RECOVERED: NextTokenKind
 NEXT_TOKEN_KIND_BONUS: NextTokenKind
@@ -63,6 +77,7 @@ VERIFY_ERROR_KIND_SLOTS_EXHAUSTED: VerifyErrorKind
 VERIFY_ERROR_KIND_CONTEXT_OVERFLOW: VerifyErrorKind
 VERIFY_ERROR_KIND_BAD_REQUEST: VerifyErrorKind
 VERIFY_ERROR_KIND_KV_CACHE_FULL: VerifyErrorKind
+VERIFY_ERROR_KIND_GRAMMAR: VerifyErrorKind
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed")
@@ -77,7 +92,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class DraftCommand(_message.Message):
-    __slots__ = ("seq_id", "epoch", "kind", "start_pos", "tail", "draft_until", "sampling", "pool", "committed_len", "max_hedges", "adopt", "features", "cache_salt")
+    __slots__ = ("seq_id", "epoch", "kind", "start_pos", "tail", "draft_until", "sampling", "pool", "committed_len", "max_hedges", "adopt", "features", "cache_salt", "constraint")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +106,7 @@ class DraftCommand(_message.Message):
     ADOPT_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     epoch: int
     kind: DraftCommandKind
@@ -104,7 +120,8 @@ class DraftCommand(_message.Message):
     adopt: HedgeKey
     features: Features
     cache_salt: str
-    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., kind: _Optional[_Union[DraftCommandKind, str]] = ..., start_pos: _Optional[int] = ..., tail: _Optional[_Iterable[int]] = ..., draft_until: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., pool: _Optional[str] = ..., committed_len: _Optional[int] = ..., max_hedges: _Optional[int] = ..., adopt: _Optional[_Union[HedgeKey, _Mapping]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    constraint: GrammarConstraint
+    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., kind: _Optional[_Union[DraftCommandKind, str]] = ..., start_pos: _Optional[int] = ..., tail: _Optional[_Iterable[int]] = ..., draft_until: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., pool: _Optional[str] = ..., committed_len: _Optional[int] = ..., max_hedges: _Optional[int] = ..., adopt: _Optional[_Union[HedgeKey, _Mapping]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., cache_salt: _Optional[str] = ..., constraint: _Optional[_Union[GrammarConstraint, _Mapping]] = ...) -> None: ...
 
 class Features(_message.Message):
     __slots__ = ("start_pos", "hidden_size", "fp16")
@@ -179,7 +196,7 @@ class KVUsage(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
-    __slots__ = ("seq_id", "epoch", "start_pos", "context", "draft_tokens", "draft_probs", "sampling", "bonus", "draft_parents", "logprobs", "top_logprobs", "features", "cache_salt", "max_compute")
+    __slots__ = ("seq_id", "epoch", "start_pos", "context", "draft_tokens", "draft_probs", "sampling", "bonus", "draft_parents", "logprobs", "top_logprobs", "features", "cache_salt", "max_compute", "constraint")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +211,7 @@ class VerifyItem(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     MAX_COMPUTE_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     epoch: int
     start_pos: int
@@ -208,7 +226,20 @@ class VerifyItem(_message.Message):
     features: bool
     cache_salt: str
     max_compute: int
-    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., start_pos: _Optional[int] = ..., context: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[bytes]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., bonus: _Optional[_Union[BonusPolicy, str]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., features: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., max_compute: _Optional[int] = ...) -> None: ...
+    constraint: GrammarConstraint
+    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., start_pos: _Optional[int] = ..., context: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[bytes]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., bonus: _Optional[_Union[BonusPolicy, str]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., features: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., max_compute: _Optional[int] = ..., constraint: _Optional[_Union[GrammarConstraint, _Mapping]] = ...) -> None: ...
+
+class GrammarConstraint(_message.Message):
+    __slots__ = ("kind", "text", "output_start", "end_token_ids")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_START_FIELD_NUMBER: _ClassVar[int]
+    END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    kind: ConstraintKind
+    text: str
+    output_start: int
+    end_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[_Union[ConstraintKind, str]] = ..., text: _Optional[str] = ..., output_start: _Optional[int] = ..., end_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyBatch(_message.Message):
     __slots__ = ("batch_id", "items", "release_seq_ids")

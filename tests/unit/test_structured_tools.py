@@ -1,0 +1,67 @@
+"""The `<tool_call>` format: the grammar of tool_choice required / named admits exactly calls of the
+offered tools with valid arguments, and the parser finds the same calls however the text is streamed."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from duospec.structured.llguidance_backend import LLGuidanceBackend
+from duospec.structured.tools import CLOSE, OPEN, Tool, ToolCall, ToolCallParser, calls_constraint, parse_tool_calls
+
+MODELS = pathlib.Path(__file__).resolve().parents[2] / "models"
+WEATHER = Tool("get_weather", {"type": "object", "required": ["city"], "additionalProperties": False,
+                               "properties": {"city": {"type": "string"}}})
+PING = Tool("ping", {"type": "object", "properties": {}, "additionalProperties": False})
+
+
+def block(name, arguments):
+    return f"{OPEN}\n{json.dumps({'name': name, 'arguments': arguments})}\n{CLOSE}"
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return LLGuidanceBackend.from_pretrained(str(MODELS / "target"))
+
+
+def _admits(backend, constraint, text: str) -> bool:
+    matcher = backend.compile(constraint).matcher()
+    ids = backend._tokenizer.tokenize_str(text)
+    return matcher.accept_tokens(ids) == len(ids) and matcher.validate_tokens([next(iter(backend.end_tokens))]) == 1
+
+
+def test_the_calls_grammar_admits_exactly_valid_calls(backend):
+    required = calls_constraint([WEATHER, PING])
+    assert _admits(backend, required, block("get_weather", {"city": "Oslo"}))
+    assert _admits(backend, required, block("ping", {}) + "\n" + block("get_weather", {"city": "x"}))
+    assert not _admits(backend, required, block("get_weather", {"town": "Oslo"}))  # not its schema
+    assert not _admits(backend, required, block("unknown", {}))
+    assert not _admits(backend, required, "Sure! " + block("ping", {}))
+    named = calls_constraint([PING], single=True)
+    assert _admits(backend, named, block("ping", {}))
+    assert not _admits(backend, named, block("ping", {}) + "\n" + block("ping", {}))
+
+
+def test_parsing_a_whole_output():
+    text = "Let me check.\n" + block("get_weather", {"city": "Oslo"}) + "\n" + block("ping", {})
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me check.\n"
+    assert calls == [ToolCall("get_weather", '{"city": "Oslo"}'), ToolCall("ping", "{}")]
+    # an unclosed block (cut at max_tokens) and a block that is not a call stay content
+    assert parse_tool_calls("a " + OPEN + '\n{"name": "x"') == ("a " + OPEN + '\n{"name": "x"', [])
+    assert parse_tool_calls(OPEN + "[1]" + CLOSE) == (OPEN + "[1]" + CLOSE, [])
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 11, 1000])
+def test_streamed_pieces_of_any_size_give_the_same_events(size):
+    text = "Hi <tool but not a tag> " + block("ping", {}) + "\n" + block("get_weather", {"city": "<tool_call>"})
+    parser, events = ToolCallParser(), []
+    for i in range(0, len(text), size):
+        events += parser.feed(text[i:i + size])
+    events += parser.finish()
+    content = "".join(v for kind, v in events if kind == "content")
+    calls = [v for kind, v in events if kind == "call"]
+    assert content == "Hi <tool but not a tag> "
+    assert calls == [ToolCall("ping", "{}"), ToolCall("get_weather", '{"city": "<tool_call>"}')]
