@@ -146,6 +146,7 @@ def _register_heads(subparsers) -> None:
 
 
 def _train_heads(args: argparse.Namespace) -> int:
+    from duospec.training.eagle3_run import train_eagle3
     from duospec.training.heads import HeadOptions, HeadTrainingError, train_heads
 
     options = HeadOptions(target=args.target, method=args.method, data=tuple(str(p) for p in args.data),
@@ -155,7 +156,7 @@ def _train_heads(args: argparse.Namespace) -> int:
                           draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, stdlib_tokens=args.stdlib_tokens,
                           layout=args.layout, init=args.init)
     try:
-        result = train_heads(options)
+        result = (train_eagle3 if options.method == "eagle3" else train_heads)(options)
     except HeadTrainingError as err:
         print(f"duospec train-heads: {err}", file=sys.stderr)
         return 2

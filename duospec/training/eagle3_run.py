@@ -107,7 +107,19 @@ def acceptance_by_kind(options, target_dir: Path, head_dir: Path, tokenizer, log
 
 
 def train_eagle3(options) -> Path:
-    """Validated options (HeadOptions with method eagle3) -> the written head directory."""
+    """HeadOptions with method eagle3 -> the written head directory (HeadTrainingError for bad input)."""
+    from duospec.training.heads import HeadTrainingError
+
+    options.validate()
+    try:
+        return _train(options)
+    except HeadTrainingError:
+        raise
+    except (OSError, ValueError) as err:
+        raise HeadTrainingError(str(err)) from err
+
+
+def _train(options) -> Path:
     from safetensors.torch import load_file
 
     from duospec.engine.eagle3 import default_feature_layers, write_published

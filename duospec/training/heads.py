@@ -290,14 +290,7 @@ def train_heads(options: HeadOptions) -> Path:
 
     options.validate()
     if options.method == "eagle3":
-        from duospec.training.eagle3_run import train_eagle3
-
-        try:
-            return train_eagle3(options)
-        except (OSError, ValueError) as err:
-            if isinstance(err, HeadTrainingError):
-                raise
-            raise HeadTrainingError(str(err)) from err
+        raise HeadTrainingError("--method eagle3 trains with duospec.training.eagle3_run.train_eagle3")
     try:
         io = read_target_io(options.target)
     except Exception as err:

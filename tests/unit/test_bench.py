@@ -220,7 +220,7 @@ def test_bench_runs_every_drafting_method(tmp_path, method):
 def test_bench_draft_method_errors(tmp_path, capsys):
     from duospec.cli import main
 
-    for argv, message in ((["--draft-method", "beam"], "use model, ngram, eagle, medusa or layers:K"),
+    for argv, message in ((["--draft-method", "beam"], "use model, ngram, eagle, eagle3, medusa or layers:K"),
                           (["--draft-method", "ngram", "--draft", str(tmp_path)], "loads no draft checkpoint"),
                           (["--draft-method", "ngram", "--simulate", "devices"], "--simulate replays a draft model"),
                           (["--draft-method", "eagle"], "needs the head's directory"),
