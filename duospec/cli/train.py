@@ -101,7 +101,7 @@ def _distill(args: argparse.Namespace) -> int:
 
 
 def _register_heads(subparsers) -> None:
-    from duospec.training.heads import HeadOptions
+    from duospec.training.head_options import HeadOptions
 
     parser = subparsers.add_parser(
         "train-heads",
@@ -147,7 +147,8 @@ def _register_heads(subparsers) -> None:
 
 def _train_heads(args: argparse.Namespace) -> int:
     from duospec.training.eagle3_run import train_eagle3
-    from duospec.training.heads import HeadOptions, HeadTrainingError, train_heads
+    from duospec.training.head_options import HeadOptions, HeadTrainingError
+    from duospec.training.heads import train_heads
 
     options = HeadOptions(target=args.target, method=args.method, data=tuple(str(p) for p in args.data),
                           out=args.out, steps=args.steps, minutes=args.minutes, batch_size=args.batch_size,

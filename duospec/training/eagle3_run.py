@@ -34,7 +34,7 @@ def _sources(options) -> tuple[list[Path], int]:
             continue
         path = Path(item)
         if not (path / "answers.jsonl").is_file():
-            from duospec.training.heads import HeadTrainingError
+            from duospec.training.head_options import HeadTrainingError
 
             raise HeadTrainingError(f"--data {item}: eagle3 trains on folders written by `duospec distill-data` "
                                     "(with answers.jsonl) and/or 'stdlib'")
@@ -108,7 +108,7 @@ def acceptance_by_kind(options, target_dir: Path, head_dir: Path, tokenizer, log
 
 def train_eagle3(options) -> Path:
     """HeadOptions with method eagle3 -> the written head directory (HeadTrainingError for bad input)."""
-    from duospec.training.heads import HeadTrainingError
+    from duospec.training.head_options import HeadTrainingError
 
     options.validate()
     try:
@@ -127,7 +127,8 @@ def _train(options) -> Path:
     from duospec.training.distill import _load_tokenizer, _resolve_device
     from duospec.training.eagle3 import CacheBatches, Eagle3Objective, Eagle3TrainHead, choose_draft_vocab, coverage
     from duospec.training.features import build_feature_cache, training_sequences
-    from duospec.training.heads import STATE_DIR, HeadTrainingError
+    from duospec.training.head_options import HeadTrainingError
+    from duospec.training.heads import STATE_DIR
     from duospec.training.loop import Logger, LoopConfig, run_loop
 
     io = read_target_io(options.target)
