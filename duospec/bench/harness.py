@@ -258,7 +258,8 @@ def run_bench(config: BenchConfig) -> dict:
     if heads:  # what the target's hidden states cost on the wire
         from transformers import AutoConfig
 
-        report["setup"]["features_bytes_per_token"] = 2 * AutoConfig.from_pretrained(pair.target).hidden_size
+        rows = max(1, len(pair.draft_spec().feature_layers(pair.target)))  # EAGLE-3: its layers' rows
+        report["setup"]["features_bytes_per_token"] = 2 * rows * AutoConfig.from_pretrained(pair.target).hidden_size
     return report
 
 
