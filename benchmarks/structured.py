@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/structured.py                       # deploy/examples/smollm2.yaml's pair
     .venv/bin/python benchmarks/structured.py --repeats 3 --max-tokens 160
+    .venv/bin/python benchmarks/structured.py --no-drafter-masks    # pearl's drafter ignores the grammar
 
 The five realistic schemas of duospec/bench/schemas.py (nested objects, arrays, enums, patterns; the
 slow test tests/e2e/test_structured_smollm2.py checks them for exactness), each asked in a chat prompt, greedy, modes interleaved request by request. Reported: tokens/s
@@ -9,6 +10,8 @@ per mode (medians over the requests), pearl over `off`, the mean accepted length
 validate against their schema, whether pearl's tokens equal `off`'s (the target alone under the same
 masks), and the drafter's forced-token share (grammar-forced drafts over all drafts). In-process
 backend behind the real server (one process; the drafter and the target each on one torch thread).
+`--no-drafter-masks` serves a drafter without the tokenizer, which drafts unmasked and forces nothing
+(the target still masks: the output is the same), to compare pearl with and without the drafter's side.
 """
 
 from __future__ import annotations
@@ -34,6 +37,14 @@ async def _run(args) -> dict:
     from duospec.bench.schemas import QUESTIONS, SCHEMAS
 
     [model] = load_serve_config(args.config).models
+    if not args.drafter_masks:
+        import duospec.coordinator.local as local
+
+        class Unmasked(local.Drafter):  # no tokenizer: no grammar on the drafter's side
+            def __init__(self, proposer, **_):
+                super().__init__(proposer)
+
+        local.Drafter = Unmasked
     coordinator = LocalCoordinator([model])
     server = DuospecServer(coordinator, ServerSettings(host="127.0.0.1", port=0, metrics_port=0, http_port=0))
     port = await server.start()
@@ -101,6 +112,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--out", type=pathlib.Path, help="write the rows as JSON here")
+    parser.add_argument("--drafter-masks", action=argparse.BooleanOptionalAction, default=True,
+                        help="the drafter masks its proposals and drafts forced tokens (default)")
     args = parser.parse_args(argv)
     import torch
 
