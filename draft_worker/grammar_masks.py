@@ -1,4 +1,4 @@
-"""The drafter's side of constrained requests (docs/design.md §4, "Constrained requests").
+"""The drafter's side of constrained requests (docs/design.md, "Exactness": constrained requests).
 
 Per constrained sequence a matcher follows the sequence's tokens, verified and drafted, so that:
 - a model proposer draws from q masked by the grammar, and sends that masked q (`mask`; a hedge of the

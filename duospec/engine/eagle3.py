@@ -13,7 +13,7 @@ The layer attends over ``[input_norm(embed(t[j])); hidden_norm(g)]`` (width ``2 
 when it runs ahead, and ``lm_head(norm(o[j]))`` drafts token ``j + 1`` over the draft vocabulary.
 Draft id ``i`` is target token ``i + d2t[i]``; the logits are scattered into the target's vocabulary
 (``-inf`` elsewhere), so q is zero outside the draft vocabulary and the target still corrects with
-any token (DESIGN.md §4).
+any token (docs/design.md, "Exactness").
 
 Two layouts load into the one runner (`load_eagle3`):
 

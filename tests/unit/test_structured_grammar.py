@@ -155,7 +155,7 @@ def test_rollback_fuzz_leaves_the_matcher_as_a_fresh_replay(bundled, seed):
 
 
 def test_mask_and_compile_times_are_reported(bundled, capsys):
-    """Not a timed assertion: prints what the README's structured-output section quotes (a walk of
+    """Not a timed assertion: prints what docs/api.md's structured-output section quotes (a walk of
     legal tokens through a JSON schema, one mask per step)."""
     rng = random.Random(0)
     compiler = GrammarCompiler(bundled)
