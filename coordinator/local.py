@@ -107,10 +107,6 @@ class LocalCoordinator(ModelRouter):
 
 def _tap_features(target_runner, spec: DraftSpec | None, info):
     """The target runner, sending the features its drafter reads (an EAGLE-3 head's three layers)."""
-    layers = spec.feature_layers(info.target_path) if spec is not None else ()
-    if layers:
-        if not hasattr(target_runner, "set_feature_layers"):
-            raise ConfigError("an EAGLE-3 drafter reads three of the target's layers: the target needs the lean "
-                              "backend (backend: lean)")
-        target_runner.set_feature_layers(layers)
-    return target_runner
+    from duospec.engine.eagle3 import tap_features
+
+    return tap_features(target_runner, spec.feature_layers(info.target_path) if spec is not None else ())

@@ -15,11 +15,9 @@ class TargetWorker(GrpcModelWorker):
         """`feature_layers`: the layers whose inputs make the features verdicts carry (an EAGLE-3
         drafter's; duospec/engine/eagle3.py); () sends the final hidden states (EAGLE, Medusa)."""
         super().__init__(model_path, **kwargs)
-        if feature_layers:
-            if not hasattr(self.runner, "set_feature_layers"):
-                raise ValueError("an EAGLE-3 drafter reads three of the target's layers: the target needs the lean "
-                                 "backend (backend: lean)")
-            self.runner.set_feature_layers(feature_layers)  # rank 0 alone sends features
+        from duospec.engine.eagle3 import tap_features
+
+        tap_features(self.runner, feature_layers)  # rank 0 alone sends features
 
     def _serve(self, server) -> None:
         self.verifier = Verifier(self.runner, tokenizer_path=self.model_path)

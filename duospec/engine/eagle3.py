@@ -267,3 +267,13 @@ def write_published(out: pathlib.Path, io: TargetIO, weights: dict[str, torch.Te
     if theta is not None:
         config["rope_theta"] = theta  # older readers look for it at the top level
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def tap_features(target_runner, layers: tuple[int, ...]):
+    """Make `target_runner` send the features an EAGLE-3 drafter reads (`layers`; () leaves it as it is)."""
+    if layers:
+        if not hasattr(target_runner, "set_feature_layers"):
+            raise CheckpointError("an EAGLE-3 drafter reads three of the target's layers: the target needs the "
+                                  "lean backend (backend: lean)")
+        target_runner.set_feature_layers(layers)
+    return target_runner
