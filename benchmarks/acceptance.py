@@ -94,14 +94,10 @@ def measure_head_dir(target, tokenizer, head_dir: Path, target_dir: Path, kinds:
 def measure_eagle3_dir(tokenizer, head_dir: Path, target_dir: Path, kinds: dict, args):
     """As measure_head_dir, for an EAGLE-3 head (either layout), on the engine (eagle3_run.measure_eagle3)."""
     from duospec.bench.simulate_heads import eagle_cost_runner
-    from duospec.engine import load_checkpoint
-    from duospec.engine.eagle3 import load_eagle3
     from duospec.training.acceptance import heldout_prompts, runner_step_seconds
-    from duospec.training.eagle3_run import measure_eagle3
+    from duospec.training.eagle3_run import measure_eagle3, measurement_pair
 
-    head = load_eagle3(head_dir, target_dir, max_slots=2)
-    target = load_checkpoint(target_dir, device="cpu", dtype="float32", max_slots=2).runner
-    target.set_feature_layers(head.target_feature_layers)
+    target, head = measurement_pair(head_dir, target_dir)
     by_kind = {kind: measure_eagle3(target, head, prompts, args.new_tokens, args.draft_len)[0]
                for kind, prompts in kinds.items()}
     small = None

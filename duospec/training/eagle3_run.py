@@ -90,14 +90,20 @@ def measure_eagle3(target_runner, head_runner, prompts: list[list[int]], new_tok
     return committed / max(rounds, 1), rounds
 
 
-def acceptance_by_kind(options, target_dir: Path, head_dir: Path, tokenizer, log) -> dict:
+def measurement_pair(head_dir, target_dir):
+    """(target runner sending the head's features, head runner): what `measure_eagle3` runs."""
     from duospec.engine import load_checkpoint
-    from duospec.engine.eagle3 import load_eagle3
-    from duospec.training.acceptance import prompt_sets
+    from duospec.engine.eagle3 import load_eagle3, tap_features
 
     head = load_eagle3(head_dir, target_dir, max_slots=2)
     target = load_checkpoint(target_dir, device="cpu", dtype="float32", max_slots=2).runner
-    target.set_feature_layers(head.target_feature_layers)
+    return tap_features(target, head.target_feature_layers), head
+
+
+def acceptance_by_kind(options, target_dir: Path, head_dir: Path, tokenizer, log) -> dict:
+    from duospec.training.acceptance import prompt_sets
+
+    target, head = measurement_pair(head_dir, target_dir)
     by_kind = {}
     for kind, prompts in prompt_sets(tokenizer, (STDLIB,), [], options.eval_prompts, 64).items():
         length, rounds = measure_eagle3(target, head, prompts, new_tokens=64)
