@@ -80,7 +80,28 @@ class InstructionPrompt:
         return int(hashlib.sha1(self.text.encode()).hexdigest(), 16) % HELDOUT_MODULUS == 0
 
 
-def _code_prompts() -> list[InstructionPrompt]:
+def _function_prompts(where: str, node: ast.FunctionDef, lines: list[str], owner: str = "") -> list[InstructionPrompt]:
+    """A "write this" prompt from a documented function, an "explain this" prompt from a short undocumented one."""
+    prompts = []
+    doc = (ast.get_docstring(node) or "").split("\n\n")[0].replace("\n", " ").strip()
+    sentence = doc.split(". ")[0].rstrip(".")
+    if 20 <= len(sentence) <= 150:
+        args = ", ".join(a.arg for a in node.args.args)
+        task = sentence[0].lower() + sentence[1:]
+        what = f"a method `{node.name}({args})` of a class `{owner}`" if owner else f"a Python function `{node.name}({args})`"
+        prompts.append(InstructionPrompt(f"code:{where}", "code", f"Write {what} that does this: {task}."))
+    body = lines[node.lineno - 1: node.end_lineno]
+    if 3 <= len(body) <= 12 and not doc:
+        snippet = "\n".join(body)
+        what = f"method of the class `{owner}`" if owner else "function"
+        prompts.append(InstructionPrompt(f"explain:{where}", "explain",
+                                         f"Explain what this Python {what} does:\n\n```python\n{snippet}\n```"))
+    return prompts
+
+
+def _code_prompts(methods: bool) -> list[InstructionPrompt]:
+    """Prompts over the public top-level functions of the standard library's training split, or (methods)
+    over the public methods of its public classes."""
     from duospec.training import corpus
 
     train, _ = corpus.split_files(corpus.stdlib_files())
@@ -93,32 +114,27 @@ def _code_prompts() -> list[InstructionPrompt]:
             continue
         lines = (source or "").splitlines()
         for node in tree.body:
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
-                continue
-            doc = (ast.get_docstring(node) or "").split("\n\n")[0].replace("\n", " ").strip()
-            sentence = doc.split(". ")[0].rstrip(".")
-            where = f"{file.relative_path}:{node.lineno}"
-            if 20 <= len(sentence) <= 150:
-                args = ", ".join(a.arg for a in node.args.args)
-                task = sentence[0].lower() + sentence[1:]
-                prompts.append(InstructionPrompt(f"code:{where}", "code",
-                                                 f"Write a Python function `{node.name}({args})` that does this: {task}."))
-            body = lines[node.lineno - 1: node.end_lineno]
-            if 3 <= len(body) <= 12 and not doc:
-                snippet = "\n".join(body)
-                prompts.append(InstructionPrompt(f"explain:{where}", "explain",
-                                                 f"Explain what this Python function does:\n\n```python\n{snippet}\n```"))
+            if not methods and isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                prompts += _function_prompts(f"{file.relative_path}:{node.lineno}", node, lines)
+            elif methods and isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                for method in node.body:
+                    if isinstance(method, ast.FunctionDef) and not method.name.startswith("_"):
+                        prompts += _function_prompts(f"{file.relative_path}:{method.lineno}", method, lines, node.name)
     return prompts
 
 
 @functools.lru_cache(maxsize=1)  # parsing the standard library takes seconds
 def instruction_prompts() -> tuple[InstructionPrompt, ...]:
-    """Every prompt, in one fixed shuffled order (kinds interleaved, so any prefix is a mix)."""
+    """Every prompt, in one fixed order: chat and functions shuffled together (kinds interleaved, so any
+    prefix is a mix), then the methods' prompts, shuffled apart so that adding them left the first part
+    (and with it the held-out sets measured so far) as it was."""
     chat = [InstructionPrompt(f"chat:{i}:{j}", "chat", template.format(s=subject))
             for i, template in enumerate(_CHAT_TEMPLATES) for j, subject in enumerate(_SUBJECTS)]
-    prompts = chat + _code_prompts()
+    prompts = chat + _code_prompts(methods=False)
     random.Random(0).shuffle(prompts)
-    return tuple(prompts)
+    methods = _code_prompts(methods=True)
+    random.Random(1).shuffle(methods)
+    return tuple(prompts + methods)
 
 
 def heldout_prompts(count: int) -> list[InstructionPrompt]:

@@ -164,22 +164,27 @@ def _train(options) -> Path:
     counts = cache.emitted_token_weights(io.config.vocab_size)
     ends = [t for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if isinstance(t, int)
             and 0 <= t < io.config.vocab_size]
-    draft_ids = choose_draft_vocab(counts, options.draft_vocab, ends)
+    init_weights = None
+    if options.init is not None:  # continuing a head keeps its draft vocabulary, whatever the data now
+        from duospec.engine.eagle3 import load_eagle3_weights, read_eagle3
+
+        init_weights, _ = load_eagle3_weights(read_eagle3(options.init, io.config))
+        d2t = init_weights["d2t"].long()
+        draft_ids = torch.arange(d2t.shape[0]) + d2t
+        if len(draft_ids) != options.draft_vocab:
+            raise HeadTrainingError(f"--init {options.init}: its draft vocabulary has {len(draft_ids)} tokens, "
+                                    f"--draft-vocab asks for {options.draft_vocab}; pass --draft-vocab {len(draft_ids)}")
+    else:
+        draft_ids = choose_draft_vocab(counts, options.draft_vocab, ends)
     log(f"draft vocabulary: {len(draft_ids)} tokens cover {coverage(counts, draft_ids):.1%} of the training tokens "
-        "(each kind of data weighing the same)")
+        "(each kind of data weighing the same)" + (f"; kept from {options.init}" if options.init else ""))
 
     torch.manual_seed(options.seed)
     head = Eagle3TrainHead(eagle_layer_config(io.config), draft_ids, n_features=len(layers))
     final_norm = load_file(str(sorted(Path(options.target).glob("*.safetensors"))[0]))["model.norm.weight"]
     head.init_from_target(io.lm_head, final_norm)
-    if options.init is not None:
-        from duospec.engine.eagle3 import load_eagle3_weights, read_eagle3
-
-        weights, _ = load_eagle3_weights(read_eagle3(options.init, io.config))
-        if not torch.equal(weights["d2t"].long(), head.export()["d2t"]):
-            raise HeadTrainingError(f"--init {options.init}: its draft vocabulary differs from the one chosen here "
-                                    "(other data or --draft-vocab); continue with the data it was trained on")
-        head.load_exported(weights)
+    if init_weights is not None:
+        head.load_exported(init_weights)
         log(f"initialised from {options.init}")
     head = head.to(device)
     objective = Eagle3Objective(head, io.embed, io.lm_head, options.ttt_steps, device)

@@ -242,7 +242,7 @@ def test_feature_cache_equals_a_fresh_forward(target_dir, hf_target, tmp_path):
         build_feature_cache(target_dir, tmp_path / "cache", sequences[:3], layers, fingerprint="x", log=lambda _: None)
 
 
-def test_train_eagle3_writes_a_servable_head_and_resumes_on_the_same_curve(target_dir, tmp_path):
+def test_train_eagle3_writes_a_servable_head_and_resumes_on_the_same_curve(target_dir, tmp_path, capsys):
     from duospec.cli.train import main
 
     def run(out, steps):
@@ -261,12 +261,18 @@ def test_train_eagle3_writes_a_servable_head_and_resumes_on_the_same_curve(targe
     ours = load_eagle3(tmp_path / "split", target_dir)
     published = load_eagle3(tmp_path / "split" / "published", target_dir)
     assert torch.equal(ours.draft_ids, published.draft_ids)
-    # --init continues from a written head (a shipped one) with the same data
+    # --init continues from a written head (a shipped one) on other data, keeping its draft vocabulary
     assert main(["train-heads", "--target", str(target_dir), "--method", "eagle3", "--data", "stdlib",
-                 "--stdlib-tokens", "3000", "--out", str(tmp_path / "more"), "--steps", "1", "--batch-size", "2",
+                 "--stdlib-tokens", "5000", "--out", str(tmp_path / "more"), "--steps", "1", "--batch-size", "2",
                  "--seq-len", "32", "--eval-prompts", "1", "--draft-vocab", "200", "--init",
                  str(tmp_path / "split")]) == 0
-    assert "initialised from" in (tmp_path / "more" / ".train-heads" / "log.txt").read_text()
+    log = (tmp_path / "more" / ".train-heads" / "log.txt").read_text()
+    assert "initialised from" in log and "kept from" in log
+    assert torch.equal(load_eagle3(tmp_path / "more", target_dir).draft_ids, ours.draft_ids)
+    assert main(["train-heads", "--target", str(target_dir), "--method", "eagle3", "--data", "stdlib",
+                 "--stdlib-tokens", "5000", "--out", str(tmp_path / "other"), "--steps", "1", "--batch-size", "2",
+                 "--seq-len", "32", "--draft-vocab", "300", "--init", str(tmp_path / "split")]) == 2
+    assert "pass --draft-vocab 200" in capsys.readouterr().err
 
 
 def test_draft_vocabulary_is_what_the_target_emits_most():

@@ -34,6 +34,9 @@ def test_prompts_are_fixed_mixed_and_split():
     heldout = A.heldout_prompts(1000)
     assert heldout and all(p.heldout for p in heldout)
     assert 0.02 < len(heldout) / len(prompts) < 0.1  # about 1 in 20
+    # Methods' prompts come after every function's and chat prompt, so adding them kept the first part.
+    kinds = ["method" if "of the class" in p.text or "of a class" in p.text else "first" for p in prompts]
+    assert "method" in kinds and kinds.index("method") == kinds.count("first")
 
 
 def _transformers_reply(target: Path, prompt: A.InstructionPrompt, max_new_tokens: int) -> str:
