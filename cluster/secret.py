@@ -28,28 +28,57 @@ def call_metadata(secret: str) -> tuple[tuple[str, str], ...]:
     return ((METADATA_KEY, secret),)
 
 
+def _refusals(secret: str, aio: bool) -> tuple[bytes, dict[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler]:
+    """The secret to compare, and the handlers that refuse a call without it, by the call's shape:
+    the workers' Draft/Verify are bidirectional streams, a scheduler's Generate streams its answer;
+    anything else (e.g. health probes by strangers) is refused as a unary call. `aio`: for an asyncio
+    server (its handlers are coroutines)."""
+    if not secret:
+        raise ValueError("an empty deployment secret would admit anyone; pass new_deployment_secret()")
+    message = "this endpoint serves one duospec deployment; the call did not carry its secret"
+
+    def refuse(request, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def refuse_async(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    handler = refuse_async if aio else refuse
+    by_suffix = {"/Draft": grpc.stream_stream_rpc_method_handler(handler),
+                 "/Verify": grpc.stream_stream_rpc_method_handler(handler),
+                 "/Generate": grpc.unary_stream_rpc_method_handler(handler)}
+    return secret.encode(), by_suffix, grpc.unary_unary_rpc_method_handler(handler)
+
+
+def _admitted(secret: bytes, details) -> bool:
+    given = dict(details.invocation_metadata or ()).get(METADATA_KEY, "")
+    return hmac.compare_digest(given.encode(), secret)
+
+
 class DeploymentSecretInterceptor(grpc.ServerInterceptor):
-    """Refuses every call whose metadata lacks this deployment's secret."""
+    """Refuses every call whose metadata lacks this deployment's secret (a worker's threaded server)."""
 
     def __init__(self, secret: str):
-        if not secret:
-            raise ValueError("an empty deployment secret would admit anyone; pass new_deployment_secret()")
-        self._secret = secret.encode()
-
-        def refuse(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "this worker serves one duospec deployment; the call did not carry its secret")
-
-        self._refusal = grpc.unary_unary_rpc_method_handler(refuse)
-        self._stream_refusal = grpc.stream_stream_rpc_method_handler(refuse)
+        self._secret, self._by_suffix, self._refusal = _refusals(secret, aio=False)
 
     def intercept_service(self, continuation, handler_call_details):
-        given = dict(handler_call_details.invocation_metadata or ()).get(METADATA_KEY, "")
-        if hmac.compare_digest(given.encode(), self._secret):
+        if _admitted(self._secret, handler_call_details):
             return continuation(handler_call_details)
-        # Both internal services are bidirectional streams; anything else (e.g. health probes by
-        # strangers) is refused the same way.
-        return self._stream_refusal if handler_call_details.method.endswith(("/Draft", "/Verify")) else self._refusal
+        method = handler_call_details.method
+        return next((h for suffix, h in self._by_suffix.items() if method.endswith(suffix)), self._refusal)
+
+
+class DeploymentSecretAioInterceptor(grpc.aio.ServerInterceptor):
+    """The same for an asyncio server (a replica's scheduler actor, cluster/scheduler_actor.py)."""
+
+    def __init__(self, secret: str):
+        self._secret, self._by_suffix, self._refusal = _refusals(secret, aio=True)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        if _admitted(self._secret, handler_call_details):
+            return await continuation(handler_call_details)
+        method = handler_call_details.method
+        return next((h for suffix, h in self._by_suffix.items() if method.endswith(suffix)), self._refusal)
 
 
 @dataclass(frozen=True)

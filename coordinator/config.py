@@ -88,6 +88,15 @@ class ServerSettings:
     tls: TlsSettings | None = setting(None, "TLS on the gRPC and HTTP APIs; absent = plaintext")
     internal_tls: InternalTlsSettings | None = setting(
         None, "mutual TLS between the coordinator and the workers; absent = plaintext")
+    # One process (1) keeps the replicas' schedulers in the server itself, as on a laptop; more run
+    # each replica's scheduler as a Ray actor and that many gateway processes sharing the ports
+    # (coordinator/serving/gateways.py).
+    gateways: int = setting(
+        1, "gateway processes on this node sharing the gRPC and HTTP ports (SO_REUSEPORT); 1 = one process "
+        "with everything in it; more: each replica's scheduler runs as a Ray actor", lo=1, hi=64)
+    ray_num_cpus: int = setting(
+        0, "logical CPUs the local Ray started by `duospec serve` declares; 0 = the machine's cores. Raise it to "
+        "try a TP=2 target with a draft, or several replicas, on a small machine", lo=0, hi=1 << 16)
 
 
 @dataclass(frozen=True)

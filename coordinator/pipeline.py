@@ -28,6 +28,7 @@ class PipelineCoordinator(ModelRouter):
     def __init__(self) -> None:
         super().__init__()
         self.pairs: dict[str, WorkerPair] = {}  # by replica_label: the model's name for its first replica
+        self.launched: list[tuple[ModelInfo, WorkerPair]] = []  # every replica, with its model's facts
 
     def add_pair(self, config, pair: WorkerPair, info: ModelInfo | None = None) -> None:
         """`info`: the model's facts when the caller has read them already (start_pipeline has). The
@@ -38,26 +39,10 @@ class PipelineCoordinator(ModelRouter):
             draft_node_id=(pair.draft_info or {}).get("node_id", ""),
         )
         self.pairs[replica_label(info.name, pair.replica)] = pair
+        self.launched.append((info, pair))
 
         async def open_scheduler() -> Scheduler:
-            await wait_for_channel(pair.target_info["endpoint"], timeout=30, tls=pair.internal_tls)
-            secret, tls = pair.deployment_secret, pair.internal_tls
-            sched_config = scheduler_config(config)
-            hang_s = sched_config.hang_timeout_s
-            target = GrpcStreamLink(pair.target_info["endpoint"], "verify", secret, tls, hang_timeout_s=hang_s)
-            draft = GrpcStreamLink(pair.draft_info["endpoint"], "draft", secret, tls,
-                                   hang_timeout_s=hang_s) if pair.draft_info else None
-            bound = float(config.restart_timeout_s)  # how long a killed worker may take
-            scheduler = Scheduler(
-                info,
-                target,
-                draft,
-                sched_config,
-                reconnect_target=_reconnector(pair, "target", bound, hang_s),
-                reconnect_draft=_reconnector(pair, "draft", bound, hang_s) if pair.draft else None,
-            )
-            await scheduler.start()
-            return scheduler
+            return await open_pair_scheduler(config, info, pair)
 
         def nodes() -> tuple[str, str]:  # where its workers run now (a restarted one may have moved)
             return pair.target_info.get("node_id", ""), (pair.draft_info or {}).get("node_id", "")
@@ -90,6 +75,29 @@ class PipelineCoordinator(ModelRouter):
         for pair in self.pairs.values():
             pair.shutdown()
         self.pairs.clear()
+
+
+async def open_pair_scheduler(config, info: ModelInfo, pair: WorkerPair) -> Scheduler:
+    """One replica's scheduler, linked to its pair's workers, with the reconnectors that follow Ray's
+    restarts of them (in this process, or in the replica's scheduler actor: cluster/scheduler_actor.py)."""
+    await wait_for_channel(pair.target_info["endpoint"], timeout=30, tls=pair.internal_tls)
+    secret, tls = pair.deployment_secret, pair.internal_tls
+    sched_config = scheduler_config(config)
+    hang_s = sched_config.hang_timeout_s
+    target = GrpcStreamLink(pair.target_info["endpoint"], "verify", secret, tls, hang_timeout_s=hang_s)
+    draft = GrpcStreamLink(pair.draft_info["endpoint"], "draft", secret, tls,
+                           hang_timeout_s=hang_s) if pair.draft_info else None
+    bound = float(config.restart_timeout_s)  # how long a killed worker may take
+    scheduler = Scheduler(
+        info,
+        target,
+        draft,
+        sched_config,
+        reconnect_target=_reconnector(pair, "target", bound, hang_s),
+        reconnect_draft=_reconnector(pair, "draft", bound, hang_s) if pair.draft else None,
+    )
+    await scheduler.start()
+    return scheduler
 
 
 def _reconnector(pair: WorkerPair, role: str, timeout_s: float, hang_timeout_s: float):
@@ -143,13 +151,15 @@ async def _answers(handle, within_s: float) -> bool:
     return True
 
 
-def start_pipeline(models: list, *, ray_address: str | None = None, internal_tls: InternalTls | None = None):
+def start_pipeline(models: list, *, ray_address: str | None = None, internal_tls: InternalTls | None = None,
+                   num_cpus: int | None = None):
     """Joins (or starts) Ray, places each model's draft and target on different GPUs (each replica's,
     each tensor-parallel rank on its own; each replica waiting up to its model's placement_timeout_s
     for them), loads them.
     `internal_tls`: mutual TLS on the coordinator-worker streams (cluster/secret.py).
+    `num_cpus`: the logical CPUs a local Ray declares (ray_address None; default the machine's cores).
     Raises ClusterUnavailable / PlacementError / CheckpointError with a clear message."""
-    connect(ray_address)
+    connect(ray_address, num_cpus=num_cpus)
     coordinator = PipelineCoordinator()
     secret = new_deployment_secret()  # one per deployment: every pair's streams carry it
     try:

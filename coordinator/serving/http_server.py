@@ -298,7 +298,7 @@ async def _server_error(request, exc):
 class HttpFront:
     """uvicorn in the running event loop, on a socket bound here (so port 0 works and errors are ours)."""
 
-    def __init__(self, app, host: str, port: int, tls: TlsSettings | None = None):
+    def __init__(self, app, host: str, port: int, tls: TlsSettings | None = None, reuse_port: bool = False):
         import uvicorn
 
         class _Server(uvicorn.Server):
@@ -314,6 +314,8 @@ class HttpFront:
         family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:  # the node's gateways share the port (coordinator/serving/gateways.py)
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             self._sock.bind((host.strip("[]"), port))
         except OSError as exc:

@@ -125,6 +125,10 @@ class ServerMetrics:
         self.prefix_cache_hits = Counter("duospec:prefix_cache_hits",
                                          "Prompt positions read from the worker's prefix cache instead of computed",
                                          a, registry=r)
+        # a gateway's requests that went on from their last token after their replica's scheduler
+        # actor was lost (coordinator/remote.py)
+        self.requests_continued = Counter("duospec:requests_continued",
+                                          "Requests continued on another scheduler after theirs was lost", registry=r)
         self.num_preemptions = Counter("duospec:num_preemptions",
                                        "Sequences preempted (KV freed, resumed later by recompute) when the "
                                        "target's KV cache ran out", m, registry=r)
@@ -200,6 +204,8 @@ class ServerMetrics:
                 for key in ("preempted_sequences", "waiting_for_blocks"):  # hold a slot, not KV
                     preempted += _number(values.get(key)) or 0.0
         self._preempted = int(preempted)
+        if isinstance(stats, dict):
+            self._advance(self.requests_continued, stats.get("continued_requests"))
         self._publish_requests()
 
     def _update_replica(self, model: str, replica: str, entry: dict) -> None:
@@ -227,7 +233,7 @@ class ServerMetrics:
             return
         key = (id(counter), labels)
         last = self._totals.get(key, 0.0)
-        counter.labels(*labels).inc(value - last if value >= last else value)
+        (counter.labels(*labels) if labels else counter).inc(value - last if value >= last else value)
         self._totals[key] = value
 
     def serve(self, port: int, host: str = "127.0.0.1"):

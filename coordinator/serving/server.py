@@ -98,7 +98,10 @@ class DuospecServer:
         health_poll_s: float = HEALTH_POLL_S,
         tenants_path: str | pathlib.Path | None = None,
         tenants_poll_s: float = TENANTS_POLL_S,
+        reuse_port: bool = False,
     ):
+        """`reuse_port`: share the gRPC and HTTP ports with the node's other gateways (SO_REUSEPORT,
+        coordinator/serving/gateways.py); off, binding a port in use is an error."""
         auth_on = check_auth_policy(settings.host, tenants, insecure_no_auth)
         self.coordinator = coordinator
         self.settings = settings
@@ -119,6 +122,7 @@ class DuospecServer:
         )
         self.servicer = GenerationServicer(self.gateway)
         self.health_poll_s = health_poll_s
+        self.reuse_port = reuse_port
         self.tenants_path = pathlib.Path(tenants_path) if tenants_path and auth_on else None
         self.tenants_poll_s = tenants_poll_s
         self._tenants_stamp = _file_stamp(self.tenants_path)
@@ -135,7 +139,7 @@ class DuospecServer:
 
     async def start(self) -> int:
         """Binds and starts serving; returns the bound port (useful with port 0)."""
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.reuse_port))])
         pb_grpc.add_GenerationServiceServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -154,7 +158,7 @@ class DuospecServer:
             from duospec.coordinator.serving.http_server import HttpFront, create_app
 
             self._http = HttpFront(create_app(self.gateway, lambda: self._serving), self.settings.host,
-                                   self.settings.http_port, self.settings.tls)
+                                   self.settings.http_port, self.settings.tls, reuse_port=self.reuse_port)
             self.http_port = await self._http.start()
         await server.start()
         self._server = server

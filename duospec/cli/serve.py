@@ -35,6 +35,16 @@ def register(subparsers) -> None:
                    help="allow serving without a tenants file on a non-loopback address")
     p.add_argument("--ledger", help="usage ledger SQLite path (default duospec-usage.db, or ledger from --config)")
     p.add_argument("--model-dir", type=pathlib.Path, help="serve one model from DIR/target (+ DIR/draft)")
+    p.add_argument("--gateways", type=int, metavar="N",
+                   help="gateway processes sharing the ports (default 1: one process; more run each replica's "
+                        "scheduler as a Ray actor), or server.gateways from --config")
+    p.add_argument("--gateway-only", action="store_true",
+                   help="add gateways to a deployment already serving on the Ray cluster at --address "
+                        "(another node, behind your load balancer); loads no model")
+    p.add_argument("--gateway-index", type=int, default=0, help=argparse.SUPPRESS)  # set by the supervisor
+    p.add_argument("--num-cpus", type=int, metavar="N",
+                   help="logical CPUs of the local Ray this starts (default: the machine's cores; "
+                        "server.ray_num_cpus); ignored with --address")
     p.add_argument("--grace-period", type=_grace_seconds, metavar="SECONDS",
                    help="on SIGTERM, how long in-flight streams may finish before they are cancelled "
                         "(default 10, or server.grace_period_s from --config)")
@@ -94,7 +104,8 @@ def build_config(args: argparse.Namespace):
         config = replace(config, models=[default_model(args.model_dir)])
     server = config.server
     overrides = {"host": args.host, "port": args.port, "http_port": args.http_port, "metrics_port": args.metrics_port,
-                 "metrics_host": args.metrics_host, "grace_period_s": args.grace_period}
+                 "metrics_host": args.metrics_host, "grace_period_s": args.grace_period,
+                 "gateways": args.gateways, "ray_num_cpus": args.num_cpus}
     server = replace(server, **{k: v for k, v in overrides.items() if v is not None})
     config = replace(config, server=server)
     if args.ledger:
@@ -139,23 +150,36 @@ def make_coordinator(config, args: argparse.Namespace):
 
     tls = config.server.internal_tls
     internal_tls = InternalTls.from_files(tls.cert_file, tls.key_file, tls.ca_file, tls.server_name) if tls else None
-    return start_pipeline(config.models, ray_address=args.address, internal_tls=internal_tls)
+    return start_pipeline(config.models, ray_address=args.address, internal_tls=internal_tls,
+                          num_cpus=config.server.ray_num_cpus or None)
 
 
 async def _serve(config, args: argparse.Namespace) -> int:
-    import asyncio
-    import signal
-
-    from duospec.coordinator.serving.server import DuospecServer, check_auth_policy
+    from duospec.coordinator.serving.server import check_auth_policy
     from duospec.coordinator.tenants.tenancy import load_tenants
 
     tenants = load_tenants(config.tenants) if config.tenants else None
     check_auth_policy(config.server.host, tenants, args.insecure_no_auth)  # fail before loading models
+    if args.gateway_only:
+        return await _serve_gateway(config, args, tenants)
+    if config.server.gateways > 1:
+        return await _serve_scaled_out(config, args)
     coordinator = await _maybe_await(make_coordinator(config, args))
+    default_modes = {m.name: m.speculation.mode for m in config.models}
+    return await _run_server(coordinator, config, args, tenants, default_modes, reuse_port=False, label="")
+
+
+async def _run_server(coordinator, config, args, tenants, default_modes, *, reuse_port: bool, label: str) -> int:
+    """Serves `coordinator` on the configured ports until SIGTERM/SIGINT (then drains)."""
+    import asyncio
+    import signal
+
+    from duospec.coordinator.serving.server import DuospecServer
+
     server = DuospecServer(
         coordinator, config.server, tenants=tenants, insecure_no_auth=args.insecure_no_auth,
         ledger_path=config.ledger, ledger_retention_days=config.ledger_retention_days,
-        default_modes={m.name: m.speculation.mode for m in config.models}, tenants_path=config.tenants,
+        default_modes=default_modes, tenants_path=config.tenants, reuse_port=reuse_port,
     )
     port = await server.start()
     loop = asyncio.get_running_loop()
@@ -167,9 +191,75 @@ async def _serve(config, args: argparse.Namespace) -> int:
     await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
     if ready.done():  # health is SERVING: both actors are up
         http = f", OpenAI-compatible HTTP on {config.server.host}:{server.http_port}" if server.http_port else ""
-        print(f"duospec serving on {config.server.host}:{port}{http}", flush=True)
+        print(f"duospec {label}serving on {config.server.host}:{port}{http}", flush=True)
     ready.cancel()
     await stopped
+    return 0
+
+
+async def _serve_gateway(config, args, tenants) -> int:
+    """One gateway of a deployment already serving on the Ray cluster at --address."""
+    from dataclasses import replace
+
+    from duospec.cluster.runtime import connect
+    from duospec.coordinator.config import ConfigError
+    from duospec.coordinator.remote import RemoteCoordinator
+    from duospec.coordinator.serving.gateways import set_title
+
+    if not args.address:
+        raise ConfigError("--gateway-only joins a deployment: pass --address with its Ray cluster (HOST:6379)")
+    index = args.gateway_index
+    set_title(index)
+    connect(args.address)
+    try:
+        coordinator = await RemoteCoordinator.join()
+    except ConnectionError as exc:
+        raise ConfigError(str(exc)) from None
+    server = config.server
+    config = replace(config, server=replace(server, metrics_port=server.metrics_port + index if server.metrics_port else 0))
+    default_modes = {name: model.config.speculation.mode for name, model in coordinator.entries.items()}
+    return await _run_server(coordinator, config, args, tenants, default_modes, reuse_port=True,
+                             label=f"gateway {index} ")
+
+
+async def _serve_scaled_out(config, args) -> int:
+    """Workers, one scheduler actor per replica, and server.gateways gateway processes on this node
+    (coordinator/serving/gateways.py); this process supervises them and owns the deployment."""
+    import asyncio
+    import signal
+
+    import ray
+
+    from duospec.cluster.deployment import publish
+    from duospec.coordinator.config import ConfigError
+    from duospec.coordinator.serving.gateways import GatewaySupervisor, gateway_command
+
+    if args.backend == "local":
+        raise ConfigError("server.gateways > 1 runs each replica's scheduler as a Ray actor: drop --backend local, "
+                          "or serve with one gateway")
+    pipeline = make_coordinator(config, args)
+    published = publish(pipeline, config.models)
+    address = ray.get_runtime_context().gcs_address
+    n = config.server.gateways
+    supervisor = GatewaySupervisor([gateway_command(args, address, i) for i in range(n)])
+    supervisor.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"duospec: {n} gateways on {config.server.host}:{config.server.port} (pids "
+          f"{' '.join(map(str, supervisor.pids()))}), Ray at {address}", flush=True)
+    try:
+        while not stop.is_set():
+            supervisor.check()
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        await loop.run_in_executor(None, supervisor.stop, config.server.grace_period_s)
+        published.shutdown()
+        await pipeline.close()
     return 0
 
 
