@@ -136,23 +136,32 @@ def _gen_request(prompt, tenant="default"):
 def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica_while_the_load_allows():
     from duospec.coordinator.scheduling.routing import PrefixAffinity
 
-    a, b, c = _serving_replicas(3)
+    replicas = _serving_replicas(3)
     system, other = list(range(100, 148)), list(range(300, 348))  # three 16-token blocks each
     policy = PrefixAffinity(slack_tokens=100)
-    a.tokens_left = 10
-    assert policy.choose([a, b, c], _gen_request(system + [1])) is b  # nothing shared yet: least work
-    b.tokens_left = 60
-    assert policy.choose([a, b, c], _gen_request(system + [2, 3])) is b  # shares 3 blocks with b's
-    assert policy.choose([a, b, c], _gen_request(system[:20] + [9] * 30)) is b  # shares its first block
-    assert policy.choose([a, b, c], _gen_request(other + [1])) is c  # shares nothing
-    assert policy.choose([a, b, c], _gen_request(system + [4], tenant="beta")) is c  # another tenant's cache
-    assert policy.choose([a, b, c], _gen_request(list(range(100, 110)))) is c  # under one block: no key
-    b.tokens_left = 200  # over the least loaded (c, 0) by more than the slack: least work wins
-    assert policy.choose([a, b, c], _gen_request(system + [5])) is c
-    b.tokens_left, c.tokens_left = 0, 500
-    assert policy.choose([a, b, c], _gen_request(system + [6])) is b  # the prefix moved to c, c now too busy
-    b.scheduler.target_serving = False
-    assert policy.choose([a, b, c], _gen_request(system + [7])) is a  # its replica is down: least work
+
+    def fresh(prompt, tenant="default"):  # what another gateway, which routed nothing yet, chooses
+        return PrefixAffinity(slack_tokens=100).choose(replicas, _gen_request(prompt, tenant))
+
+    # Nothing shared yet: the prompt's home replica, the same from every gateway.
+    home = policy.choose(replicas, _gen_request(system + [1]))
+    assert home is fresh(system + [2])
+    rest = [r for r in replicas if r is not home]
+    home.tokens_left = 60
+    assert policy.choose(replicas, _gen_request(system + [2, 3])) is home  # shares 3 blocks with home's
+    assert policy.choose(replicas, _gen_request(system[:20] + [9] * 30)) is home  # shares its first block
+    assert policy.choose(replicas, _gen_request(other + [1])) is fresh(other + [1])  # shares nothing: its home
+    assert policy.choose(replicas, _gen_request(list(range(100, 110)))) in rest  # under one block: least work
+    home.tokens_left = 200  # over the least loaded by more than the slack: least work wins
+    assert policy.choose(replicas, _gen_request(system + [5])) in rest
+    moved = policy.choose(replicas, _gen_request(system + [5]))  # the prefix now lives there
+    home.tokens_left, moved.tokens_left = 0, 500
+    assert policy.choose(replicas, _gen_request(system + [6])) is not moved  # its replica is now too busy
+    # Another tenant's prompt never shares a key with this one's (their caches are apart).
+    assert PrefixAffinity.keys(_gen_request(system, "beta"))[0] != PrefixAffinity.keys(_gen_request(system))[0]
+    owner = policy.choose(replicas, _gen_request(system + [7]))
+    owner.scheduler.target_serving = False
+    assert policy.choose(replicas, _gen_request(system + [8])) is not owner  # its replica is down
 
 
 async def test_prefix_affinity_routes_a_shared_system_prompt_to_the_replica_that_cached_it(tiny_pair):
