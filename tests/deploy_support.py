@@ -27,9 +27,11 @@ def kuberay_docs() -> list[tuple[str, dict]]:
     return docs
 
 
-def the_doc(kind: str) -> dict:
-    found = [d for _, d in kuberay_docs() if d.get("kind") == kind]
-    assert len(found) == 1, f"deploy/kuberay: expected exactly one {kind}, found {len(found)}"
+def the_doc(kind: str, name: str | None = None) -> dict:
+    """The one manifest of `kind` in deploy/kuberay (named `name`, where there are several)."""
+    found = [d for _, d in kuberay_docs() if d.get("kind") == kind
+             and (name is None or (d.get("metadata") or {}).get("name") == name)]
+    assert len(found) == 1, f"deploy/kuberay: expected exactly one {kind} {name or ''}, found {len(found)}"
     return found[0]
 
 

@@ -25,13 +25,13 @@ import yaml
 
 from deploy_support import (
     CLUSTER_CONFIGS, DEPLOY, REPO, commands_in, deploy_commands, flag_values, head_pod_spec, head_serve_flags,
-    gpus_serve_yaml_places, kuberay_docs, load_yaml, readme_commands, serve_config, the_doc,
+    gpus_serve_yaml_places, kuberay_docs, load_yaml, readme_commands, serve_config, the_doc, yaml_strings,
 )
 
 CRD_KINDS = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml",
              "RayService": "ray.io_rayservices.yaml"}
-CORE_KINDS = ("Service", "Secret", "ConfigMap", "PersistentVolumeClaim", "NetworkPolicy")
-API_VERSIONS = {"NetworkPolicy": "networking.k8s.io/v1"}  # the rest are core v1
+CORE_KINDS = ("Service", "Secret", "ConfigMap", "PersistentVolumeClaim", "NetworkPolicy", "Deployment")
+API_VERSIONS = {"NetworkPolicy": "networking.k8s.io/v1", "Deployment": "apps/v1"}  # the rest are core v1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,6 +153,8 @@ def core_kind_errors(doc: dict) -> list[str]:
                 errors.append(f"spec.ports[{i}].name: required when a Service has several ports")
         if not spec.get("selector"):
             errors.append("spec.selector: missing (the Service would select no pod)")
+    elif kind == "Deployment":
+        errors += workload_errors(spec)
     elif kind in ("Secret", "ConfigMap"):
         data, string_data = doc.get("data") or {}, doc.get("stringData") or {}
         if kind == "ConfigMap" and string_data:
@@ -183,6 +185,40 @@ def core_kind_errors(doc: dict) -> list[str]:
             errors.append("spec.accessModes: missing")
         if not (spec.get("resources") or {}).get("requests", {}).get("storage"):
             errors.append("spec.resources.requests.storage: missing")
+    return errors
+
+
+POD_FIELDS = {"containers", "volumes", "securityContext", "terminationGracePeriodSeconds",
+              "automountServiceAccountToken", "affinity", "tolerations", "nodeSelector", "serviceAccountName"}
+CONTAINER_FIELDS = {"name", "image", "imagePullPolicy", "command", "args", "env", "ports", "readinessProbe",
+                    "livenessProbe", "startupProbe", "securityContext", "resources", "volumeMounts"}
+
+
+def workload_errors(spec: dict) -> list[str]:
+    """A Deployment's (or StatefulSet's) spec: its selector picks its own pods, its pod spec has the
+    fields Kubernetes knows (a misspelled one would be dropped by `kubectl apply` without a word),
+    every container an image, probes on declared ports, mounts of declared volumes."""
+    errors = []
+    template = spec.get("template") or {}
+    labels = (template.get("metadata") or {}).get("labels") or {}
+    selector = (spec.get("selector") or {}).get("matchLabels") or {}
+    if not selector or any(labels.get(k) != v for k, v in selector.items()):
+        errors.append(f"spec.selector.matchLabels {selector} must be set and match the template's labels {labels}")
+    pod = template.get("spec") or {}
+    errors += [f"spec.template.spec.{k}: not a pod field" for k in sorted(set(pod) - POD_FIELDS)]
+    volumes = {v.get("name") for v in pod.get("volumes") or []}
+    for i, c in enumerate(pod.get("containers") or [{}]):
+        where = f"spec.template.spec.containers[{i}]"
+        errors += [f"{where}.{k}: not a container field" for k in sorted(set(c) - CONTAINER_FIELDS)]
+        if not c.get("image") or not c.get("name"):
+            errors.append(f"{where}: needs a name and an image")
+        ports = {p.get("containerPort") for p in c.get("ports") or []}
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            port = ((c.get(probe) or {}).get("grpc") or {}).get("port")
+            if probe in c and port not in ports:
+                errors.append(f"{where}.{probe}: port {port} is not one of the container's ports {sorted(ports)}")
+        errors += [f"{where}.volumeMounts: {m.get('name')!r} is no volume of the pod"
+                   for m in c.get("volumeMounts") or [] if m.get("name") not in volumes]
     return errors
 
 
@@ -302,7 +338,7 @@ def test_kuberay_ports_agree_between_server_service_and_probe():
     assert container["readinessProbe"]["grpc"]["port"] == grpc_port
     container_ports = {p["containerPort"] for p in container["ports"]}
     assert {grpc_port, http_port, metrics_port} <= container_ports
-    service = the_doc("Service")
+    service = the_doc("Service", "duospec")
     targets = {p["targetPort"] for p in service["spec"]["ports"]}
     assert targets == {grpc_port, http_port, metrics_port}, f"Service targetPorts {targets}"
     head_labels = {"ray.io/cluster": the_doc("RayCluster")["metadata"]["name"], "ray.io/node-type": "head"}
@@ -417,3 +453,23 @@ def test_gpu_workers_hold_what_the_serve_config_places():
     assert total >= gpus_serve_yaml_places()[0]
     for m in load_serve_config(DEPLOY / "serve.yaml").models:  # a group no pod holds is refused here
         plan_placement(nodes, use_gpu=True, target_tp=m.tensor_parallel_size, draft_tp=m.draft.tensor_parallel_size)
+
+
+def test_kuberay_gateways_join_the_deployment_on_the_configs_ports_behind_their_service():
+    server = serve_config()["server"]
+    deployment = the_doc("Deployment", "duospec-gateway")
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    [argv] = [a for text in yaml_strings(container) for a in commands_in(text) if a[0] == "serve"]
+    flags = flag_values(argv[1:])
+    assert "--gateway-only" in argv and flags["--address"] == "auto"  # the node `ray start` joined
+    assert (flags["--port"], flags["--http-port"], flags["--metrics-port"]) == \
+        (str(server["port"]), str(server["http_port"]), str(server["metrics_port"]))
+    assert flags["--config"].startswith(volume_mount_for(pod, lambda v: "configMap" in v))
+    assert flags["--tenants"].startswith(volume_mount_for(pod, lambda v: "secret" in v))
+    service = the_doc("Service", "duospec-gateway")
+    assert service["spec"]["selector"] == deployment["spec"]["template"]["metadata"]["labels"]
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == {p["containerPort"] for p in container["ports"]}
+    # it joins Ray with the cluster's token mode, so Ray admits it
+    env = {e["name"]: e for e in container["env"]}
+    assert env["RAY_AUTH_MODE"]["value"] == "token" and "secretKeyRef" in env["RAY_AUTH_TOKEN"]["valueFrom"]

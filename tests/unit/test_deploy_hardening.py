@@ -175,7 +175,8 @@ def test_metrics_listen_on_loopback_unless_a_deploy_file_names_an_address(monkey
         if args.config is not None:
             args.config = DEPLOY / "serve.yaml"  # what every deployment mounts at its --config path
         host = serve_cli.build_config(args).server.metrics_host
-        pod_ip = source == "deploy/kuberay/raycluster.yaml" and host == "${POD_IP:?}"  # checked below
+        pod_ip = source in ("deploy/kuberay/raycluster.yaml", "deploy/kuberay/gateway.yaml") \
+            and host == "${POD_IP:?}"  # checked below
         assert is_loopback(host) or pod_ip, f"{source}: `duospec {shlex.join(argv)}` serves metrics on {host!r}"
 
 
