@@ -47,7 +47,8 @@ class Continuation:
 
     row: str  # the broken stream's usage row, which this stream finishes
     # set: the delivered tokens already end the request (an end token, or max_new_tokens of them): the
-    # broken stream lacked only its final message, which is all this stream sends
+    # broken stream lacked only its final message, which is all this stream sends (the coordinator is
+    # not asked for anything)
     finished: FinishReason | None = None
 
 
@@ -80,13 +81,11 @@ def continue_request(req: pb.GenerateRequest, v: ValidatedRequest, info: ModelIn
     if grammar is not None and grammar.matcher().accept_tokens(list(delivered)) < len(delivered):
         raise invalid(field, "the constraint does not allow these tokens: send the tokens this request's stream "
                       "delivered")
-    finished = _finish_reason(delivered, request, ends)
-    if finished is not None:
-        return v, Continuation(row, finished)
     resumed = replace(request, prompt_token_ids=request.prompt_token_ids + delivered,
                       max_new_tokens=request.max_new_tokens - len(delivered), resumed_tokens=len(delivered))
     # the client's own id, or the one the broken stream echoed (its row's), so every chunk carries one id
-    return replace(v, request=resumed, client_request_id=req.request_id or row), Continuation(row)
+    return (replace(v, request=resumed, client_request_id=req.request_id or row),
+            Continuation(row, _finish_reason(delivered, request, ends)))
 
 
 def _finish_reason(delivered: tuple[int, ...], request, ends: frozenset[int]) -> FinishReason | None:

@@ -70,7 +70,7 @@ def test_a_resume_with_nothing_delivered_is_the_request_itself():
 def test_delivered_tokens_that_already_end_the_request_get_only_the_final_message(delivered, reason):
     v = validated(stop_ids=(30,))
     resumed, cont = continue_request(resume_of(delivered, v), v, INFO, "acme", SECRET)
-    assert cont.finished is reason and resumed is v
+    assert cont.finished is reason and resumed.request.resumed_tokens == len(delivered)
 
 
 def test_ignore_eos_lets_the_eos_token_be_delivered_mid_stream():
