@@ -231,7 +231,7 @@ def test_resume_off_leaves_a_broken_stream_an_error():
 
 def test_a_stream_that_keeps_breaking_gives_up_after_the_retries():
     with ScriptedServer(ScriptedServicer()) as server, duospec.Client(server.address, max_retries=2) as client:
-        server.servicer.scripts.extend([BROKEN, [Abort(grpc.StatusCode.UNAVAILABLE, "down")] * 1,
+        server.servicer.scripts.extend([BROKEN, [Abort(grpc.StatusCode.UNAVAILABLE, "down")],
                                         [Abort(grpc.StatusCode.UNAVAILABLE, "still down")]])
         with pytest.raises(sdk.Unavailable, match="still down"):
             client.generate("x")
