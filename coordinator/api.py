@@ -52,6 +52,14 @@ class GenerationRequest:
     logprobs: int | None = None  # set: each token's log p under the target, with this many (0..20) alternatives
     # set: the output must match it; the target masks p at every step (validated and compiled by the front)
     constraint: Constraint | None = None
+    # a resumed request (coordinator/serving/resume.py): the prompt's last this many tokens are output a
+    # broken stream already delivered, so the constraint covers them (the matchers consume them first)
+    resumed_tokens: int = 0
+
+    @property
+    def output_start(self) -> int:
+        """The position of the completion's first token, where a constraint starts."""
+        return len(self.prompt_token_ids) - self.resumed_tokens
 
 
 @dataclass

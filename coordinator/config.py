@@ -85,6 +85,12 @@ class ServerSettings:
     max_request_body_bytes: int = setting(
         4 << 20, "largest HTTP request body; a longer one gets 413 as soon as its Content-Length, or the "
         "bytes read so far, pass it", lo=1024, hi=1 << 30)
+    # Usage ids are signed with it, so that a resume names a stream of the same request and tenant
+    # (coordinator/serving/resume.py); gateways that share one address or one list must share it.
+    resume_secret_file: str | None = setting(
+        None, "file whose bytes sign the usage ids that resume broken streams; every gateway of a deployment "
+        "reads the same one; absent = a random secret per process (a stream then resumes only on its own "
+        "process)")
     tls: TlsSettings | None = setting(None, "TLS on the gRPC and HTTP APIs; absent = plaintext")
     internal_tls: InternalTlsSettings | None = setting(
         None, "mutual TLS between the coordinator and the workers; absent = plaintext")

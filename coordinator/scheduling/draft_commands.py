@@ -198,4 +198,4 @@ def _draft_constraint(seq: Sequence) -> pb.GrammarConstraint | None:
     constraint = seq.request.constraint
     if constraint is None:
         return None
-    return constraint_to_proto(constraint, len(seq.request.prompt_token_ids), seq.eos_token_ids)
+    return constraint_to_proto(constraint, seq.request.output_start, seq.eos_token_ids)

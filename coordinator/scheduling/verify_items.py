@@ -120,7 +120,7 @@ def _item_constraint(seq: Sequence) -> pb.GrammarConstraint | None:
     constraint = seq.request.constraint
     if constraint is None or seq.target_len != 0:
         return None
-    return constraint_to_proto(constraint, len(seq.request.prompt_token_ids), seq.eos_token_ids)
+    return constraint_to_proto(constraint, seq.request.output_start, seq.eos_token_ids)
 
 
 def wants_features(seq: Sequence) -> bool:

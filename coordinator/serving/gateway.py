@@ -8,7 +8,8 @@ One request, step by step:
   3. admit against the tenant's quotas and the weighted queue (RESOURCE_EXHAUSTED + retry_after_s)
      and write the request's ledger row (coordinator/tenants/ledger.py);
   4. iterate `coordinator.generate`, turning committed token ids into text deltas, cutting text and
-     tokens at stop strings; the last delta carries finish_reason, usage and speculation stats;
+     tokens at stop strings; the first delta carries the usage id a client resumes a broken stream
+     with (coordinator/serving/resume.py), the last finish_reason, usage and speculation stats;
   5. on any exit (finish, stop string, client gone, deadline, shutdown, key revoked) close the
      coordinator's generator — that frees the sequence's KV slots — release the admission ticket
      and finish the ledger row with the tokens the client received.
@@ -25,7 +26,7 @@ import contextlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 import grpc
@@ -38,9 +39,11 @@ from duospec.coordinator.api import (
 from duospec.coordinator.config import ServerSettings
 from duospec.coordinator.tenants.ledger import FLUSH_INTERVAL_S, RUNNING, UsageLedger, UsageRecord
 from duospec.coordinator.serving.metrics import UNAUTHENTICATED_TENANT, ServerMetrics
+from duospec.coordinator.serving.resume import Continuation, continue_request, load_secret, usage_id
 from duospec.coordinator.tenants.tenancy import ANONYMOUS, AuthError, Tenant, TenantRegistry, authorize_model
 from duospec.coordinator.serving.validation import (
-    RequestError, ValidatedRequest, constraint_field, max_prompt_chars, resolve_model, validate_request, with_tenant,
+    RequestError, ValidatedRequest, constraint_field, invalid, max_prompt_chars, resolve_model, validate_request,
+    with_tenant,
 )
 from duospec.structured.constraint import ConstraintError
 from duospec.v1 import generation_pb2 as pb
@@ -76,6 +79,7 @@ class Delta:
     completion_tokens: int = 0
     stats: SpecStats | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id when the request asked for them
+    usage_id: str = ""  # first delta only: what a client resumes this stream with if it breaks
 
 
 class Lifecycle:
@@ -151,6 +155,8 @@ class _Stream:
     revoked: asyncio.Event = field(default_factory=asyncio.Event)
     progress_t: float = 0.0  # when the ledger last got this stream's progress (monotonic)
     constrained: bool = False  # the request has a constraint (its acceptance is also counted on its own)
+    usage_row: str = ""  # its ledger row: `id`, or the broken stream's that a resumed one continues
+    usage_id: str = ""  # the row, signed for this request (coordinator/serving/resume.py)
 
     @property
     def tenant(self) -> Tenant:
@@ -187,6 +193,7 @@ class Gateway:
                                  for name, tok in tokenizers.items() if name in self.models}
         self._streams: dict[str, _Stream] = {}
         self._grammars: dict[str, Any] = {}  # model -> its GrammarCompiler, made at the first constraint
+        self.resume_secret = load_secret(settings.resume_secret_file)
 
     # ---- who is calling ----------------------------------------------------------------------------
 
@@ -252,7 +259,7 @@ class Gateway:
         """Deltas of one request from a caller `accept` returned; raises GatewayError (before the first
         delta, or mid-stream for a failure of the system). Closing the generator early cancels the
         request."""
-        validated, ticket, stream = await self._admit(caller, request)
+        validated, text, finished, ticket, stream = await self._admit(caller, request)
         if caller.key_hash is not None and self.registry is not None and not self.registry.holds(
                 caller.key_hash, caller.tenant.name):  # revoked while it was validated or queued
             self.admission.release(ticket, 0)
@@ -265,9 +272,11 @@ class Gateway:
                 await self.ledger.start_async(self._record(stream, "running", RUNNING))
             # aclosing: a consumer that stops at the last delta (or leaves) closes the coordinator's
             # generator now, freeing the sequence before the admission slot goes to the next request.
-            async with contextlib.aclosing(self._run(validated, stream)) as deltas:
+            async with contextlib.aclosing(self._run(validated, stream, text, finished)) as deltas:
+                usage = stream.usage_id
                 async for delta in deltas:
-                    yield delta
+                    yield replace(delta, usage_id=usage) if usage else delta
+                    usage = ""
         except (asyncio.CancelledError, GeneratorExit):
             if stream.finish_reason is None and stream.status_code == "OK":
                 stream.finish_reason, stream.status_code = FinishReason.CANCELLED, "CANCELLED"
@@ -303,10 +312,19 @@ class Gateway:
                 self.default_modes.get(info.name, SpeculationMode.PEARL), uuid.uuid4().hex,
                 max_prompt_chars=self.max_prompt_chars.get(info.name),
             )
+            grammar = None
             if validated.request.constraint is not None:
-                await self._check_constraint(info, validated.request.constraint, constraint_field(request))
-            n_prompt = len(validated.request.prompt_token_ids)
-            ticket = await self.admission.admit(tenant, n_prompt + validated.request.max_new_tokens, info.name)
+                grammar = await self._check_constraint(info, validated.request.constraint, constraint_field(request))
+            row = validated.request.request_id
+            signed = usage_id(self.resume_secret, row, tenant.name, validated)
+            resume = Continuation(row)
+            if request.HasField("resume"):  # a client continues a broken stream of this request
+                validated, resume = await asyncio.to_thread(
+                    continue_request, request, validated, info, tenant.name, self.resume_secret, grammar)
+            text = await asyncio.to_thread(text_state, self.tokenizers[info.name], validated)
+            n_prompt = validated.request.output_start
+            ticket = await self.admission.admit(tenant, len(validated.request.prompt_token_ids)
+                                                + validated.request.max_new_tokens, info.name)
         except RequestError as exc:
             raise self.refuse(caller, GatewayError(exc.code, str(exc), field=exc.field)) from None
         except AuthError as exc:
@@ -314,19 +332,21 @@ class Gateway:
         except AdmissionError as exc:
             raise self.refuse(caller, GatewayError(exc.code, str(exc), exc.retry_after_s)) from None
         stream = _Stream(validated.request.request_id, caller, info.name, validated.client_request_id, n_prompt,
-                         constrained=validated.request.constraint is not None)
-        return validated, ticket, stream
+                         completion_tokens=validated.request.resumed_tokens,
+                         constrained=validated.request.constraint is not None, usage_row=resume.row,
+                         usage_id=signed)
+        return validated, text, resume.finished, ticket, stream
 
-    async def _check_constraint(self, info: ModelInfo, constraint, field: str) -> None:
+    async def _check_constraint(self, info: ModelInfo, constraint, field: str):
         """Compile the constraint for the model's tokenizer (cached; off the event loop, time-limited),
         so that a bad one is a 400 naming `field` before it is admitted; the target compiles it again
-        where its matcher lives."""
+        where its matcher lives. Returns the grammar."""
         compiler = self._grammars.get(info.name)
         if compiler is None:
             compiler = self._grammars[info.name] = await asyncio.to_thread(self._new_compiler, info)
         started = time.monotonic()
         try:
-            await compiler.compile_async(constraint)
+            return await compiler.compile_async(constraint)
         except ConstraintError as exc:
             raise RequestError("INVALID_ARGUMENT", f"{field}: {exc}", field) from None
         finally:
@@ -343,15 +363,14 @@ class Gateway:
             raise RequestError("INVALID_ARGUMENT", f"constraint: model {info.name!r}: {exc}", "constraint") from None
         return GrammarCompiler(backend)
 
-    async def _run(self, v: ValidatedRequest, stream: _Stream) -> AsyncIterator[Delta]:
-        from duospec.detokenizer import IncrementalDetokenizer
-
+    async def _run(self, v: ValidatedRequest, stream: _Stream, text_state,
+                   finished: FinishReason | None) -> AsyncIterator[Delta]:
+        detok, stopper = text_state
+        if finished is not None:  # a resumed stream whose tokens were all delivered: only its end was lost
+            stream.finish_reason = finished
+            yield self._final(stream, self._closing_text(stream, detok, stopper), ())
+            return
         request = with_tenant(v, stream.tenant.name, stream.tenant.priority_weight)
-        # Text as transformers' decode(skip_special_tokens=True): no <|im_end|> at the end of a chat
-        # reply; the token ids still carry everything.
-        detok = IncrementalDetokenizer(self.tokenizers[stream.model], list(request.prompt_token_ids),
-                                       skip_special_tokens=True)
-        stopper = StopStringMatcher(v.stop_strings)
         events = self.coordinator.generate(request)
         interrupts = [asyncio.ensure_future(self.lifecycle.hard_stop.wait()),
                       asyncio.ensure_future(stream.revoked.wait())]
@@ -379,16 +398,21 @@ class Gateway:
                     yield Delta(stream.client_request_id, text, sent, logprobs=logprobs)
                 elif isinstance(event, FinishEvent):
                     stream.finish_reason, stream.stats = event.finish_reason, event.stats
-                    stream.completion_tokens = event.completion_tokens
-                    text, hit = stopper.feed(detok.flush())
-                    if hit:  # the stop string completed only in the detokenizer's last held text
-                        stream.finish_reason = FinishReason.STOP
-                    yield self._final(stream, text if hit else text + stopper.flush(), ())
+                    stream.completion_tokens = request.resumed_tokens + event.completion_tokens
+                    yield self._final(stream, self._closing_text(stream, detok, stopper), ())
                     return
         finally:
             for waiter in interrupts:
                 waiter.cancel()
             await events.aclose()  # frees the sequence's KV slots when we stopped early
+
+    @staticmethod
+    def _closing_text(stream: _Stream, detok, stopper: StopStringMatcher) -> str:
+        """The text held back until the end (an unfinished character, a possible stop string's start)."""
+        text, hit = stopper.feed(detok.flush())
+        if hit:  # the stop string completed only in the detokenizer's last held text
+            stream.finish_reason = FinishReason.STOP
+        return text if hit else text + stopper.flush()
 
     def _final(self, stream: _Stream, text: str, token_ids, logprobs=()) -> Delta:
         return Delta(stream.client_request_id, text, tuple(token_ids), stream.finish_reason, stream.prompt_tokens,
@@ -413,7 +437,7 @@ class Gateway:
     def _record(self, stream: _Stream, finish: str, status: str) -> UsageRecord:
         s = stream.stats
         return UsageRecord(
-            id=stream.id, request_id=stream.client_request_id, tenant=stream.tenant.name, model=stream.model,
+            id=stream.usage_row, request_id=stream.client_request_id, tenant=stream.tenant.name, model=stream.model,
             prompt_tokens=stream.prompt_tokens, completion_tokens=stream.completion_tokens,
             drafted=s.drafted_tokens, accepted=s.accepted_tokens, target_forwards=s.target_forwards,
             mean_accepted_length=s.mean_accepted_length, finish_reason=finish, status_code=status,
@@ -446,6 +470,25 @@ class Gateway:
 
 _INTERRUPTED = object()  # sentinel: the server's grace period ended, or the stream's key was revoked
 _END = object()  # sentinel: the coordinator's generator is exhausted
+
+
+def text_state(tokenizer, v: ValidatedRequest):
+    """The request's detokenizer and stop matcher. A resumed request's have read the tokens its
+    broken stream delivered (its prompt's tail), so its first delta is exactly the text the broken
+    stream would have sent next: a character split across the break, or a stop string begun before
+    it, come out as they would have (both hold back the same text after the same tokens)."""
+    from duospec.detokenizer import IncrementalDetokenizer
+
+    prompt = v.request.prompt_token_ids
+    # Text as transformers' decode(skip_special_tokens=True): no <|im_end|> at the end of a chat
+    # reply; the token ids still carry everything.
+    detok = IncrementalDetokenizer(tokenizer, prompt[: v.request.output_start],
+                                   skip_special_tokens=True)
+    stopper = StopStringMatcher(v.stop_strings)
+    if v.request.resumed_tokens and stopper.feed(detok.push(prompt[v.request.output_start:]))[1]:
+        raise invalid("resume.delivered_token_ids", "their text holds a stop string, where the stream ended: "
+                      "send the tokens this request's stream delivered")
+    return detok, stopper
 
 
 def _cut_at_stop(detok, stopper: StopStringMatcher, token_ids) -> tuple[str, tuple[int, ...], bool]:

@@ -112,7 +112,8 @@ async def _abort(context, exc: GatewayError) -> None:
 
 
 def _response(delta: Delta) -> pb.GenerateResponse:
-    response = pb.GenerateResponse(request_id=delta.request_id, text=delta.text, token_ids=delta.token_ids)
+    response = pb.GenerateResponse(request_id=delta.request_id, text=delta.text, token_ids=delta.token_ids,
+                                   usage_id=delta.usage_id)
     for lp in delta.logprobs:
         response.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
                               top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
@@ -121,7 +122,8 @@ def _response(delta: Delta) -> pb.GenerateResponse:
     s = delta.stats
     response.finish_reason = _FINISH_TO_PB[delta.finish_reason]
     response.usage.CopyFrom(pb.Usage(prompt_tokens=delta.prompt_tokens, completion_tokens=delta.completion_tokens,
-                                     cached_prompt_tokens=s.cached_prompt_tokens))
+                                     # a resumed stream's prompt includes its delivered tokens: not the user's
+                                     cached_prompt_tokens=min(s.cached_prompt_tokens, delta.prompt_tokens)))
     # every public count under its SpecStats name (a new one needs only the proto field)
     response.stats.CopyFrom(pb.SpeculationStats(
         **{field.name: getattr(s, field.name) for field in pb.SpeculationStats.DESCRIPTOR.fields}))

@@ -6,7 +6,9 @@ transaction each `flush_interval_s` (1 s): one fsync per second for the whole se
 streams are open. `finish()` writes the final row at once. WAL mode with synchronous=FULL: what a
 write committed is on disk, so a `kill -9` of the server (or a power cut) loses at most the last
 second of a stream's usage and never a row. Rows are keyed by a server-made unique `id`; the
-client's request id is kept as `request_id` (clients may reuse theirs).
+client's request id is kept as `request_id` (clients may reuse theirs). A resumed stream (a client
+continuing a broken one, coordinator/serving/resume.py) writes its broken stream's row, so the request
+is charged once, for the most tokens any of its streams sent.
 
 A row still RUNNING when a server opens the ledger was cut off by a crash: it is closed then as
 finish_reason `interrupted`, status UNAVAILABLE, keeping the tokens it had delivered. One server
@@ -80,7 +82,19 @@ class UsageRecord:
 
 _COLUMNS = [f.name for f in fields(UsageRecord)]
 _INSERT = f"INSERT INTO usage ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
-_UPDATE = f"UPDATE usage SET {', '.join(f'{c} = ?' for c in _COLUMNS[1:])} WHERE id = ?"
+# A resumed stream (its client sends back the tokens it has) rewrites its broken stream's row: the
+# row keeps the first stream's started_at, and the most tokens any of them sent.
+_UPDATED = [c for c in _COLUMNS if c not in ("id", "started_at")]
+_SET = ", ".join("completion_tokens = MAX(completion_tokens, ?)" if c == "completion_tokens" else f"{c} = ?"
+                 for c in _UPDATED)
+_UPDATE = f"UPDATE usage SET {_SET} WHERE id = ? AND tenant = ?"
+# start() is an upsert: a resumed stream takes over its broken stream's row (same id) if the row is
+# the same tenant's; started_at stays the first stream's.
+_START = (_INSERT + " ON CONFLICT (id) DO UPDATE SET "
+          + ", ".join("completion_tokens = MAX(completion_tokens, excluded.completion_tokens)"
+                      if c == "completion_tokens" else f"{c} = excluded.{c}"
+                      for c in _UPDATED)
+          + " WHERE usage.tenant = excluded.tenant")
 # Progress never overwrites a finished row (a flush racing the request's end).
 _PROGRESS = _UPDATE + f" AND status_code = '{RUNNING}'"
 _EXPIRE = (f"DELETE FROM usage WHERE rowid IN (SELECT rowid FROM usage WHERE finished_at < ? "
@@ -125,9 +139,11 @@ class UsageLedger:
         self._conn.execute("CREATE UNIQUE INDEX IF NOT EXISTS usage_id ON usage (id)")
 
     def start(self, rec: UsageRecord) -> None:
-        """The request was admitted: its row exists (durable) before the first token goes out."""
+        """The request was admitted: its row exists (durable) before the first token goes out. A row
+        with this id already there (a resumed stream's) is taken over if it is the same tenant's."""
         with self._lock:
-            self._conn.execute(_INSERT, astuple(rec))
+            if self._conn.execute(_START, astuple(rec)).rowcount == 0:
+                raise ValueError(f"row {rec.id} exists under another tenant; it was left as it is")
 
     def progress(self, rec: UsageRecord) -> None:
         """The latest state of a running request; written by the flusher within flush_interval_s.
@@ -210,8 +226,7 @@ class UsageLedger:
 
 
 def _update_args(rec: UsageRecord) -> tuple:
-    values = astuple(rec)
-    return values[1:] + values[:1]
+    return tuple(getattr(rec, c) for c in _UPDATED) + (rec.id, rec.tenant)
 
 
 def query_usage(path: str | pathlib.Path, tenant: str | None = None, since: float | None = None) -> list[UsageRecord]:

@@ -5,7 +5,8 @@
         print(client.generate("def fib(n):", max_new_tokens=64).text)
 
 Errors are typed (`duospec.sdk.NotFound`, ...; all subclass `DuospecError`). UNAVAILABLE is retried
-with backoff, but only before the first chunk of a generation has arrived.
+with backoff; a generation whose stream breaks after its first chunk is resumed from the tokens it
+delivered (exact for greedy and seeded requests; duospec/sdk/resume.py).
 """
 
 from duospec.sdk.aio import AsyncClient, AsyncGenerationStream

@@ -9,32 +9,38 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from duospec.sdk.client import TRUNCATED_STREAM
-from duospec.sdk.errors import DuospecError, error_from_rpc, is_unavailable
+from duospec.sdk.errors import error_from_rpc, is_unavailable
+from duospec.sdk.resume import Generation
 from duospec.sdk.transport import (
-    Deadline, PemSource, RetryPolicy, TlsSetting, call_metadata, channel_credentials, channel_options,
-    check_timeout,
+    Attempts, Deadline, PemSource, RetryPolicy, TlsSetting, address_list, call_metadata, channel_credentials,
+    channel_options, check_timeout,
 )
 from duospec.sdk.types import (
-    GenerationChunk, GenerationResult, ModelCard, ResultBuilder, build_request, chunk_from_proto,
-    model_card_from_proto,
+    GenerationChunk, GenerationResult, ModelCard, ResultBuilder, build_request, model_card_from_proto,
 )
 from duospec.v1 import generation_pb2 as pb
 from duospec.v1.generation_pb2_grpc import GenerationServiceStub
 
 
 class AsyncGenerationStream:
-    """Async iterator of GenerationChunk for one call; `cancel()` / leaving `async with` cancels it."""
+    """Async iterator of GenerationChunk for one generation, across reconnections when its stream
+    breaks (as `GenerationStream`); `cancel()` / leaving `async with` cancels it."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, first: pb.GenerateResponse):
-        self._call = call
-        self._pending: pb.GenerateResponse | None = first
+    def __init__(self, client: AsyncClient, generation: Generation):
+        self._client = client
+        self._generation = generation
+        self._call: Any = None
+        self._pending: pb.GenerateResponse | None = None
         self._finished = False
+
+    async def _open(self) -> AsyncGenerationStream:
+        self._pending = await self._connect()
+        return self
 
     def __aiter__(self) -> AsyncGenerationStream:
         return self
@@ -44,15 +50,36 @@ class AsyncGenerationStream:
             raise StopAsyncIteration
         response, self._pending = self._pending, None
         if response is None:
-            try:
-                response = await self._call.read()
-            except grpc.RpcError as err:
-                raise error_from_rpc(err) from None
-            if response is grpc.aio.EOF:
-                raise DuospecError("INTERNAL", TRUNCATED_STREAM)
-        chunk = chunk_from_proto(response)
+            response = await self._read()
+        chunk = self._generation.received(response)
         self._finished = chunk.finish_reason is not None
         return chunk
+
+    async def _read(self) -> pb.GenerateResponse:
+        try:
+            response = await self._call.read()
+            error = None
+        except grpc.RpcError as err:
+            response, error = None, err
+        if response is not None and response is not grpc.aio.EOF:
+            return response
+        self._call.cancel()
+        await asyncio.sleep(self._generation.broken(error))
+        return await self._connect()
+
+    async def _connect(self) -> pb.GenerateResponse:
+        """Opens the call (resumed after what was delivered) and waits for its first message."""
+        generation = self._generation
+        while True:
+            self._call = self._client._call_generate(generation)
+            try:
+                first = await self._call.read()
+                if first is not grpc.aio.EOF:
+                    return first
+                error = None
+            except grpc.RpcError as err:
+                error = err
+            await asyncio.sleep(generation.broken(error))
 
     def cancel(self) -> None:
         self._finished = True
@@ -73,7 +100,7 @@ class AsyncClient:
 
     def __init__(
         self,
-        address: str = "127.0.0.1:50051",
+        address: str | Sequence[str] = "127.0.0.1:50051",
         *,
         api_key: str | None = None,
         tls: TlsSetting = False,
@@ -82,18 +109,21 @@ class AsyncClient:
         client_cert_chain: PemSource | None = None,
         client_private_key: PemSource | None = None,
         grpc_options: Sequence[tuple[str, object]] = (),
+        resume: bool = True,
     ):
         self._retry = RetryPolicy(max_retries=max_retries)
         self._timeout = check_timeout(timeout)
         self._metadata = call_metadata(api_key)
+        self._resume = bool(resume)
         creds = channel_credentials(tls, client_cert_chain, client_private_key)
         options = channel_options(tuple(grpc_options))
         if creds is None:
-            self._channel = grpc.aio.insecure_channel(address, options=options)
+            self._channels = [grpc.aio.insecure_channel(a, options=options) for a in address_list(address)]
         else:
-            self._channel = grpc.aio.secure_channel(address, creds, options=options)
-        self._stub = GenerationServiceStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+            self._channels = [grpc.aio.secure_channel(a, creds, options=options) for a in address_list(address)]
+        self._stubs = [GenerationServiceStub(c) for c in self._channels]
+        self._healths = [health_pb2_grpc.HealthStub(c) for c in self._channels]
+        self._address = 0  # the one that answered last
 
     async def generate(
         self,
@@ -121,6 +151,7 @@ class AsyncClient:
         grammar: str | None = None,
         stream: bool = False,
         timeout: float | None = None,
+        resume: bool | None = None,
     ) -> GenerationResult | AsyncGenerationStream:
         """As `Client.generate`; with stream=True returns an AsyncGenerationStream once the first
         chunk has arrived."""
@@ -132,7 +163,8 @@ class AsyncClient:
             speculation_tree=speculation_tree, logprobs=logprobs,
             json_schema=json_schema, regex=regex, grammar=grammar,
         )
-        chunks = await self._open_stream(request, self._deadline(timeout))
+        chunks = await AsyncGenerationStream(self, Generation(
+            request, self._attempts(timeout), self._resume if resume is None else bool(resume)))._open()
         if stream:
             return chunks
         builder = ResultBuilder()
@@ -142,16 +174,17 @@ class AsyncClient:
         return builder.result()
 
     async def models(self, *, timeout: float | None = None) -> list[ModelCard]:
-        reply = await self._unary(self._stub.ListModels, pb.ListModelsRequest(), self._deadline(timeout))
+        reply = await self._unary(lambda i: self._stubs[i].ListModels, pb.ListModelsRequest(), timeout)
         return [model_card_from_proto(card) for card in reply.models]
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:
         request = health_pb2.HealthCheckRequest(service=service)
-        reply = await self._unary(self._health.Check, request, self._deadline(timeout))
+        reply = await self._unary(lambda i: self._healths[i].Check, request, timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._channels:
+            await channel.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -159,35 +192,28 @@ class AsyncClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    def _deadline(self, timeout: float | None) -> Deadline:
-        return Deadline(timeout if timeout is not None else self._timeout)
+    def _attempts(self, timeout: float | None) -> Attempts:
+        deadline = Deadline(timeout if timeout is not None else self._timeout)
+        return Attempts(self._retry, deadline, len(self._stubs), self._address)
 
-    async def _open_stream(self, request: pb.GenerateRequest, deadline: Deadline) -> AsyncGenerationStream:
-        """Starts the call and waits for its first message; only up to here is UNAVAILABLE retried."""
+    def _call_generate(self, generation: Generation) -> grpc.aio.UnaryStreamCall:
+        attempts = generation.attempts
+        self._address = attempts.address
+        return self._stubs[attempts.address].Generate(generation.request(), timeout=attempts.deadline.remaining(),
+                                                      metadata=self._metadata)
 
-        async def attempt(timeout: float | None) -> AsyncGenerationStream:
-            call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
-            first = await call.read()
-            if first is grpc.aio.EOF:
-                raise DuospecError("INTERNAL", TRUNCATED_STREAM)
-            return AsyncGenerationStream(call, first)
-
-        return await self._with_retries(attempt, deadline)
-
-    async def _unary(self, method: Callable, request: Any, deadline: Deadline) -> Any:
-        async def attempt(timeout: float | None) -> Any:
-            return await method(request, timeout=timeout, metadata=self._metadata)
-
-        return await self._with_retries(attempt, deadline)
-
-    async def _with_retries(self, attempt: Callable[[float | None], Awaitable[Any]], deadline: Deadline) -> Any:
-        retries = 0
+    async def _unary(self, method: Callable[[int], Callable], request: Any, timeout: float | None) -> Any:
+        """As `Client._unary`."""
+        attempts = self._attempts(timeout)
         while True:
             try:
-                return await attempt(deadline.remaining())
+                reply = await method(attempts.address)(request, timeout=attempts.deadline.remaining(),
+                                                       metadata=self._metadata)
             except grpc.RpcError as err:
-                delay = self._retry.delay_before_retry(retries, deadline) if is_unavailable(err) else None
+                delay = attempts.retry_delay() if is_unavailable(err) else None
                 if delay is None:
                     raise error_from_rpc(err) from None
-            await asyncio.sleep(delay)
-            retries += 1
+                await asyncio.sleep(delay)
+            else:
+                self._address = attempts.address
+                return reply

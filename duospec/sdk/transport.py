@@ -1,8 +1,10 @@
 """What the sync and async clients share: credentials, call metadata, deadlines and the retry rule.
 
-Retry rule: only UNAVAILABLE is retried, only before the first response message of a call has
-arrived (after that, tokens have been delivered and a retry would repeat or fork them), at most
-`max_retries` times, with exponential backoff that never sleeps past the call's deadline.
+Retry rule: UNAVAILABLE (and a generation's stream that breaks: duospec/sdk/resume.py) is retried at
+most `max_retries` times in a row, with exponential backoff that never sleeps past the call's
+deadline, each try on the next of the client's addresses (one address: the same one again, where
+another gateway process sharing its port may answer). Once a generation has delivered tokens it is
+retried only by resuming it, which continues it exactly.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
+from typing import Sequence, Union
 
 import grpc
 
@@ -106,3 +108,36 @@ class RetryPolicy:
 def channel_options(extra: tuple[tuple[str, object], ...] = ()) -> list[tuple[str, object]]:
     # Generations can be long; keep the connection alive through idle NATs/load balancers.
     return [("grpc.keepalive_time_ms", 60_000), ("grpc.keepalive_permit_without_calls", 0), *extra]
+
+
+def address_list(address: str | Sequence[str]) -> tuple[str, ...]:
+    """The client's gateways: one `host:port`, or a list of them."""
+    addresses = (address,) if isinstance(address, str) else tuple(address)
+    if not addresses or not all(isinstance(a, str) and a for a in addresses):
+        raise InvalidArgument("INVALID_ARGUMENT", f"address must be 'host:port' or a non-empty list of them, "
+                              f"got {address!r}")
+    return addresses
+
+
+class Attempts:
+    """One call's tries: which of `n` addresses the next goes to, and how long to wait before it.
+    Tries go round the addresses from `first`; `retried()` moves on after a failure."""
+
+    def __init__(self, policy: RetryPolicy, deadline: Deadline, n: int, first: int = 0):
+        self.policy = policy
+        self.deadline = deadline
+        self.n = n
+        self.address = first % n
+        self.retries = 0  # failed tries since the last progress
+
+    def retry_delay(self) -> float | None:
+        """Seconds to wait before the next try (on the next address), or None when out of tries."""
+        delay = self.policy.delay_before_retry(self.retries, self.deadline)
+        if delay is not None:
+            self.retries += 1
+            self.address = (self.address + 1) % self.n
+        return delay
+
+    def progressed(self) -> None:
+        """A try got somewhere (a stream delivered a message): a later failure starts a fresh count."""
+        self.retries = 0

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64uospec/v1/generation.proto\x12\nduospec.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"M\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.duospec.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"d\n\x10StoppingCriteria\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\"\x92\x01\n\x11SpeculationParams\x12)\n\x04mode\x18\x01 \x01(\x0e\x32\x1b.duospec.v1.SpeculationMode\x12\x18\n\x10max_draft_tokens\x18\x02 \x01(\r\x12\x12\n\x05\x63\x61\x63he\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x11\n\x04tree\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06_cacheB\x07\n\x05_tree\"f\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"\x91\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.duospec.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.duospec.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.duospec.v1.SamplingParams\x12.\n\x08stopping\x18\x06 \x01(\x0b\x32\x1c.duospec.v1.StoppingCriteria\x12\x32\n\x0bspeculation\x18\x07 \x01(\x0b\x32\x1d.duospec.v1.SpeculationParams\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x12*\n\nconstraint\x18\n \x01(\x0b\x32\x16.duospec.v1.ConstraintB\x07\n\x05inputB\x0b\n\t_logprobs\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xcf\x02\n\x10SpeculationStats\x12\x16\n\x0e\x64rafted_tokens\x18\x01 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\r\x12\x17\n\x0ftarget_forwards\x18\x03 \x01(\r\x12\x1c\n\x14mean_accepted_length\x18\x04 \x01(\x02\x12\x19\n\x11pre_verify_aborts\x18\x05 \x01(\r\x12\x1b\n\x13wasted_draft_tokens\x18\x06 \x01(\r\x12\x15\n\rcache_lookups\x18\x07 \x01(\r\x12\x12\n\ncache_hits\x18\x08 \x01(\r\x12\x12\n\ntree_nodes\x18\t \x01(\r\x12\x11\n\ttree_hits\x18\n \x01(\r\x12\x15\n\rlookup_tokens\x18\x0b \x01(\r\x12\x17\n\x0flookup_accepted\x18\x0c \x01(\r\x12\x19\n\x11hedge_tokens_kept\x18\r \x01(\r\"\xf4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.duospec.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.duospec.v1.Usage\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.duospec.v1.SpeculationStats\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.duospec.v1.TokenLogprobs\"W\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.duospec.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x13\n\x11ListModelsRequest\"\x86\x02\n\tModelCard\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\r\n\x05\x64raft\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x31\n\x0c\x64\x65\x66\x61ult_mode\x18\x06 \x01(\x0e\x32\x1b.duospec.v1.SpeculationMode\x12\x16\n\x0etarget_node_id\x18\x07 \x01(\t\x12\x15\n\rdraft_node_id\x18\x08 \x01(\t\x12\x14\n\x0c\x64raft_method\x18\t \x01(\t\x12+\n\x08replicas\x18\n \x03(\x0b\x32\x19.duospec.v1.ReplicaStatus\"\xdb\x01\n\rReplicaStatus\x12\r\n\x05index\x18\x01 \x01(\r\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.duospec.v1.ReplicaState\x12\x16\n\x0elive_sequences\x18\x03 \x01(\r\x12\x1a\n\x12outstanding_tokens\x18\x04 \x01(\x04\x12\x17\n\x0ftarget_restarts\x18\x05 \x01(\r\x12\x16\n\x0e\x64raft_restarts\x18\x06 \x01(\r\x12\x16\n\x0etarget_node_id\x18\x07 \x01(\t\x12\x15\n\rdraft_node_id\x18\x08 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.duospec.v1.ModelCard*\x87\x01\n\x0fSpeculationMode\x12 \n\x1cSPECULATION_MODE_UNSPECIFIED\x10\x00\x12\x1a\n\x16SPECULATION_MODE_PEARL\x10\x01\x12\x1c\n\x18SPECULATION_MODE_VANILLA\x10\x02\x12\x18\n\x14SPECULATION_MODE_OFF\x10\x03*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04*|\n\x0cReplicaState\x12\x1d\n\x19REPLICA_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15REPLICA_STATE_SERVING\x10\x01\x12\x1a\n\x16REPLICA_STATE_DEGRADED\x10\x02\x12\x16\n\x12REPLICA_STATE_DOWN\x10\x03\x32\xa9\x01\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.duospec.v1.GenerateRequest\x1a\x1c.duospec.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.duospec.v1.ListModelsRequest\x1a\x1e.duospec.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64uospec/v1/generation.proto\x12\nduospec.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"M\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.duospec.v1.ChatMessage\x12\x12\n\ntools_json\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"d\n\x10StoppingCriteria\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\"\x92\x01\n\x11SpeculationParams\x12)\n\x04mode\x18\x01 \x01(\x0e\x32\x1b.duospec.v1.SpeculationMode\x12\x18\n\x10max_draft_tokens\x18\x02 \x01(\r\x12\x12\n\x05\x63\x61\x63he\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x11\n\x04tree\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06_cacheB\x07\n\x05_tree\"f\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"\xb5\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x30\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x14.duospec.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x04 \x01(\x0b\x32\x18.duospec.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.duospec.v1.SamplingParams\x12.\n\x08stopping\x18\x06 \x01(\x0b\x32\x1c.duospec.v1.StoppingCriteria\x12\x32\n\x0bspeculation\x18\x07 \x01(\x0b\x32\x1d.duospec.v1.SpeculationParams\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x15\n\x08logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x12*\n\nconstraint\x18\n \x01(\x0b\x32\x16.duospec.v1.Constraint\x12\"\n\x06resume\x18\x0b \x01(\x0b\x32\x12.duospec.v1.ResumeB\x07\n\x05inputB\x0b\n\t_logprobs\"7\n\x06Resume\x12\x10\n\x08usage_id\x18\x01 \x01(\t\x12\x1b\n\x13\x64\x65livered_token_ids\x18\x02 \x03(\r\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xcf\x02\n\x10SpeculationStats\x12\x16\n\x0e\x64rafted_tokens\x18\x01 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\r\x12\x17\n\x0ftarget_forwards\x18\x03 \x01(\r\x12\x1c\n\x14mean_accepted_length\x18\x04 \x01(\x02\x12\x19\n\x11pre_verify_aborts\x18\x05 \x01(\r\x12\x1b\n\x13wasted_draft_tokens\x18\x06 \x01(\r\x12\x15\n\rcache_lookups\x18\x07 \x01(\r\x12\x12\n\ncache_hits\x18\x08 \x01(\r\x12\x12\n\ntree_nodes\x18\t \x01(\r\x12\x11\n\ttree_hits\x18\n \x01(\r\x12\x15\n\rlookup_tokens\x18\x0b \x01(\r\x12\x17\n\x0flookup_accepted\x18\x0c \x01(\r\x12\x19\n\x11hedge_tokens_kept\x18\r \x01(\r\"\x86\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.duospec.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.duospec.v1.Usage\x12+\n\x05stats\x18\x06 \x01(\x0b\x32\x1c.duospec.v1.SpeculationStats\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.duospec.v1.TokenLogprobs\x12\x10\n\x08usage_id\x18\x08 \x01(\t\"W\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.duospec.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x13\n\x11ListModelsRequest\"\x86\x02\n\tModelCard\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\r\n\x05\x64raft\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x31\n\x0c\x64\x65\x66\x61ult_mode\x18\x06 \x01(\x0e\x32\x1b.duospec.v1.SpeculationMode\x12\x16\n\x0etarget_node_id\x18\x07 \x01(\t\x12\x15\n\rdraft_node_id\x18\x08 \x01(\t\x12\x14\n\x0c\x64raft_method\x18\t \x01(\t\x12+\n\x08replicas\x18\n \x03(\x0b\x32\x19.duospec.v1.ReplicaStatus\"\xdb\x01\n\rReplicaStatus\x12\r\n\x05index\x18\x01 \x01(\r\x12\'\n\x05state\x18\x02 \x01(\x0e\x32\x18.duospec.v1.ReplicaState\x12\x16\n\x0elive_sequences\x18\x03 \x01(\r\x12\x1a\n\x12outstanding_tokens\x18\x04 \x01(\x04\x12\x17\n\x0ftarget_restarts\x18\x05 \x01(\r\x12\x16\n\x0e\x64raft_restarts\x18\x06 \x01(\r\x12\x16\n\x0etarget_node_id\x18\x07 \x01(\t\x12\x15\n\rdraft_node_id\x18\x08 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.duospec.v1.ModelCard*\x87\x01\n\x0fSpeculationMode\x12 \n\x1cSPECULATION_MODE_UNSPECIFIED\x10\x00\x12\x1a\n\x16SPECULATION_MODE_PEARL\x10\x01\x12\x1c\n\x18SPECULATION_MODE_VANILLA\x10\x02\x12\x18\n\x14SPECULATION_MODE_OFF\x10\x03*\x93\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04*|\n\x0cReplicaState\x12\x1d\n\x19REPLICA_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15REPLICA_STATE_SERVING\x10\x01\x12\x1a\n\x16REPLICA_STATE_DEGRADED\x10\x02\x12\x16\n\x12REPLICA_STATE_DOWN\x10\x03\x32\xa9\x01\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.duospec.v1.GenerateRequest\x1a\x1c.duospec.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.duospec.v1.ListModelsRequest\x1a\x1e.duospec.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'duospec.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SPECULATIONMODE']._serialized_start=2431
-  _globals['_SPECULATIONMODE']._serialized_end=2566
-  _globals['_FINISHREASON']._serialized_start=2569
-  _globals['_FINISHREASON']._serialized_end=2716
-  _globals['_REPLICASTATE']._serialized_start=2718
-  _globals['_REPLICASTATE']._serialized_end=2842
+  _globals['_SPECULATIONMODE']._serialized_start=2542
+  _globals['_SPECULATIONMODE']._serialized_end=2677
+  _globals['_FINISHREASON']._serialized_start=2680
+  _globals['_FINISHREASON']._serialized_end=2827
+  _globals['_REPLICASTATE']._serialized_start=2829
+  _globals['_REPLICASTATE']._serialized_end=2953
   _globals['_CHATMESSAGE']._serialized_start=43
   _globals['_CHATMESSAGE']._serialized_end=87
   _globals['_CHATMESSAGES']._serialized_start=89
@@ -52,25 +52,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CONSTRAINT']._serialized_start=541
   _globals['_CONSTRAINT']._serialized_end=643
   _globals['_GENERATEREQUEST']._serialized_start=646
-  _globals['_GENERATEREQUEST']._serialized_end=1047
-  _globals['_USAGE']._serialized_start=1049
-  _globals['_USAGE']._serialized_end=1136
-  _globals['_SPECULATIONSTATS']._serialized_start=1139
-  _globals['_SPECULATIONSTATS']._serialized_end=1474
-  _globals['_GENERATERESPONSE']._serialized_start=1477
-  _globals['_GENERATERESPONSE']._serialized_end=1721
-  _globals['_TOKENLOGPROBS']._serialized_start=1723
-  _globals['_TOKENLOGPROBS']._serialized_end=1810
-  _globals['_TOPLOGPROB']._serialized_start=1812
-  _globals['_TOPLOGPROB']._serialized_end=1859
-  _globals['_LISTMODELSREQUEST']._serialized_start=1861
-  _globals['_LISTMODELSREQUEST']._serialized_end=1880
-  _globals['_MODELCARD']._serialized_start=1883
-  _globals['_MODELCARD']._serialized_end=2145
-  _globals['_REPLICASTATUS']._serialized_start=2148
-  _globals['_REPLICASTATUS']._serialized_end=2367
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2369
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2428
-  _globals['_GENERATIONSERVICE']._serialized_start=2845
-  _globals['_GENERATIONSERVICE']._serialized_end=3014
+  _globals['_GENERATEREQUEST']._serialized_end=1083
+  _globals['_RESUME']._serialized_start=1085
+  _globals['_RESUME']._serialized_end=1140
+  _globals['_USAGE']._serialized_start=1142
+  _globals['_USAGE']._serialized_end=1229
+  _globals['_SPECULATIONSTATS']._serialized_start=1232
+  _globals['_SPECULATIONSTATS']._serialized_end=1567
+  _globals['_GENERATERESPONSE']._serialized_start=1570
+  _globals['_GENERATERESPONSE']._serialized_end=1832
+  _globals['_TOKENLOGPROBS']._serialized_start=1834
+  _globals['_TOKENLOGPROBS']._serialized_end=1921
+  _globals['_TOPLOGPROB']._serialized_start=1923
+  _globals['_TOPLOGPROB']._serialized_end=1970
+  _globals['_LISTMODELSREQUEST']._serialized_start=1972
+  _globals['_LISTMODELSREQUEST']._serialized_end=1991
+  _globals['_MODELCARD']._serialized_start=1994
+  _globals['_MODELCARD']._serialized_end=2256
+  _globals['_REPLICASTATUS']._serialized_start=2259
+  _globals['_REPLICASTATUS']._serialized_end=2478
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2480
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2539
+  _globals['_GENERATIONSERVICE']._serialized_start=2956
+  _globals['_GENERATIONSERVICE']._serialized_end=3125
 # @@protoc_insertion_point(module_scope)

@@ -43,6 +43,31 @@ def test_rows_round_trip_and_filter(tmp_path):
     ledger.close()
 
 
+def test_a_resumed_stream_takes_over_its_broken_streams_row(tmp_path):
+    """start() is an upsert by id: the resumed stream writes the broken stream's row (started_at kept),
+    charged once, never for fewer tokens than any of its streams sent."""
+    ledger = UsageLedger(tmp_path / "u.db", flush_interval_s=3600)
+    ledger.start(record(1, tokens=0, status=RUNNING, finish="running", finished_at=100.0))
+    ledger.finish(record(1, tokens=9, status="CANCELLED", finished_at=101.0))  # the broken stream sent 9
+    ledger.start(record(1, tokens=7, status=RUNNING, finish="running", finished_at=102.0))  # client got 7
+    [row] = query_usage(tmp_path / "u.db")
+    assert (row.status_code, row.completion_tokens, row.started_at) == (RUNNING, 9, 99.0)
+    ledger.finish(record(1, tokens=20, finished_at=103.0))  # 7 delivered + 13 new
+    [row] = query_usage(tmp_path / "u.db")
+    assert (row.status_code, row.completion_tokens, row.started_at, row.finished_at) == ("OK", 20, 99.0, 103.0)
+    ledger.close()
+
+
+def test_a_row_is_never_taken_over_by_another_tenant(tmp_path):
+    ledger = UsageLedger(tmp_path / "u.db", flush_interval_s=3600)
+    ledger.finish(record(1, tenant="a", tokens=9))
+    with pytest.raises(ValueError, match="another tenant"):
+        ledger.start(record(1, tenant="b", tokens=0, status=RUNNING, finish="running"))
+    [row] = query_usage(tmp_path / "u.db")
+    assert (row.tenant, row.completion_tokens, row.status_code) == ("a", 9, "OK")
+    ledger.close()
+
+
 def test_a_row_exists_from_admission_and_follows_the_stream(tmp_path):
     ledger = UsageLedger(tmp_path / "u.db", flush_interval_s=3600)  # flushed by hand below
     ledger.start(record(1, tokens=0, status=RUNNING, finish="running"))
