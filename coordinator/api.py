@@ -11,6 +11,7 @@ iterates it; the sequence's KV slots on both workers are freed.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
@@ -60,6 +61,25 @@ class GenerationRequest:
     def output_start(self) -> int:
         """The position of the completion's first token, where a constraint starts."""
         return len(self.prompt_token_ids) - self.resumed_tokens
+
+    def continued(self, delivered: tuple[int, ...]) -> GenerationRequest:
+        """This request going on after `delivered` (tokens its stream delivered before it broke): the
+        prompt extended by them, the rest of max_new_tokens, the same seed — so the same draws at the
+        same positions, and the very tokens the unbroken stream would have committed next."""
+        delivered = tuple(delivered)
+        return dataclasses.replace(self, prompt_token_ids=tuple(self.prompt_token_ids) + delivered,
+                                   max_new_tokens=self.max_new_tokens - len(delivered),
+                                   resumed_tokens=self.resumed_tokens + len(delivered))
+
+    def ended_by(self, delivered: tuple[int, ...], end_token_ids: frozenset[int]) -> FinishReason | None:
+        """How a stream that delivered these tokens had already ended (as the scheduler decides: a stop
+        id, an end token unless ignore_eos, max_new_tokens), or None while it goes on."""
+        ends = self.stop_token_ids | (frozenset() if self.ignore_eos else end_token_ids)
+        if delivered and delivered[-1] in ends:
+            return FinishReason.STOP if delivered[-1] in self.stop_token_ids else FinishReason.EOS
+        if len(delivered) >= self.max_new_tokens:
+            return FinishReason.LENGTH
+        return None
 
 
 @dataclass

@@ -14,8 +14,8 @@ A scheduler lost under a request (its actor died: the stream breaks UNAVAILABLE)
 the request goes on from its last delivered token on another serving replica, or on the same one
 once Ray restarted it. Every random draw is keyed by (seed, position) and the front gave every
 request a seed, so the continuation — the prompt plus the delivered tokens, the same seed, the rest
-of max_new_tokens — produces exactly the tokens the unbroken stream would have. A constrained request
-is not continued (its grammar state lives with the target's matcher): it ends UNAVAILABLE, retryable.
+of max_new_tokens — produces exactly the tokens the unbroken stream would have
+(GenerationRequest.continued); a constrained request's matchers consume the delivered tokens first.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
+import hmac
 import logging
 from typing import AsyncIterator
 
@@ -160,6 +162,9 @@ class RemoteCoordinator:
             replicas = [RemoteReplica(i, handle, secret, tls) for i, handle in enumerate(model["schedulers"])]
             self.entries[model["info"].name] = RemoteModel(model["info"], model["config"], replicas)
         self.default_model = next(iter(self.entries), None)
+        # What every gateway of the deployment signs usage ids with (coordinator/serving/resume.py):
+        # derived from the deployment's secret, so a stream broken on one gateway resumes on another
+        self.resume_key = hmac.new(secret.encode(), b"duospec usage ids", hashlib.sha256).digest()
         self.closed = False
         self.continued = 0  # requests that went on after losing their scheduler
         self._poller: asyncio.Task | None = None
@@ -226,14 +231,11 @@ class RemoteCoordinator:
                 log.warning("the scheduler of replica %d of %s was lost under request %s after %d tokens (%s)",
                             replica.index, model.info.name, request.request_id, len(delivered), why)
                 before = _added(before, stats)
-            finish = _finished(request, model.info, delivered)
+            finish = request.ended_by(tuple(delivered), model.info.end_token_ids)
             if finish is not None:  # the lost stream had delivered its last token already
                 yield FinishEvent(finish, len(request.prompt_token_ids), len(delivered), before)
                 return
-            if request.constraint is not None:
-                raise Unavailable(f"the replica serving this request was lost after {len(delivered)} tokens; a "
-                                  "constrained request is not continued on another one: retry it")
-            now = continuation(request, delivered)
+            now = request.continued(tuple(delivered))
             self.continued += 1
         raise Unavailable(f"request {request.request_id}: {MAX_CONTINUATIONS + 1} schedulers lost under it; retry")
 
@@ -258,24 +260,6 @@ class RemoteCoordinator:
         for model in self.entries.values():
             for replica in model.replicas:
                 await replica.close()
-
-
-def continuation(request: GenerationRequest, delivered: list[int]) -> GenerationRequest:
-    """The request that goes on after `delivered`: its prompt extended by them, the rest of its
-    tokens to generate; the same seed, so the same draws at the same positions."""
-    return dataclasses.replace(request, prompt_token_ids=tuple(request.prompt_token_ids) + tuple(delivered),
-                               max_new_tokens=request.max_new_tokens - len(delivered))
-
-
-def _finished(request: GenerationRequest, info: ModelInfo, delivered: list[int]) -> FinishReason | None:
-    """Why the request had ended with what was delivered (its finish event lost with the stream)."""
-    if len(delivered) >= request.max_new_tokens:
-        return FinishReason.LENGTH
-    if delivered and delivered[-1] in request.stop_token_ids:
-        return FinishReason.STOP
-    if delivered and not request.ignore_eos and delivered[-1] in info.end_token_ids:
-        return FinishReason.EOS
-    return None
 
 
 def _added(a: SpecStats, b: SpecStats | None) -> SpecStats:

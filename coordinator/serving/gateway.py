@@ -193,7 +193,11 @@ class Gateway:
                                  for name, tok in tokenizers.items() if name in self.models}
         self._streams: dict[str, _Stream] = {}
         self._grammars: dict[str, Any] = {}  # model -> its GrammarCompiler, made at the first constraint
-        self.resume_secret = load_secret(settings.resume_secret_file)
+        # Gateways of one scaled-out deployment sign with a key they share (coordinator/remote.py), so a
+        # stream broken on one resumes on any other; a file configured wins
+        shared = getattr(coordinator, "resume_key", None)
+        self.resume_secret = shared if shared and not settings.resume_secret_file \
+            else load_secret(settings.resume_secret_file)
 
     # ---- who is calling ----------------------------------------------------------------------------
 

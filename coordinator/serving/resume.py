@@ -81,21 +81,9 @@ def continue_request(req: pb.GenerateRequest, v: ValidatedRequest, info: ModelIn
     if grammar is not None and grammar.matcher().accept_tokens(list(delivered)) < len(delivered):
         raise invalid(field, "the constraint does not allow these tokens: send the tokens this request's stream "
                       "delivered")
-    resumed = replace(request, prompt_token_ids=request.prompt_token_ids + delivered,
-                      max_new_tokens=request.max_new_tokens - len(delivered), resumed_tokens=len(delivered))
     # the client's own id, or the one the broken stream echoed (its row's), so every chunk carries one id
-    return (replace(v, request=resumed, client_request_id=req.request_id or row),
-            Continuation(row, _finish_reason(delivered, request, ends)))
-
-
-def _finish_reason(delivered: tuple[int, ...], request, ends: frozenset[int]) -> FinishReason | None:
-    """How a stream that delivered these tokens had already ended (as coordinator/scheduling/sequence.py
-    decides), or None while it goes on."""
-    if delivered and delivered[-1] in ends:
-        return FinishReason.STOP if delivered[-1] in request.stop_token_ids else FinishReason.EOS
-    if len(delivered) == request.max_new_tokens:
-        return FinishReason.LENGTH
-    return None
+    return (replace(v, request=request.continued(delivered), client_request_id=req.request_id or row),
+            Continuation(row, request.ended_by(delivered, info.end_token_ids)))
 
 
 def _verified_row(value: str, secret: bytes, tenant: str, v: ValidatedRequest) -> str:

@@ -129,9 +129,8 @@ def test_a_call_without_the_deployment_secret_is_refused(deployment):
 
 
 def test_continuation_keeps_the_seed_and_the_positions():
-    from duospec.coordinator.remote import continuation
-
     r = request([1, 2, 3], 10, "pearl", SEEDED, model=MODEL)
-    c = continuation(r, [7, 8])
+    c = r.continued((7, 8))
     assert c.prompt_token_ids == (1, 2, 3, 7, 8) and c.max_new_tokens == 8 and c.sampling == SEEDED
     assert c.mode is SpeculationMode.PEARL and c.request_id == r.request_id
+    assert c.output_start == 3 and c.continued((9,)).output_start == 3  # the constraint still starts there
