@@ -237,6 +237,8 @@ async def _serve_scaled_out(config, args) -> int:
     if args.backend == "local":
         raise ConfigError("server.gateways > 1 runs each replica's scheduler as a Ray actor: drop --backend local, "
                           "or serve with one gateway")
+    if config.server.port == 0:
+        raise ConfigError("server.gateways > 1 share one gRPC port: give --port a number, not 0")
     pipeline = make_coordinator(config, args)
     published = publish(pipeline, config.models)
     address = ray.get_runtime_context().gcs_address
