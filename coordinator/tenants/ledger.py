@@ -83,10 +83,9 @@ class UsageRowTaken(LookupError):
 
 
 COLUMNS = [f.name for f in fields(UsageRecord)]
-# What a taken-over row keeps from before: who it is and when it began.
-_KEPT_ON_TAKEOVER = ("id", "request_id", "tenant", "started_at")
-_SET_ALL = ", ".join(f"{c} = excluded.{c}" for c in COLUMNS[1:] + ["owner"])
-_SET_TAKEOVER = ", ".join(f"{c} = excluded.{c}" for c in COLUMNS + ["owner"] if c not in _KEPT_ON_TAKEOVER)
+# A row's identity and start are written once, at insert; a resumed stream's later records keep them.
+_LIVE = [c for c in COLUMNS if c not in ("id", "request_id", "tenant", "started_at")]
+_SET_LIVE = ", ".join(f"{c} = excluded.{c}" for c in _LIVE + ["owner"])
 _INSERT = f"INSERT INTO usage ({', '.join(COLUMNS)}, owner) VALUES ({', '.join('?' * (len(COLUMNS) + 1))})"
 
 
@@ -108,12 +107,12 @@ def _statements(now: str, rowkey: str) -> dict[str, str]:
     live = f"SELECT owner FROM ledger_writers WHERE heartbeat_at >= {now} - ?"
     return {
         # A takeover only of the same tenant's row (a resumed stream); nothing comes back otherwise.
-        "start": f"{_INSERT} ON CONFLICT (id) DO UPDATE SET {_SET_TAKEOVER} WHERE usage.tenant = excluded.tenant "
+        "start": f"{_INSERT} ON CONFLICT (id) DO UPDATE SET {_SET_LIVE} WHERE usage.tenant = excluded.tenant "
                  f"RETURNING {', '.join(COLUMNS)}",
         # The final row, inserted if `start` never ran for it; never over a row another writer took over.
-        "finish": f"{_INSERT} ON CONFLICT (id) DO UPDATE SET {_SET_ALL} WHERE usage.owner = excluded.owner",
+        "finish": f"{_INSERT} ON CONFLICT (id) DO UPDATE SET {_SET_LIVE} WHERE usage.owner = excluded.owner",
         # Progress never overwrites a finished row (a flush racing the request's end) or another writer's.
-        "progress": f"UPDATE usage SET {', '.join(f'{c} = ?' for c in COLUMNS[1:])} "
+        "progress": f"UPDATE usage SET {', '.join(f'{c} = ?' for c in _LIVE)} "
                     f"WHERE id = ? AND owner = ? AND status_code = '{RUNNING}'",
         "heartbeat": f"INSERT INTO ledger_writers (owner, started_at, heartbeat_at) VALUES (?, {now}, {now}) "
                      "ON CONFLICT (owner) DO UPDATE SET heartbeat_at = excluded.heartbeat_at",
@@ -245,8 +244,8 @@ class UsageLedger:
         try:
             with self._transaction() as tx:
                 if pending:
-                    tx.executemany(self._sql["progress"],
-                                   [astuple(r)[1:] + (r.id, self.owner) for r in pending.values()])
+                    tx.executemany(self._sql["progress"], [tuple(getattr(r, c) for c in _LIVE) + (r.id, self.owner)
+                                                           for r in pending.values()])
                 if self.HEARTBEATS:
                     tx.execute(self._sql["heartbeat"], (self.owner,))
         except BaseException:
@@ -327,6 +326,12 @@ def open_ledger(location: str | os.PathLike, flush_interval_s: float = FLUSH_INT
     from duospec.coordinator.tenants.ledger_sqlite import SqliteLedger
 
     return SqliteLedger(location, flush_interval_s, retention_days=retention_days, on_failure=on_failure)
+
+
+def check_ledger(location: str | os.PathLike) -> None:
+    """Opens (migrating it) and closes the ledger, so a bad location fails before anything slow starts.
+    Raises LedgerUnavailable."""
+    open_ledger(location).close()
 
 
 def query_usage(location: str | os.PathLike, tenant: str | None = None, since: float | None = None) -> list[UsageRecord]:

@@ -25,11 +25,11 @@ outage; the metric is what an operator alerts on.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import math
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
 import psycopg
@@ -56,8 +56,9 @@ class PostgresQuotas:
         self.stale_after_s = stale_after_s
         self.on_failure = on_failure
         self._fallback = LocalQuotas(clock)  # tenants without shared limits, and the database's outages
-        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="duospec-quotas")
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="duospec-quotas")
         self._logged_at = -math.inf
+        self._releases: set[concurrent.futures.Future] = set()  # written off the event loop, not yet done
 
     def set_tenants(self, tenants: Iterable[Tenant]) -> None:
         self._fallback.set_tenants(tenants)  # (shared buckets take the caller's limits at each take)
@@ -92,7 +93,13 @@ class PostgresQuotas:
         if not lease.shared:
             self._fallback.release(tenant, lease, unused_tokens)
             return
-        self._executor.submit(self._release_guarded, tenant, lease, unused_tokens)
+        future = self._executor.submit(self._release_guarded, tenant, lease, unused_tokens)
+        self._releases.add(future)
+        future.add_done_callback(self._releases.discard)
+
+    def wait_released(self, timeout_s: float | None = None) -> None:
+        """Returns once the releases asked for so far are written (or have failed)."""
+        concurrent.futures.wait(list(self._releases), timeout_s)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)  # the releases still queued are written first
