@@ -33,6 +33,17 @@ def the_doc(kind: str) -> dict:
     return found[0]
 
 
+def named(kind: str, name: str) -> dict:
+    found = [d for _, d in kuberay_docs() if d.get("kind") == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"deploy/kuberay: expected exactly one {kind} {name!r}, found {len(found)}"
+    return found[0]
+
+
+API_SERVICE = "duospec"  # the Service in front of the head's APIs
+TENANTS_SECRET = "duospec-tenants"
+LEDGER = "duospec-ledger"  # the ledger database's Service, StatefulSet and password Secret
+
+
 def serve_config() -> dict:
     return load_yaml(DEPLOY / "serve.yaml")
 

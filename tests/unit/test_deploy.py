@@ -19,19 +19,21 @@ import os
 import pathlib
 import re
 import shlex
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
 from deploy_support import (
-    CLUSTER_CONFIGS, DEPLOY, REPO, commands_in, deploy_commands, flag_values, head_pod_spec, head_serve_flags,
-    gpus_serve_yaml_places, kuberay_docs, load_yaml, readme_commands, serve_config, the_doc,
+    API_SERVICE, CLUSTER_CONFIGS, DEPLOY, LEDGER, REPO, TENANTS_SECRET, commands_in, deploy_commands, flag_values,
+    head_pod_spec, head_serve_flags, gpus_serve_yaml_places, kuberay_docs, load_yaml, named, readme_commands,
+    serve_config, the_doc,
 )
 
 CRD_KINDS = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml",
              "RayService": "ray.io_rayservices.yaml"}
-CORE_KINDS = ("Service", "Secret", "ConfigMap", "PersistentVolumeClaim", "NetworkPolicy")
-API_VERSIONS = {"NetworkPolicy": "networking.k8s.io/v1"}  # the rest are core v1
+CORE_KINDS = ("Service", "Secret", "ConfigMap", "PersistentVolumeClaim", "NetworkPolicy", "StatefulSet")
+API_VERSIONS = {"NetworkPolicy": "networking.k8s.io/v1", "StatefulSet": "apps/v1"}  # the rest are core v1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,10 +181,49 @@ def core_kind_errors(doc: dict) -> list[str]:
                 if not isinstance(port.get("port"), int) or port.get("protocol", "TCP") not in ("TCP", "UDP", "SCTP"):
                     errors.append(f"spec.ingress[{i}].ports[{j}]: {port!r} is not a port rule")
     elif kind == "PersistentVolumeClaim":
-        if not spec.get("accessModes"):
-            errors.append("spec.accessModes: missing")
-        if not (spec.get("resources") or {}).get("requests", {}).get("storage"):
-            errors.append("spec.resources.requests.storage: missing")
+        errors += claim_errors(spec, "spec")
+    elif kind == "StatefulSet":
+        errors += stateful_set_errors(spec)
+    return errors
+
+
+def claim_errors(spec: dict, where: str) -> list[str]:
+    errors = [] if spec.get("accessModes") else [f"{where}.accessModes: missing"]
+    if not (spec.get("resources") or {}).get("requests", {}).get("storage"):
+        errors.append(f"{where}.resources.requests.storage: missing")
+    return errors
+
+
+def stateful_set_errors(spec: dict) -> list[str]:
+    """What the API server checks of a StatefulSet, and what would leave it unable to run: its headless
+    Service and Secrets exist, its selector picks its pods, every mount has a volume."""
+    errors = []
+    services = {d["metadata"]["name"] for _, d in kuberay_docs() if d["kind"] == "Service"}
+    if spec.get("serviceName") not in services:
+        errors.append(f"spec.serviceName: {spec.get('serviceName')!r} names no Service in deploy/kuberay")
+    template = spec.get("template") or {}
+    selector = (spec.get("selector") or {}).get("matchLabels") or {}
+    labels = (template.get("metadata") or {}).get("labels") or {}
+    if not selector or selector.items() - labels.items():
+        errors.append(f"spec.selector.matchLabels {selector} must be among the template's labels {labels}")
+    pod = template.get("spec") or {}
+    claims = spec.get("volumeClaimTemplates") or []
+    for i, claim in enumerate(claims):
+        errors += claim_errors(claim.get("spec") or {}, f"spec.volumeClaimTemplates[{i}].spec")
+    volumes = {v["name"] for v in pod.get("volumes") or []} | {c["metadata"]["name"] for c in claims}
+    secrets = {d["metadata"]["name"]: d.get("stringData") or d.get("data") or {}
+               for _, d in kuberay_docs() if d["kind"] == "Secret"}
+    for container in pod.get("containers") or [{}]:
+        where = f"spec.template.spec.containers[{container.get('name')!r}]"
+        if not container.get("name") or not container.get("image"):
+            errors.append(f"{where}: name and image are required")
+        for mount in container.get("volumeMounts") or []:
+            if mount["name"] not in volumes:
+                errors.append(f"{where}.volumeMounts: {mount['name']!r} is no volume or volumeClaimTemplate")
+        for env in container.get("env") or []:
+            ref = (env.get("valueFrom") or {}).get("secretKeyRef")
+            if ref and ref["key"] not in secrets.get(ref["name"], {}):
+                errors.append(f"{where}.env.{env['name']}: no Secret {ref['name']!r} with key {ref['key']!r}")
     return errors
 
 
@@ -302,7 +343,7 @@ def test_kuberay_ports_agree_between_server_service_and_probe():
     assert container["readinessProbe"]["grpc"]["port"] == grpc_port
     container_ports = {p["containerPort"] for p in container["ports"]}
     assert {grpc_port, http_port, metrics_port} <= container_ports
-    service = the_doc("Service")
+    service = named("Service", API_SERVICE)
     targets = {p["targetPort"] for p in service["spec"]["ports"]}
     assert targets == {grpc_port, http_port, metrics_port}, f"Service targetPorts {targets}"
     head_labels = {"ray.io/cluster": the_doc("RayCluster")["metadata"]["name"], "ray.io/node-type": "head"}
@@ -315,20 +356,34 @@ def volume_mount_for(pod_spec: dict, predicate) -> str:
     return mount["mountPath"]
 
 
-def test_kuberay_head_mounts_the_configmap_secret_and_ledger():
+def test_kuberay_head_mounts_the_configmap_and_secret_and_reaches_the_ledger_database():
     pod = head_pod_spec()
     flags = head_serve_flags()
-    configmap, secret, pvc = the_doc("ConfigMap"), the_doc("Secret"), the_doc("PersistentVolumeClaim")
+    configmap, secret = the_doc("ConfigMap"), named("Secret", TENANTS_SECRET)
     config_dir = volume_mount_for(pod, lambda v: v.get("configMap", {}).get("name") == configmap["metadata"]["name"])
     tenants_dir = volume_mount_for(pod, lambda v: v.get("secret", {}).get("secretName") == secret["metadata"]["name"])
-    ledger_dir = volume_mount_for(
-        pod, lambda v: v.get("persistentVolumeClaim", {}).get("claimName") == pvc["metadata"]["name"])
     config_path, tenants_path = pathlib.PurePosixPath(flags["--config"]), pathlib.PurePosixPath(flags["--tenants"])
     assert str(config_path.parent) == config_dir and config_path.name in configmap["data"]
     assert str(tenants_path.parent) == tenants_dir and tenants_path.name in secret["stringData"]
-    assert str(pathlib.PurePosixPath(serve_config()["ledger"]).parent) == ledger_dir
     grace = serve_config()["server"]["grace_period_s"]
     assert pod["terminationGracePeriodSeconds"] > grace, "pods must outlive the server's drain period"
+
+
+def test_the_head_writes_its_ledger_to_the_shipped_postgres_with_the_secrets_password():
+    """--ledger names the database's Service, port, user and database, and no password; the head's
+    PGPASSWORD and the database's POSTGRES_PASSWORD are the same Secret key."""
+    url = urlsplit(head_serve_flags()["--ledger"])
+    service, database = named("Service", LEDGER), named("StatefulSet", LEDGER)
+    [container] = database["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert url.scheme == "postgresql" and url.password is None, "the password comes from PGPASSWORD, not the URL"
+    assert (url.hostname, url.port) == (service["metadata"]["name"], service["spec"]["ports"][0]["port"])
+    assert (url.username, url.path.lstrip("/")) == (env["POSTGRES_USER"]["value"], env["POSTGRES_DB"]["value"])
+    assert service["spec"]["selector"].items() <= database["spec"]["template"]["metadata"]["labels"].items()
+    head_env = {e["name"]: e for e in head_pod_spec()["containers"][0]["env"]}
+    password = env["POSTGRES_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert head_env["PGPASSWORD"]["valueFrom"]["secretKeyRef"] == password
+    assert password["key"] in named("Secret", password["name"])["stringData"]
 
 
 def test_configmap_carries_deploy_serve_yaml():
@@ -343,7 +398,7 @@ def test_serve_config_and_tenants_load_with_the_real_loaders():
 
     config = load_serve_config(DEPLOY / "serve.yaml")
     assert config.models and all(m.draft for m in config.models), "the deployment serves draft/target pairs"
-    [(key, text)] = the_doc("Secret")["stringData"].items()
+    [(key, text)] = named("Secret", TENANTS_SECRET)["stringData"].items()
     tenants = parse_tenants(yaml.safe_load(text), source=f"tenants-secret.yaml:{key}")
     assert tenants, "the shipped tenants file should show at least one tenant"
 

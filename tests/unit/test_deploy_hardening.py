@@ -30,8 +30,8 @@ import pytest
 import yaml
 
 from deploy_support import (
-    CLUSTER_CONFIGS, DEPLOY, REPO, commands_in, deploy_commands, flag_values, head_pod_spec, head_serve_flags,
-    kuberay_docs, load_yaml, readme_commands, the_doc,
+    API_SERVICE, CLUSTER_CONFIGS, DEPLOY, LEDGER, REPO, commands_in, deploy_commands, flag_values, head_pod_spec,
+    head_serve_flags, kuberay_docs, load_yaml, named, readme_commands, the_doc,
 )
 
 SUPERVISE = DEPLOY / "supervise.py"
@@ -224,7 +224,9 @@ def test_kuberay_head_starts_ray_without_block_then_execs_serve_with_metrics_on_
 def pod_specs() -> list[tuple[str, dict]]:
     spec = the_doc("RayCluster")["spec"]
     return [("head", spec["headGroupSpec"]["template"]["spec"]),
-            *[(group["groupName"], group["template"]["spec"]) for group in spec["workerGroupSpecs"]]]
+            *[(group["groupName"], group["template"]["spec"]) for group in spec["workerGroupSpecs"]],
+            *[(d["metadata"]["name"], d["spec"]["template"]["spec"]) for _, d in kuberay_docs()
+              if d["kind"] == "StatefulSet"]]
 
 
 def test_kuberay_exposes_only_the_api_and_metrics_beyond_the_raycluster():
@@ -232,7 +234,9 @@ def test_kuberay_exposes_only_the_api_and_metrics_beyond_the_raycluster():
     only from the RayCluster's own pods; from elsewhere only gRPC 50051 and HTTP 8000 on the head, and
     its metrics 9400 only from the monitoring namespace."""
     cluster = the_doc("RayCluster")["metadata"]["name"]
-    policies = [d for _, d in kuberay_docs() if d.get("kind") == "NetworkPolicy"]
+    database = named("StatefulSet", LEDGER)["spec"]["template"]["metadata"]["labels"]
+    policies = [d for _, d in kuberay_docs() if d.get("kind") == "NetworkPolicy"
+                and d["spec"]["podSelector"]["matchLabels"] != database]
     own_pods = {"podSelector": {"matchLabels": {"ray.io/cluster": cluster}}}
     opened_to_outside: dict[str, set] = {}
     for policy in policies:
@@ -253,11 +257,22 @@ def test_kuberay_exposes_only_the_api_and_metrics_beyond_the_raycluster():
     assert opened_to_outside == {"head": {50051, 8000, 9400}}
     assert any(p["spec"]["podSelector"]["matchLabels"] == {"ray.io/cluster": cluster} for p in policies), \
         "every pod of the RayCluster must be covered by a policy"
-    service = next(d for _, d in kuberay_docs() if d.get("kind") == "Service")
+    service = named("Service", API_SERVICE)
     assert service["spec"].get("type", "ClusterIP") == "ClusterIP" and {p["port"] for p in service["spec"]["ports"]} \
         == {50051, 8000, 9400}
     head_service = the_doc("RayCluster")["spec"]["headGroupSpec"]["headService"]["spec"]
     assert head_service.get("clusterIP") == "None" and head_service.get("type", "ClusterIP") == "ClusterIP"
+
+
+def test_only_the_head_reaches_the_ledger_database_and_only_on_its_port():
+    cluster = the_doc("RayCluster")["metadata"]["name"]
+    database = named("StatefulSet", LEDGER)["spec"]["template"]["metadata"]["labels"]
+    [policy] = [d for _, d in kuberay_docs() if d.get("kind") == "NetworkPolicy"
+                and d["spec"]["podSelector"]["matchLabels"] == database]
+    head = {"podSelector": {"matchLabels": {"ray.io/cluster": cluster, "ray.io/node-type": "head"}}}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [{"from": [head], "ports": [{"port": 5432, "protocol": "TCP"}]}]
+    assert named("Service", LEDGER)["spec"].get("type", "ClusterIP") == "ClusterIP"
 
 
 def test_kuberay_pods_run_unprivileged_without_a_service_account_token():
