@@ -78,6 +78,10 @@ class UsageRecord:
     finished_at: float
 
 
+class LedgerUnavailable(OSError):
+    """The ledger could not be opened; the message names it (a URL's password masked) and the cause."""
+
+
 class UsageRowTaken(LookupError):
     """`start()` named the id of another tenant's row; the row is left as it was."""
 
@@ -153,9 +157,13 @@ class UsageLedger:
         self._sql = {k: self._dialect(v) for k, v in _statements(self.NOW_SQL, self.ROWKEY).items()}
         self._pending_lock = threading.Lock()  # guards _pending only: progress() never waits for a commit
         self._pending: dict[str, UsageRecord] = {}
-        with self._transaction() as tx:
-            tx.execute(self._sql["heartbeat"], (self.owner,))
-        self.close_interrupted()
+        try:
+            with self._transaction() as tx:
+                tx.execute(self._sql["heartbeat"], (self.owner,))
+            self.close_interrupted()
+        except self.ERRORS as exc:
+            self._close_connections()
+            raise LedgerUnavailable(f"ledger {name}: {' '.join(str(exc).split())}") from None
         self._closed = threading.Event()
         self._flush_interval_s = flush_interval_s
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duospec-ledger-writer")
@@ -190,10 +198,10 @@ class UsageLedger:
         row as stored (a resumed stream's original row, taken over); raises UsageRowTaken when the id
         is another tenant's."""
         with self._transaction() as tx:
-            row = tx.execute(self._sql["start"], astuple(rec) + (self.owner,)).fetchone()
-        if row is None:
+            rows = tx.execute(self._sql["start"], astuple(rec) + (self.owner,)).fetchall()
+        if not rows:
             raise UsageRowTaken(f"usage row {rec.id} belongs to another tenant than {rec.tenant!r}; left as it was")
-        return UsageRecord(*row)
+        return UsageRecord(*rows[0])
 
     def progress(self, rec: UsageRecord) -> None:
         """The latest state of a running request; written by the flusher within flush_interval_s.
@@ -343,10 +351,6 @@ def query_usage(location: str | os.PathLike, tenant: str | None = None, since: f
     from duospec.coordinator.tenants.ledger_sqlite import query_sqlite
 
     return query_sqlite(location, tenant, since)
-
-
-class LedgerUnavailable(OSError):
-    """The ledger could not be opened; the message names it (a URL's password masked) and the cause."""
 
 
 def summarize(records: list[UsageRecord]) -> list[dict]:

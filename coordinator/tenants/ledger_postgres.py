@@ -16,7 +16,7 @@ from psycopg_pool import PoolTimeout
 from duospec.coordinator.tenants.ledger import (
     FLUSH_INTERVAL_S, STALE_AFTER_S, LedgerUnavailable, UsageLedger, UsageRecord, select_usage,
 )
-from duospec.coordinator.tenants.postgres import CONNECT_TIMEOUT_S, Database, connect, describe, mask_url
+from duospec.coordinator.tenants.postgres import CONNECT_TIMEOUT_S, connect, describe, mask_url
 
 
 class PostgresLedger(UsageLedger):
@@ -30,11 +30,7 @@ class PostgresLedger(UsageLedger):
                  retention_days: float | None = None, on_failure: Callable[[str], None] | None = None):
         self.database = connect(url)
         self._quotas = None
-        try:
-            super().__init__(self.database.name, flush_interval_s, retention_days, on_failure)
-        except self.ERRORS as exc:
-            self.database.close()
-            raise LedgerUnavailable(f"ledger {self.database.name}: {describe(exc, url)}") from None
+        super().__init__(self.database.name, flush_interval_s, retention_days, on_failure)
 
     def _dialect(self, sql: str) -> str:
         return _placeholders(sql)
