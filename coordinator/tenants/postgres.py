@@ -187,15 +187,23 @@ class Database:
         """A cursor in one transaction (committed on exit); fails fast while the database is down."""
         self._admit_attempt()
         try:
-            with self.pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
-                yield cur
-        except (psycopg.OperationalError, PoolTimeout) as exc:
-            if not isinstance(exc, DatabaseDown):
-                with self._lock:
-                    self._down_until, self._down_reason = time.monotonic() + RETRY_S, describe(exc, self.url)
+            with self.pool.connection() as conn:
+                try:
+                    with conn.transaction(), conn.cursor() as cur:
+                        yield cur
+                except psycopg.OperationalError as exc:
+                    if conn.broken or conn.closed:  # the server is gone (not a deadlock or a cancel)
+                        self._down(exc)
+                    raise
+        except PoolTimeout as exc:  # no connection could be made
+            self._down(exc)
             raise
         with self._lock:
             self._down_until = None
+
+    def _down(self, exc: BaseException) -> None:
+        with self._lock:
+            self._down_until, self._down_reason = time.monotonic() + RETRY_S, describe(exc, self.url)
 
     def _admit_attempt(self) -> None:
         with self._lock:
@@ -220,7 +228,11 @@ def connect(url: str) -> Database:
                                 "server is up and reachable, and the user's password and rights") from None
     pool = ConnectionPool(url, kwargs=_CONNECT_ARGS, min_size=1, max_size=POOL_SIZE, timeout=2.0,
                           open=False, name="duospec-ledger", reconnect_timeout=float("inf"))
-    pool.open(wait=True, timeout=CONNECT_TIMEOUT_S * 2)
+    try:
+        pool.open(wait=True, timeout=CONNECT_TIMEOUT_S * 2)
+    except PoolTimeout as exc:
+        pool.close()
+        raise LedgerUnavailable(f"ledger {name}: {describe(exc, url)}") from None
     return Database(url, pool)
 
 
