@@ -15,9 +15,10 @@ last second of a stream's usage and never a row.
 Rows are keyed by a server-made `id`, unique (a unique index in both backends); the client's request
 id is kept as `request_id` (clients may reuse theirs). `start()` is an upsert on `id`: when the row
 exists and belongs to the same tenant, it is taken over — RUNNING again, owned by this writer, with the
-record's counts, keeping its `started_at` and `request_id` — and `start()` returns the row as stored, so
-a resumed stream (the same server-made id, sent back by its client) continues its original row instead
-of being charged twice; the caller passes cumulative counts from then on. A row of another tenant is
+record's counts (completion_tokens never lowered), keeping its `started_at` and `request_id` — and
+`start()` returns the row as stored, so a resumed stream (the same server-made id, sent back by its
+client) continues its original row instead of being charged twice; the caller passes cumulative counts
+from then on. A row of another tenant is
 never touched: `start()` raises `UsageRowTaken`.
 
 Writers and crashes: each ledger writer has an `owner` id (host, process id and start time), stamps
@@ -82,14 +83,13 @@ class LedgerUnavailable(OSError):
     """The ledger could not be opened; the message names it (a URL's password masked) and the cause."""
 
 
-class UsageRowTaken(LookupError):
+class UsageRowTaken(ValueError):
     """`start()` named the id of another tenant's row; the row is left as it was."""
 
 
 COLUMNS = [f.name for f in fields(UsageRecord)]
 # A row's identity and start are written once, at insert; a resumed stream's later records keep them.
 _LIVE = [c for c in COLUMNS if c not in ("id", "request_id", "tenant", "started_at")]
-_SET_LIVE = ", ".join(f"{c} = excluded.{c}" for c in _LIVE + ["owner"])
 _INSERT = f"INSERT INTO usage ({', '.join(COLUMNS)}, owner) VALUES ({', '.join('?' * (len(COLUMNS) + 1))})"
 
 
@@ -105,18 +105,26 @@ def select_usage(tenant: str | None, since: float | None, columns: list[str] = C
     return sql + " ORDER BY finished_at", params
 
 
-def _statements(now: str, rowkey: str) -> dict[str, str]:
-    """The ledger's SQL for a backend: `now` is its clock in unix seconds, `rowkey` its physical row id.
-    Both backends speak this dialect (upsert with a WHERE, RETURNING); placeholders are `?`."""
+def _statements(now: str, rowkey: str, greatest: str) -> dict[str, str]:
+    """The ledger's SQL for a backend: `now` is its clock in unix seconds, `rowkey` its physical row id,
+    `greatest` its two-argument max. Both backends speak this dialect (upsert with a WHERE, RETURNING);
+    placeholders are `?`. completion_tokens never goes down: a resumed stream is charged for the most
+    tokens any of its streams sent."""
+    def new_value(column: str, value: str) -> str:
+        if column == "completion_tokens":
+            return f"{column} = {greatest}(usage.{column}, {value})"
+        return f"{column} = {value}"
+
+    set_live = ", ".join(new_value(c, f"excluded.{c}") for c in _LIVE + ["owner"])
     live = f"SELECT owner FROM ledger_writers WHERE heartbeat_at >= {now} - ?"
     return {
         # A takeover only of the same tenant's row (a resumed stream); nothing comes back otherwise.
-        "start": f"{_INSERT} ON CONFLICT (id) DO UPDATE SET {_SET_LIVE} WHERE usage.tenant = excluded.tenant "
+        "start": f"{_INSERT} ON CONFLICT (id) DO UPDATE SET {set_live} WHERE usage.tenant = excluded.tenant "
                  f"RETURNING {', '.join(COLUMNS)}",
         # The final row, inserted if `start` never ran for it; never over a row another writer took over.
-        "finish": f"{_INSERT} ON CONFLICT (id) DO UPDATE SET {_SET_LIVE} WHERE usage.owner = excluded.owner",
+        "finish": f"{_INSERT} ON CONFLICT (id) DO UPDATE SET {set_live} WHERE usage.owner = excluded.owner",
         # Progress never overwrites a finished row (a flush racing the request's end) or another writer's.
-        "progress": f"UPDATE usage SET {', '.join(f'{c} = ?' for c in _LIVE)} "
+        "progress": f"UPDATE usage SET {', '.join(new_value(c, '?') for c in _LIVE)} "
                     f"WHERE id = ? AND owner = ? AND status_code = '{RUNNING}'",
         "heartbeat": f"INSERT INTO ledger_writers (owner, started_at, heartbeat_at) VALUES (?, {now}, {now}) "
                      "ON CONFLICT (owner) DO UPDATE SET heartbeat_at = excluded.heartbeat_at",
@@ -143,6 +151,7 @@ class UsageLedger:
 
     NOW_SQL: ClassVar[str]  # the database's clock, unix seconds
     ROWKEY: ClassVar[str]  # a physical row id, for batched deletes (legacy rows may lack `id`)
+    GREATEST_SQL: ClassVar[str]  # the larger of two values
     STALE_AFTER_S: ClassVar[float]  # other writers silent this long are gone
     HEARTBEATS: ClassVar[bool]  # whether the flusher stamps ledger_writers (only needed when others read it)
     ERRORS: ClassVar[tuple[type[Exception], ...]]  # what a failed write raises
@@ -154,7 +163,7 @@ class UsageLedger:
         self.retention_days = retention_days or None
         self.on_failure = on_failure
         self.owner = new_owner()
-        self._sql = {k: self._dialect(v) for k, v in _statements(self.NOW_SQL, self.ROWKEY).items()}
+        self._sql = {k: self._dialect(v) for k, v in _statements(self.NOW_SQL, self.ROWKEY, self.GREATEST_SQL).items()}
         self._pending_lock = threading.Lock()  # guards _pending only: progress() never waits for a commit
         self._pending: dict[str, UsageRecord] = {}
         try:

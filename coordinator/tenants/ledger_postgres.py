@@ -22,6 +22,7 @@ from duospec.coordinator.tenants.postgres import CONNECT_TIMEOUT_S, connect, des
 class PostgresLedger(UsageLedger):
     NOW_SQL = "extract(epoch FROM clock_timestamp())::float8"
     ROWKEY = "ctid"
+    GREATEST_SQL = "GREATEST"
     STALE_AFTER_S = STALE_AFTER_S  # 30 flushes missed: a gateway that is gone, not one that is busy
     HEARTBEATS = True
     ERRORS = (psycopg.Error, PoolTimeout)

@@ -77,6 +77,7 @@ class _Tx:
 class SqliteLedger(UsageLedger):
     NOW_SQL = "((julianday('now') - 2440587.5) * 86400.0)"
     ROWKEY = "rowid"
+    GREATEST_SQL = "MAX"
     STALE_AFTER_S = 0.0  # one gateway writes one file: every other writer is gone
     HEARTBEATS = False  # nobody else reads them (and an idle server needs no fsync a second)
     ERRORS = (sqlite3.Error,)

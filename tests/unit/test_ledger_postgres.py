@@ -88,11 +88,12 @@ def test_start_continues_a_row_of_the_same_tenant_and_refuses_another_tenants(lo
     first.close()
     resumed = open_ledger(location, flush_interval_s=3600)  # another gateway, or this one restarted
     try:
-        row = resumed.start(running(1, tokens=5, started_at=200.0, finished_at=201.0))
+        # The client got 3 of the 5 sent: the row keeps 5 (never charged for fewer tokens than were sent).
+        row = resumed.start(running(1, tokens=3, started_at=200.0, finished_at=201.0))
         assert (row.status_code, row.completion_tokens, row.started_at, row.finished_at) == (RUNNING, 5, 100.0, 201.0)
         with pytest.raises(UsageRowTaken, match="another tenant"):
             resumed.start(record(1, tenant="b", tokens=0, status=RUNNING, finish="running"))
-        resumed.finish(record(1, tokens=9, started_at=200.0))
+        resumed.finish(record(1, tokens=9, started_at=200.0))  # 3 delivered + 6 new
         [row] = query_usage(location)  # one row: charged once
         assert (row.tenant, row.completion_tokens, row.status_code, row.started_at) == ("a", 9, "OK", 100.0)
     finally:
