@@ -24,12 +24,12 @@ never touched: `start()` raises `UsageRowTaken`.
 Writers and crashes: each ledger writer has an `owner` id (host, process id and start time), stamps
 the rows it writes with it, and registers in `ledger_writers`. A RUNNING row whose owner is gone was
 cut off by a crash: it is closed as finish_reason `interrupted`, status UNAVAILABLE, keeping the
-tokens it had delivered. On PostgreSQL, where other gateways' rows are live, "gone" means no heartbeat
-(the flusher stamps `ledger_writers.heartbeat_at` each flush, with the database's clock) for
-`STALE_AFTER_S` (30 s): checked at open and every `STALE_AFTER_S`. On SQLite one gateway writes one
-file, so every other owner is gone and its rows are closed at open. Progress and finish only write
-rows their writer owns: after a resumed stream moved to another gateway, the old gateway's late
-writes cannot overwrite it.
+tokens it had delivered. Other gateways' rows are live (PostgreSQL; or the gateways of one node
+sharing a SQLite file), so "gone" means no heartbeat — the flusher stamps
+`ledger_writers.heartbeat_at` each flush, with the database's clock — for `STALE_AFTER_S` (30 s), or
+a writer that closed cleanly (it unregisters): checked at open and every `STALE_AFTER_S`. Progress and
+finish only write rows their writer owns: after a resumed stream moved to another gateway, the old
+gateway's late writes cannot overwrite it.
 
 Writes run on the ledger's own thread (`start_async`, `finish_async`), never on the executor that
 tokenizes prompts: a slow disk or database delays usage rows, not requests. Rows finished more than
@@ -152,8 +152,7 @@ class UsageLedger:
     NOW_SQL: ClassVar[str]  # the database's clock, unix seconds
     ROWKEY: ClassVar[str]  # a physical row id, for batched deletes (legacy rows may lack `id`)
     GREATEST_SQL: ClassVar[str]  # the larger of two values
-    STALE_AFTER_S: ClassVar[float]  # other writers silent this long are gone
-    HEARTBEATS: ClassVar[bool]  # whether the flusher stamps ledger_writers (only needed when others read it)
+    STALE_AFTER_S: ClassVar[float] = STALE_AFTER_S  # 30 flushes missed: a gateway that is gone, not busy
     ERRORS: ClassVar[tuple[type[Exception], ...]]  # what a failed write raises
 
     def __init__(self, name: str, flush_interval_s: float, retention_days: float | None,
@@ -256,15 +255,12 @@ class UsageLedger:
         """Every stream's latest progress, and this writer's heartbeat, in one transaction."""
         with self._pending_lock:
             pending, self._pending = self._pending, {}
-        if not pending and not self.HEARTBEATS:
-            return
         try:
             with self._transaction() as tx:
                 if pending:
                     tx.executemany(self._sql["progress"], [tuple(getattr(r, c) for c in _LIVE) + (r.id, self.owner)
                                                            for r in pending.values()])
-                if self.HEARTBEATS:
-                    tx.execute(self._sql["heartbeat"], (self.owner,))
+                tx.execute(self._sql["heartbeat"], (self.owner,))
         except BaseException:
             with self._pending_lock:  # not written: keep what no newer progress replaced, for the next flush
                 for key, rec in pending.items():
@@ -301,7 +297,7 @@ class UsageLedger:
         while not self._closed.wait(self._flush_interval_s):
             # A full disk, a locked file, a lost database: keep the server up, retry next tick.
             self._guarded("progress", self.flush)
-            if self.HEARTBEATS and time.monotonic() - self._interrupted_at >= self.STALE_AFTER_S:
+            if time.monotonic() - self._interrupted_at >= self.STALE_AFTER_S:
                 self._interrupted_at = time.monotonic()
                 self._guarded("interrupt", self.close_interrupted)
             if time.monotonic() - self._expired_at >= RETENTION_INTERVAL_S:

@@ -14,7 +14,7 @@ import psycopg
 from psycopg_pool import PoolTimeout
 
 from duospec.coordinator.tenants.ledger import (
-    FLUSH_INTERVAL_S, STALE_AFTER_S, LedgerUnavailable, UsageLedger, UsageRecord, select_usage,
+    FLUSH_INTERVAL_S, LedgerUnavailable, UsageLedger, UsageRecord, select_usage,
 )
 from duospec.coordinator.tenants.postgres import CONNECT_TIMEOUT_S, connect, describe, mask_url
 
@@ -23,8 +23,6 @@ class PostgresLedger(UsageLedger):
     NOW_SQL = "extract(epoch FROM clock_timestamp())::float8"
     ROWKEY = "ctid"
     GREATEST_SQL = "GREATEST"
-    STALE_AFTER_S = STALE_AFTER_S  # 30 flushes missed: a gateway that is gone, not one that is busy
-    HEARTBEATS = True
     ERRORS = (psycopg.Error, PoolTimeout)
 
     def __init__(self, url: str, flush_interval_s: float = FLUSH_INTERVAL_S, *,

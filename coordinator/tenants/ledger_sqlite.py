@@ -1,4 +1,5 @@
-"""The SQLite usage ledger: one file, one gateway (the embedded default). The behaviour is ledger.py's.
+"""The SQLite usage ledger: one file on one node (the embedded default), written by its gateway — or by
+the gateways of that node, each a writer with its heartbeat. The behaviour is ledger.py's.
 
 WAL mode with synchronous=FULL: a commit is on disk when it returns, and readers (`duospec usage`)
 never block the writer. One connection, guarded by a lock held across a commit's fsync.
@@ -78,8 +79,6 @@ class SqliteLedger(UsageLedger):
     NOW_SQL = "((julianday('now') - 2440587.5) * 86400.0)"
     ROWKEY = "rowid"
     GREATEST_SQL = "MAX"
-    STALE_AFTER_S = 0.0  # one gateway writes one file: every other writer is gone
-    HEARTBEATS = False  # nobody else reads them (and an idle server needs no fsync a second)
     ERRORS = (sqlite3.Error,)
 
     def __init__(self, path: str | os.PathLike, flush_interval_s: float = FLUSH_INTERVAL_S, *,

@@ -40,12 +40,18 @@ def location(request, tmp_path):
     return str(tmp_path / "u.db") if request.param == "sqlite" else request.getfixturevalue("pg_url")
 
 
-def sql(url: str, statement: str, params: tuple = ()) -> list[tuple]:
-    import psycopg
+def sql(location: str, statement: str, params: tuple = ()) -> list[tuple]:
+    """`statement` (`%s` placeholders) run on either ledger, as an operator's client would."""
+    if location.startswith("postgresql://"):
+        import psycopg
 
-    with psycopg.connect(url, autocommit=True) as conn:
-        cur = conn.execute(statement, params)
-        return cur.fetchall() if cur.description else []
+        with psycopg.connect(location, autocommit=True) as conn:
+            cur = conn.execute(statement, params)
+            return cur.fetchall() if cur.description else []
+    import sqlite3
+
+    with sqlite3.connect(location) as conn:
+        return conn.execute(statement.replace("%s", "?"), params).fetchall()
 
 
 def test_a_row_is_written_at_admission_flushed_and_finished_in_postgres(pg_url):
@@ -115,16 +121,17 @@ def test_a_stale_writers_late_finish_does_not_overwrite_the_row_its_stream_resum
         new.close()
 
 
-def test_a_gone_gateways_running_rows_are_closed_as_interrupted_and_live_ones_kept(pg_url):
-    gone, live = open_ledger(pg_url, flush_interval_s=3600), open_ledger(pg_url, flush_interval_s=3600)
-    checker = open_ledger(pg_url, flush_interval_s=3600)
+def test_a_gone_gateways_running_rows_are_closed_as_interrupted_and_live_ones_kept(location):
+    gone, live = open_ledger(location, flush_interval_s=3600), open_ledger(location, flush_interval_s=3600)
+    checker = open_ledger(location, flush_interval_s=3600)
     try:
         gone.start(running(1, tokens=4))
         live.start(running(2, tokens=6))
         assert checker.close_interrupted() == 0  # both heartbeat: nothing closed at a third gateway's start
-        sql(pg_url, "UPDATE ledger_writers SET heartbeat_at = heartbeat_at - 31 WHERE owner = %s", (gone.owner,))
+        # (gateways on other nodes sharing PostgreSQL, or on one node sharing its SQLite file)
+        sql(location, "UPDATE ledger_writers SET heartbeat_at = heartbeat_at - 31 WHERE owner = %s", (gone.owner,))
         assert checker.close_interrupted() == 1
-        rows = {r.id: r for r in query_usage(pg_url)}
+        rows = {r.id: r for r in query_usage(location)}
         assert (rows["id1"].finish_reason, rows["id1"].status_code, rows["id1"].completion_tokens) == (
             "interrupted", "UNAVAILABLE", 4)
         assert rows["id2"].status_code == RUNNING
@@ -133,18 +140,18 @@ def test_a_gone_gateways_running_rows_are_closed_as_interrupted_and_live_ones_ke
             ledger.close()
 
 
-def test_the_flusher_heartbeats_and_closes_gone_writers_rows_on_its_own(pg_url, monkeypatch):
-    from duospec.coordinator.tenants.ledger_postgres import PostgresLedger
+def test_the_flusher_heartbeats_and_closes_gone_writers_rows_on_its_own(location, monkeypatch):
+    from duospec.coordinator.tenants.ledger import UsageLedger
 
-    monkeypatch.setattr(PostgresLedger, "STALE_AFTER_S", 0.5)
-    gone = open_ledger(pg_url, flush_interval_s=3600)  # flushes never run: it stops heartbeating
-    live = open_ledger(pg_url, flush_interval_s=0.05)
+    monkeypatch.setattr(UsageLedger, "STALE_AFTER_S", 0.5)
+    gone = open_ledger(location, flush_interval_s=3600)  # flushes never run: it stops heartbeating
+    live = open_ledger(location, flush_interval_s=0.05)
     try:
         gone.start(running(1))
         live.start(running(2))
         deadline = time.monotonic() + 20
-        while {r.id: r.status_code for r in query_usage(pg_url)} != {"id1": "UNAVAILABLE", "id2": RUNNING}:
-            assert time.monotonic() < deadline, query_usage(pg_url)
+        while {r.id: r.status_code for r in query_usage(location)} != {"id1": "UNAVAILABLE", "id2": RUNNING}:
+            assert time.monotonic() < deadline, query_usage(location)
             time.sleep(0.05)
     finally:
         gone.close()
