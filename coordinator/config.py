@@ -5,7 +5,7 @@ bounds or choices; duospec/settings.py); the loader below reads its bounds from 
 `duospec config-reference` prints every key (docs/configuration.md). A small file:
 
     server: {host: 0.0.0.0, port: 50051}
-    ledger: /var/lib/duospec/usage.db
+    ledger: /var/lib/duospec/usage.db        # or postgresql://duospec@db:5432/duospec (several gateways)
     models:
       - name: python-tiny                    # first model = default
         target: /opt/duospec/models/target
@@ -26,6 +26,7 @@ from typing import Any
 from duospec.cluster.placement import PLACEMENTS
 from duospec.coordinator.config_fields import ConfigError, Fields, existing_file, read_mapping, resolve, resolve_model_path
 from duospec.coordinator.api import MAX_DRAFT_TOKENS, SpeculationMode
+from duospec.coordinator.tenants.ledger import is_postgres_url
 from duospec.engine.errors import CheckpointError
 from duospec.coordinator.scheduling.kv_budget import PREFIX_CACHE_SCOPES
 from duospec.coordinator.scheduling.routing import AFFINITY_SLACK_TOKENS, ROUTING_POLICIES
@@ -218,7 +219,10 @@ class ModelConfig:
 class ServeConfig:
     server: ServerSettings = setting(REQUIRED, "the APIs' listeners and limits (a file may leave it out)")
     models: list[ModelConfig] = setting(REQUIRED, "the served models, at least one; the first listed is the default")
-    ledger: str = setting(DEFAULT_LEDGER, "the SQLite usage ledger (a row per request)")
+    ledger: str = setting(
+        DEFAULT_LEDGER, "the usage ledger (a row per request): a SQLite file for one gateway, or "
+        "postgresql://user:pass@host:port/db for several, which then share the tenants' quotas too (the password "
+        "may come from PGPASSWORD instead)")
     tenants: str | None = setting(
         None, "the tenants file (`duospec tenants add`); absent = auth off (loopback only, or "
         "--insecure-no-auth)")
@@ -254,7 +258,7 @@ def parse_serve_config(raw: Any, *, source: str = "config", base_dir: pathlib.Pa
     return ServeConfig(
         server=server,
         models=models,
-        ledger=resolve(ledger, base_dir),
+        ledger=ledger if is_postgres_url(ledger) else resolve(ledger, base_dir),
         tenants=resolve(tenants, base_dir) if tenants else None,
         ledger_retention_days=retention,
     )

@@ -14,6 +14,7 @@ import os
 import pytest
 
 from server_support import tiny_pair  # noqa: F401  (the bundled-shape tiny pair, a fixture for every test)
+from postgres_support import pg_url, postgres  # noqa: F401  (a real PostgreSQL server, for the shared ledger)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

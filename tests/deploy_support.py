@@ -27,12 +27,21 @@ def kuberay_docs() -> list[tuple[str, dict]]:
     return docs
 
 
-def the_doc(kind: str, name: str | None = None) -> dict:
-    """The one manifest of `kind` in deploy/kuberay (named `name`, where there are several)."""
-    found = [d for _, d in kuberay_docs() if d.get("kind") == kind
-             and (name is None or (d.get("metadata") or {}).get("name") == name)]
-    assert len(found) == 1, f"deploy/kuberay: expected exactly one {kind} {name or ''}, found {len(found)}"
+def the_doc(kind: str) -> dict:
+    found = [d for _, d in kuberay_docs() if d.get("kind") == kind]
+    assert len(found) == 1, f"deploy/kuberay: expected exactly one {kind}, found {len(found)}"
     return found[0]
+
+
+def named(kind: str, name: str) -> dict:
+    found = [d for _, d in kuberay_docs() if d.get("kind") == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"deploy/kuberay: expected exactly one {kind} {name!r}, found {len(found)}"
+    return found[0]
+
+
+API_SERVICE = "duospec"  # the Service in front of the head's APIs
+TENANTS_SECRET = "duospec-tenants"
+LEDGER = "duospec-ledger"  # the ledger database's Service, StatefulSet and password Secret
 
 
 def serve_config() -> dict:

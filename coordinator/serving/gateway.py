@@ -211,7 +211,7 @@ class Gateway:
             raise GatewayError(exc.code, str(exc)) from None
         return Caller(tenant, key_hash)
 
-    def accept(self, authorization: str | None) -> Caller:
+    async def accept(self, authorization: str | None) -> Caller:
         """The first step of every Generate, before its body is read: the caller, with one request
         charged to its requests/min. Raises GatewayError (counted and logged as refused)."""
         try:
@@ -219,7 +219,7 @@ class Gateway:
         except GatewayError as exc:
             raise self.refuse(None, exc) from None
         try:
-            self.admission.charge_request(caller.tenant)
+            await self.admission.charge_request(caller.tenant)
         except AdmissionError as exc:
             raise self.refuse(caller, GatewayError(exc.code, str(exc), exc.retry_after_s)) from None
         return caller

@@ -111,7 +111,7 @@ def create_app(gateway: Gateway, is_serving: Callable[[], bool]):
     async def generate(request: Request, *, chat: bool) -> Response:
         naming = {"chat": chat, "max_tokens_field": "max_tokens"}
         try:
-            caller = gateway.accept(request.headers.get("authorization"))
+            caller = await gateway.accept(request.headers.get("authorization"))
             req, tools, stream, include_usage = await parse(request, caller, chat, naming)
             deltas = gateway.generate(caller, req)
             try:

@@ -91,6 +91,10 @@ class ServerMetrics:
             "duospec:ledger_write_failures",
             "Usage-ledger writes that failed (rows missing or stale until a later write succeeds); alert on any",
             ["operation"], registry=r)
+        self.quota_store_failures = Counter(
+            "duospec:quota_store_failures",
+            "Quota checks the shared store (PostgreSQL) could not answer, decided by this gateway's own budgets "
+            "instead (fail open); alert on any", ["operation"], registry=r)
         self.ttft = Histogram("duospec:time_to_first_token_seconds", "Time to first token", t,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("duospec:inter_token_latency_seconds", "Time between committed tokens", t,
@@ -184,6 +188,9 @@ class ServerMetrics:
 
     def observe_ledger_failure(self, operation: str) -> None:
         self.ledger_write_failures.labels(operation).inc()
+
+    def observe_quota_failure(self, operation: str) -> None:
+        self.quota_store_failures.labels(operation).inc()
 
     def set_admission(self, admitted: int, queued: int) -> None:
         """Admission's counts: requests holding a generation slot, and those queued for one."""

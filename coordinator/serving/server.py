@@ -1,6 +1,6 @@
 """The public gRPC server: GenerationService + grpc.health.v1 + reflection, around any Coordinator.
 
-    server = DuospecServer(coordinator, settings, tenants=load_tenants(path), ledger_path="usage.db")
+    server = DuospecServer(coordinator, settings, tenants=load_tenants(path), ledger_path="usage.db")  # or a postgresql:// URL
     port = await server.start()          # binds; health turns SERVING once the coordinator is ready
     await server.wait_for_termination()  # until shutdown() (SIGTERM in `duospec serve`)
 
@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from duospec.coordinator.tenants.admission import Admission
 from duospec.coordinator.api import Coordinator, SpeculationMode
 from duospec.coordinator.config import ConfigError, ServerSettings, TlsSettings
-from duospec.coordinator.tenants.ledger import UsageLedger
+from duospec.coordinator.tenants.ledger import open_ledger
 from duospec.coordinator.serving.metrics import ServerMetrics
 from duospec.coordinator.serving.gateway import Gateway, Lifecycle
 from duospec.coordinator.serving.service import GenerationServicer
@@ -107,12 +107,14 @@ class DuospecServer:
         self.settings = settings
         self.metrics = metrics or ServerMetrics()
         self.lifecycle = Lifecycle()
+        # A SQLite path or a postgresql:// URL (retention: the serve config's ledger_retention_days; None keeps
+        # every row). A PostgreSQL ledger also holds the tenants' budgets every gateway shares.
+        self.ledger = open_ledger(ledger_path, retention_days=ledger_retention_days,
+                                  on_failure=self.metrics.observe_ledger_failure) if ledger_path else None
         self.admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests,
                                    model_slots={m.name: m.max_num_seqs for m in coordinator.models()},
-                                   tenants=tenants or ())
-        # (retention: the serve config's ledger_retention_days; None keeps every row)
-        self.ledger = UsageLedger(ledger_path, retention_days=ledger_retention_days,
-                                  on_failure=self.metrics.observe_ledger_failure) if ledger_path else None
+                                   tenants=tenants or (), quotas=self.ledger and self.ledger.shared_quotas(
+                                       self.metrics.observe_quota_failure))
         self.health = health.aio.HealthServicer()
         self.gateway = Gateway(
             coordinator, settings, tokenizers if tokenizers is not None else load_tokenizers(coordinator),

@@ -55,7 +55,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         try:
-            caller = self.gateway.accept(_authorization(context))
+            caller = await self.gateway.accept(_authorization(context))
             timeout = self.gateway.settings.send_timeout_s
             async with contextlib.aclosing(self.gateway.generate(caller, request)) as deltas:
                 async for delta in deltas:

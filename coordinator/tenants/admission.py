@@ -15,6 +15,9 @@ no admitted request waits in a FIFO further down. Each tenant's part of the queu
 weighted share of max_queued_requests (weights of every tenant in the tenants file), so a tenant
 that floods the queue is refused on its own share and cannot crowd the others out of theirs.
 Quota failures carry `retry_after_s`, which the server sends as `retry-after-s` trailing metadata.
+
+Steps 3 and 4 ask a quota store (quota.py): this process's buckets, or with a PostgreSQL ledger the
+budgets every gateway shares (quota_postgres.py). Step 5 is this gateway's own.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from duospec.coordinator.tenants.quota import LocalQuotas, Lease, QuotaStore, Refused
 from duospec.coordinator.tenants.tenancy import Tenant
 
 
@@ -37,70 +41,35 @@ class AdmissionError(Exception):
         self.retry_after_s = retry_after_s
 
 
-class TokenBucket:
-    """Holds up to `per_minute` units, refilled continuously at per_minute / 60 per second."""
-
-    def __init__(self, per_minute: int, clock: Callable[[], float]):
-        self.capacity = float(per_minute)
-        self.rate = per_minute / 60.0
-        self.level = self.capacity
-        self._clock = clock
-        self._last = clock()
-
-    def _refill(self) -> None:
-        now = self._clock()
-        self.level = min(self.capacity, self.level + (now - self._last) * self.rate)
-        self._last = now
-
-    def try_take(self, amount: float) -> float:
-        """Takes `amount` and returns 0.0, or takes nothing and returns seconds until it would fit."""
-        self._refill()
-        if amount <= self.level:
-            self.level -= amount
-            return 0.0
-        if amount > self.capacity:
-            return math.inf
-        return (amount - self.level) / self.rate
-
-    def give_back(self, amount: float) -> None:
-        self._refill()
-        self.level = min(self.capacity, self.level + amount)
-
-
 @dataclass
 class Ticket:
     """One admitted request; pass it back to `Admission.release` exactly once."""
 
     tenant: Tenant
     reserved_tokens: int
+    lease: Lease
     model: str = ""
     released: bool = False
 
 
+@dataclass
 class _TenantState:
-    def __init__(self, tenant: Tenant, clock: Callable[[], float]):
-        self.streams = 0  # running + waiting for a slot
-        self.running = 0
-        self.set_limits(tenant.limits, clock)
-
-    def set_limits(self, limits, clock: Callable[[], float]) -> None:
-        """New buckets, full, for new limits (a tenants-file reload); the stream counts carry over."""
-        self.limits = limits
-        self.requests = TokenBucket(limits.requests_per_minute, clock) if limits.requests_per_minute else None
-        self.tokens = TokenBucket(limits.tokens_per_minute, clock) if limits.tokens_per_minute else None
+    running: int = 0  # streams of this tenant holding a slot on this gateway (what the queue weighs)
 
 
 class Admission:
-    """`model_slots`: name -> max_num_seqs; a model not listed is bounded only by max_concurrent."""
+    """`model_slots`: name -> max_num_seqs; a model not listed is bounded only by max_concurrent.
+    `quotas`: where the tenants' budgets are kept (default: this process, on `clock`)."""
 
     def __init__(self, max_concurrent: int, max_queued: int, clock: Callable[[], float] = time.monotonic,
-                 *, model_slots: dict[str, int] | None = None, tenants: Iterable[Tenant] = ()):
+                 *, model_slots: dict[str, int] | None = None, tenants: Iterable[Tenant] = (),
+                 quotas: QuotaStore | None = None):
         self.max_concurrent = max_concurrent
         self.max_queued = max_queued
         self.model_slots = dict(model_slots or {})
         self.draining = False
         self.running = 0
-        self._clock = clock
+        self.quotas = quotas if quotas is not None else LocalQuotas(clock)
         self._tenants: dict[str, _TenantState] = {}
         self._model_running: dict[str, int] = defaultdict(int)
         self._waiters: dict[str, deque[tuple[int, str, asyncio.Future]]] = defaultdict(deque)
@@ -113,10 +82,7 @@ class Admission:
         tenant whose limits changed gets buckets for its new limits)."""
         tenants = list(tenants)
         self._known_weights = {t.name: t.priority_weight for t in tenants}
-        for t in tenants:
-            state = self._tenants.get(t.name)
-            if state is not None and state.limits != t.limits:
-                state.set_limits(t.limits, self._clock)
+        self.quotas.set_tenants(tenants)
 
     @property
     def waiting(self) -> int:
@@ -131,7 +97,7 @@ class Admission:
     def _state(self, tenant: Tenant) -> _TenantState:
         state = self._tenants.get(tenant.name)
         if state is None:
-            state = self._tenants[tenant.name] = _TenantState(tenant, self._clock)
+            state = self._tenants[tenant.name] = _TenantState()
         return state
 
     async def admit(self, tenant: Tenant, tokens: int, model: str = "") -> Ticket:
@@ -139,51 +105,47 @@ class Admission:
         may wait for a slot."""
         if self.draining:
             raise AdmissionError("UNAVAILABLE", "server is shutting down; retry on another replica", 1.0)
-        self._check_quota(tenant, tokens)
-        state = self._state(tenant)
-        state.streams += 1
+        lease = await self._reserve(tenant, tokens)
         try:
             await self._take_slot(tenant, model)
         except BaseException:
-            state.streams -= 1
-            if state.tokens is not None:
-                state.tokens.give_back(tokens)
+            self.quotas.release(tenant, lease, tokens)
             raise
-        return Ticket(tenant=tenant, reserved_tokens=tokens, model=model)
-    def charge_request(self, tenant: Tenant) -> None:
+        return Ticket(tenant=tenant, reserved_tokens=tokens, lease=lease, model=model)
+
+    async def charge_request(self, tenant: Tenant) -> None:
         """Counts one request against requests/min before anything else is done for it (tokenizing,
         templating), so requests that are then rejected still count. Raises AdmissionError."""
-        state = self._state(tenant)
-        if state.requests is not None:
-            wait = state.requests.try_take(1)
+        if tenant.limits.requests_per_minute:
+            wait = await self.quotas.charge_request(tenant)
             if wait:
                 raise _rate_error(tenant, "requests_per_minute", tenant.limits.requests_per_minute, wait)
 
-    def _check_quota(self, tenant: Tenant, tokens: int) -> None:
-        limits, state = tenant.limits, self._state(tenant)
+    async def _reserve(self, tenant: Tenant, tokens: int) -> Lease:
+        limits = tenant.limits
         if limits.max_tokens_per_request and tokens > limits.max_tokens_per_request:
             raise AdmissionError(
                 "RESOURCE_EXHAUSTED",
                 f"request needs {tokens} tokens (prompt + max_new_tokens) but tenant {tenant.name!r} allows "
                 f"{limits.max_tokens_per_request} per request; lower stopping.max_new_tokens or shorten the prompt",
             )
-        if limits.max_concurrent_streams and state.streams >= limits.max_concurrent_streams:
+        lease = await self.quotas.reserve(tenant, tokens)
+        if not isinstance(lease, Refused):
+            return lease
+        if lease.limit == "max_concurrent_streams":
             raise AdmissionError(
                 "RESOURCE_EXHAUSTED",
-                f"tenant {tenant.name!r} already has {state.streams} open streams (limit "
+                f"tenant {tenant.name!r} already has {lease.value:.0f} open streams (limit "
                 f"{limits.max_concurrent_streams}); retry when one finishes",
                 1.0,
             )
-        if state.tokens is not None:
-            wait = state.tokens.try_take(tokens)
-            if wait:
-                if math.isinf(wait):
-                    raise AdmissionError(
-                        "RESOURCE_EXHAUSTED",
-                        f"request needs {tokens} tokens but tenant {tenant.name!r} has tokens_per_minute "
-                        f"{limits.tokens_per_minute}; lower stopping.max_new_tokens",
-                    )
-                raise _rate_error(tenant, "tokens_per_minute", limits.tokens_per_minute, wait)
+        if math.isinf(lease.value):
+            raise AdmissionError(
+                "RESOURCE_EXHAUSTED",
+                f"request needs {tokens} tokens but tenant {tenant.name!r} has tokens_per_minute "
+                f"{limits.tokens_per_minute}; lower stopping.max_new_tokens",
+            )
+        raise _rate_error(tenant, "tokens_per_minute", limits.tokens_per_minute, lease.value)
 
     def _has_room(self, model: str) -> bool:
         return (self.running < self.max_concurrent
@@ -232,11 +194,8 @@ class Admission:
         if ticket.released:
             return
         ticket.released = True
-        state = self._state(ticket.tenant)
-        state.streams -= 1
         self._count(ticket.tenant.name, ticket.model, -1)
-        if state.tokens is not None and used_tokens < ticket.reserved_tokens:
-            state.tokens.give_back(ticket.reserved_tokens - used_tokens)
+        self.quotas.release(ticket.tenant, ticket.lease, max(0, ticket.reserved_tokens - used_tokens))
         self._hand_out_slots()
 
     def _hand_out_slots(self) -> None:

@@ -1,21 +1,38 @@
-"""Usage ledger: one SQLite row per request, written when it is admitted and kept current while it streams.
+"""Usage ledger: one row per request, written when it is admitted and kept current while it streams.
 
-A row's life: `start()` inserts it as the request is admitted (status RUNNING), `progress()` notes
-the tokens delivered so far, and a flusher thread writes every stream's latest progress in one
-transaction each `flush_interval_s` (1 s): one fsync per second for the whole server, however many
-streams are open. `finish()` writes the final row at once. WAL mode with synchronous=FULL: what a
-write committed is on disk, so a `kill -9` of the server (or a power cut) loses at most the last
-second of a stream's usage and never a row. Rows are keyed by a server-made unique `id`; the
-client's request id is kept as `request_id` (clients may reuse theirs). A resumed stream (a client
-continuing a broken one, coordinator/serving/resume.py) writes its broken stream's row, so the request
-is charged once, for the most tokens any of its streams sent.
+Two backends behind one class (`open_ledger` picks by the location): SQLite (a file path; embedded,
+the default for one gateway — ledger_sqlite.py) and PostgreSQL (a `postgresql://` URL; shared by any
+number of gateways — ledger_postgres.py). Everything below is common to both: the backends only open
+connections, run their migrations and name their clock.
 
-A row still RUNNING when a server opens the ledger was cut off by a crash: it is closed then as
-finish_reason `interrupted`, status UNAVAILABLE, keeping the tokens it had delivered. One server
-writes one ledger file. Readers (`duospec usage`) never block the writer.
+A row's life: `start()` writes it as the request is admitted (status RUNNING), `progress()` notes the
+tokens delivered so far, and a flusher thread writes every stream's latest progress in one
+transaction each `flush_interval_s` (1 s): one commit per second for the whole gateway, however many
+streams are open. `finish()` writes the final row at once. What a write committed is durable (SQLite:
+WAL with synchronous=FULL; PostgreSQL: its commit), so a `kill -9` of the gateway loses at most the
+last second of a stream's usage and never a row.
+
+Rows are keyed by a server-made `id`, unique (a unique index in both backends); the client's request
+id is kept as `request_id` (clients may reuse theirs). `start()` is an upsert on `id`: when the row
+exists and belongs to the same tenant, it is taken over — RUNNING again, owned by this writer, with the
+record's counts (completion_tokens never lowered), keeping its `started_at` and `request_id` — and
+`start()` returns the row as stored, so a resumed stream (the same server-made id, sent back by its
+client) continues its original row instead of being charged twice; the caller passes cumulative counts
+from then on. A row of another tenant is
+never touched: `start()` raises `UsageRowTaken`.
+
+Writers and crashes: each ledger writer has an `owner` id (host, process id and start time), stamps
+the rows it writes with it, and registers in `ledger_writers`. A RUNNING row whose owner is gone was
+cut off by a crash: it is closed as finish_reason `interrupted`, status UNAVAILABLE, keeping the
+tokens it had delivered. Other gateways' rows are live (PostgreSQL; or the gateways of one node
+sharing a SQLite file), so "gone" means no heartbeat — the flusher stamps
+`ledger_writers.heartbeat_at` each flush, with the database's clock — for `STALE_AFTER_S` (30 s), or
+a writer that closed cleanly (it unregisters): checked at open and every `STALE_AFTER_S`. Progress and
+finish only write rows their writer owns: after a resumed stream moved to another gateway, the old
+gateway's late writes cannot overwrite it.
 
 Writes run on the ledger's own thread (`start_async`, `finish_async`), never on the executor that
-tokenizes prompts: a slow disk delays usage rows, not requests. Rows finished more than
+tokenizes prompts: a slow disk or database delays usage rows, not requests. Rows finished more than
 `retention_days` ago are deleted once an hour, in small batches. A failed write never fails a request:
 it is logged and reported to `on_failure(operation)` (the server counts it in
 `duospec:ledger_write_failures`), so an operator can alert on it.
@@ -24,42 +41,24 @@ it is logged and reported to `on_failure(operation)` (the server counts it in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import pathlib
-import sqlite3
+import os
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import astuple, dataclass, fields
-from typing import Callable
+from typing import Any, Callable, ClassVar
 
 log = logging.getLogger("duospec.ledger")
 
 RUNNING = "RUNNING"  # status_code of a row whose request is still streaming
 FLUSH_INTERVAL_S = 1.0
+STALE_AFTER_S = 30.0  # a writer silent this long is gone: its RUNNING rows (and quota leases) are closed
 RETENTION_INTERVAL_S = 3600.0  # how often rows past the retention are deleted
 _RETENTION_BATCH = 5000  # rows per delete: a short transaction, so writes in between never wait long
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS usage (
-    id                   TEXT,            -- server-made, unique per request
-    request_id           TEXT NOT NULL,   -- the client's id (or the server's when the client sent none)
-    tenant               TEXT NOT NULL,
-    model                TEXT NOT NULL,
-    prompt_tokens        INTEGER NOT NULL,
-    completion_tokens    INTEGER NOT NULL,  -- tokens the client received (none past a stop string)
-    drafted              INTEGER NOT NULL,
-    accepted             INTEGER NOT NULL,
-    target_forwards      INTEGER NOT NULL,
-    mean_accepted_length REAL NOT NULL,
-    finish_reason        TEXT NOT NULL,   -- length|stop|eos|cancelled|running|interrupted, or the gRPC status name
-    status_code          TEXT NOT NULL,   -- OK, RUNNING, or the gRPC status name
-    started_at           REAL NOT NULL,   -- unix seconds
-    finished_at          REAL NOT NULL    -- while RUNNING: the last update
-);
-CREATE INDEX IF NOT EXISTS usage_tenant_time ON usage (tenant, finished_at);
-CREATE INDEX IF NOT EXISTS usage_finished ON usage (finished_at);
-"""
+_WRITERS_KEPT_S = 86400.0  # rows of writers silent this long leave ledger_writers at the retention pass
 
 
 @dataclass(frozen=True)
@@ -80,74 +79,141 @@ class UsageRecord:
     finished_at: float
 
 
-_COLUMNS = [f.name for f in fields(UsageRecord)]
-_INSERT = f"INSERT INTO usage ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})"
-# A resumed stream (its client sends back the tokens it has) rewrites its broken stream's row: the
-# row keeps the first stream's started_at, and the most tokens any of them sent.
-_UPDATED = [c for c in _COLUMNS if c not in ("id", "started_at")]
-_SET = ", ".join("completion_tokens = MAX(completion_tokens, ?)" if c == "completion_tokens" else f"{c} = ?"
-                 for c in _UPDATED)
-_UPDATE = f"UPDATE usage SET {_SET} WHERE id = ? AND tenant = ?"
-# start() is an upsert: a resumed stream takes over its broken stream's row (same id) if the row is
-# the same tenant's; started_at stays the first stream's.
-_START = (_INSERT + " ON CONFLICT (id) DO UPDATE SET "
-          + ", ".join("completion_tokens = MAX(completion_tokens, excluded.completion_tokens)"
-                      if c == "completion_tokens" else f"{c} = excluded.{c}"
-                      for c in _UPDATED)
-          + " WHERE usage.tenant = excluded.tenant")
-# Progress never overwrites a finished row (a flush racing the request's end).
-_PROGRESS = _UPDATE + f" AND status_code = '{RUNNING}'"
-_EXPIRE = (f"DELETE FROM usage WHERE rowid IN (SELECT rowid FROM usage WHERE finished_at < ? "
-           f"AND status_code != '{RUNNING}' LIMIT {_RETENTION_BATCH})")
+class LedgerUnavailable(OSError):
+    """The ledger could not be opened; the message names it (a URL's password masked) and the cause."""
+
+
+class UsageRowTaken(ValueError):
+    """`start()` named the id of another tenant's row; the row is left as it was."""
+
+
+COLUMNS = [f.name for f in fields(UsageRecord)]
+# A row's identity and start are written once, at insert; a resumed stream's later records keep them.
+_LIVE = [c for c in COLUMNS if c not in ("id", "request_id", "tenant", "started_at")]
+_INSERT = f"INSERT INTO usage ({', '.join(COLUMNS)}, owner) VALUES ({', '.join('?' * (len(COLUMNS) + 1))})"
+
+
+def select_usage(tenant: str | None, since: float | None, columns: list[str] = COLUMNS) -> tuple[str, list]:
+    """The read `duospec usage` makes, in either backend (`?` placeholders)."""
+    sql, params = f"SELECT {', '.join(columns)} FROM usage WHERE 1=1", []
+    if tenant is not None:
+        sql += " AND tenant = ?"
+        params.append(tenant)
+    if since is not None:
+        sql += " AND finished_at >= ?"
+        params.append(since)
+    return sql + " ORDER BY finished_at", params
+
+
+def _statements(now: str, rowkey: str, greatest: str) -> dict[str, str]:
+    """The ledger's SQL for a backend: `now` is its clock in unix seconds, `rowkey` its physical row id,
+    `greatest` its two-argument max. Both backends speak this dialect (upsert with a WHERE, RETURNING);
+    placeholders are `?`. completion_tokens never goes down: a resumed stream is charged for the most
+    tokens any of its streams sent."""
+    def new_value(column: str, value: str) -> str:
+        if column == "completion_tokens":
+            return f"{column} = {greatest}(usage.{column}, {value})"
+        return f"{column} = {value}"
+
+    set_live = ", ".join(new_value(c, f"excluded.{c}") for c in _LIVE + ["owner"])
+    live = f"SELECT owner FROM ledger_writers WHERE heartbeat_at >= {now} - ?"
+    return {
+        # A takeover only of the same tenant's row (a resumed stream); nothing comes back otherwise.
+        "start": f"{_INSERT} ON CONFLICT (id) DO UPDATE SET {set_live} WHERE usage.tenant = excluded.tenant "
+                 f"RETURNING {', '.join(COLUMNS)}",
+        # The final row, inserted if `start` never ran for it; never over a row another writer took over.
+        "finish": f"{_INSERT} ON CONFLICT (id) DO UPDATE SET {set_live} WHERE usage.owner = excluded.owner",
+        # Progress never overwrites a finished row (a flush racing the request's end) or another writer's.
+        "progress": f"UPDATE usage SET {', '.join(new_value(c, '?') for c in _LIVE)} "
+                    f"WHERE id = ? AND owner = ? AND status_code = '{RUNNING}'",
+        "heartbeat": f"INSERT INTO ledger_writers (owner, started_at, heartbeat_at) VALUES (?, {now}, {now}) "
+                     "ON CONFLICT (owner) DO UPDATE SET heartbeat_at = excluded.heartbeat_at",
+        "interrupt": f"UPDATE usage SET finish_reason = 'interrupted', status_code = 'UNAVAILABLE' "
+                     f"WHERE status_code = '{RUNNING}' AND (owner IS NULL OR (owner <> ? AND owner NOT IN ({live})))",
+        "expire": f"DELETE FROM usage WHERE {rowkey} IN (SELECT {rowkey} FROM usage WHERE finished_at < ? "
+                  f"AND status_code <> '{RUNNING}' LIMIT {_RETENTION_BATCH})",
+        "forget_writers": f"DELETE FROM ledger_writers WHERE heartbeat_at < {now} - ? AND owner <> ?",
+        "unregister": "DELETE FROM ledger_writers WHERE owner = ?",
+    }
+
+
+def new_owner() -> str:
+    """This writer's id: host, process and start time, so a restarted gateway is a new owner."""
+    return f"{socket.gethostname()}/{os.getpid()}@{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.{time.time_ns() % 10**6:06d}"
 
 
 class UsageLedger:
-    """`retention_days`: rows finished longer ago are deleted (None or 0: kept). `on_failure(operation)`:
-    told of every failed write ("start", "finish", "progress" or "retention") after it is logged."""
+    """The ledger's behaviour, whatever stores it; subclasses give the connection and the dialect.
 
-    def __init__(self, path: str | pathlib.Path, flush_interval_s: float = FLUSH_INTERVAL_S, *,
-                 retention_days: float | None = None, on_failure: Callable[[str], None] | None = None):
-        self.path = pathlib.Path(path)
+    `retention_days`: rows finished longer ago are deleted (None or 0: kept). `on_failure(operation)`:
+    told of every failed write ("start", "finish", "progress", "interrupt" or "retention") after it is
+    logged."""
+
+    NOW_SQL: ClassVar[str]  # the database's clock, unix seconds
+    ROWKEY: ClassVar[str]  # a physical row id, for batched deletes (legacy rows may lack `id`)
+    GREATEST_SQL: ClassVar[str]  # the larger of two values
+    STALE_AFTER_S: ClassVar[float] = STALE_AFTER_S  # 30 flushes missed: a gateway that is gone, not busy
+    ERRORS: ClassVar[tuple[type[Exception], ...]]  # what a failed write raises
+
+    def __init__(self, name: str, flush_interval_s: float, retention_days: float | None,
+                 on_failure: Callable[[str], None] | None):
+        """Called by a backend once its connection is open and its schema migrated."""
+        self.name = name  # for messages: the path, or the URL with its password masked
         self.retention_days = retention_days or None
         self.on_failure = on_failure
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()  # guards the connection (held across a commit's fsync)
-        self._pending_lock = threading.Lock()  # guards _pending only: progress() never waits for an fsync
-        self._conn = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=FULL")
-        self._conn.execute("PRAGMA busy_timeout=5000")
-        self._conn.executescript(_SCHEMA)
-        self._migrate()
-        self._conn.execute(
-            "UPDATE usage SET finish_reason = 'interrupted', status_code = 'UNAVAILABLE' WHERE status_code = ?",
-            (RUNNING,),
-        )
+        self.owner = new_owner()
+        self._sql = {k: self._dialect(v) for k, v in _statements(self.NOW_SQL, self.ROWKEY, self.GREATEST_SQL).items()}
+        self._pending_lock = threading.Lock()  # guards _pending only: progress() never waits for a commit
         self._pending: dict[str, UsageRecord] = {}
+        try:
+            with self._transaction() as tx:
+                tx.execute(self._sql["heartbeat"], (self.owner,))
+            self.close_interrupted()
+        except self.ERRORS as exc:
+            self._close_connections()
+            raise LedgerUnavailable(f"ledger {name}: {' '.join(str(exc).split())}") from None
         self._closed = threading.Event()
         self._flush_interval_s = flush_interval_s
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duospec-ledger-writer")
         self._expired_at = -float("inf")  # monotonic time of the last retention pass
+        self._interrupted_at = time.monotonic()  # ... and of the last close of gone writers' rows
         self._flusher = threading.Thread(target=self._flush_loop, name="duospec-ledger", daemon=True)
         self._flusher.start()
 
-    def _migrate(self) -> None:
-        """Ledgers written before rows had a server-made id: add the column (old rows keep NULL)."""
-        columns = {row[1] for row in self._conn.execute("PRAGMA table_info(usage)")}
-        if "id" not in columns:
-            self._conn.execute("ALTER TABLE usage ADD COLUMN id TEXT")
-        self._conn.execute("CREATE UNIQUE INDEX IF NOT EXISTS usage_id ON usage (id)")
+    # ---- what a backend provides -------------------------------------------------------------------
 
-    def start(self, rec: UsageRecord) -> None:
-        """The request was admitted: its row exists (durable) before the first token goes out. A row
-        with this id already there (a resumed stream's) is taken over if it is the same tenant's."""
-        with self._lock:
-            if self._conn.execute(_START, astuple(rec)).rowcount == 0:
-                raise ValueError(f"row {rec.id} exists under another tenant; it was left as it is")
+    def _dialect(self, sql: str) -> str:
+        """`sql` with the backend's placeholders."""
+        return sql
+
+    def _transaction(self) -> contextlib.AbstractContextManager[Any]:
+        """One transaction; yields an object with `execute(sql, params)` and `executemany(sql, rows)`
+        returning a DB-API cursor. Commits on exit, rolls back on an exception."""
+        raise NotImplementedError
+
+    def _close_connections(self) -> None:
+        raise NotImplementedError
+
+    def shared_quotas(self, on_failure: Callable[[str], None] | None = None):
+        """A QuotaStore (quota.py) every gateway on this ledger shares; None: this process's budgets,
+        exact for the one gateway an embedded ledger serves."""
+        return None
+
+    # ---- writes ----------------------------------------------------------------------------------------
+
+    def start(self, rec: UsageRecord) -> UsageRecord:
+        """The request was admitted: its row exists (durable) before the first token goes out. Returns the
+        row as stored (a resumed stream's original row, taken over); raises UsageRowTaken when the id
+        is another tenant's."""
+        with self._transaction() as tx:
+            rows = tx.execute(self._sql["start"], astuple(rec) + (self.owner,)).fetchall()
+        if not rows:
+            raise UsageRowTaken(f"usage row {rec.id} belongs to another tenant than {rec.tenant!r}; left as it was")
+        return UsageRecord(*rows[0])
 
     def progress(self, rec: UsageRecord) -> None:
         """The latest state of a running request; written by the flusher within flush_interval_s.
-        Called on the event loop: it only takes the pending lock, never the connection's."""
+        Called on the event loop: it only takes the pending lock, never a connection."""
         with self._pending_lock:
             self._pending[rec.id] = rec
 
@@ -155,49 +221,73 @@ class UsageLedger:
         """The final row, durable when this returns (inserted if `start` never ran for it)."""
         with self._pending_lock:
             self._pending.pop(rec.id, None)
-        with self._lock:
-            if self._conn.execute(_UPDATE, _update_args(rec)).rowcount == 0:
-                self._conn.execute(_INSERT, astuple(rec))
+        with self._transaction() as tx:
+            if tx.execute(self._sql["finish"], astuple(rec) + (self.owner,)).rowcount == 0:
+                log.info("usage ledger %s: row %s is owned by another writer now (its stream resumed there); "
+                         "this writer's final record is dropped", self.name, rec.id)
 
-    # Off the event loop (an fsync must not stall every other stream), on the ledger's own thread. They
-    # never raise: a lost row is logged and counted, and the request goes on.
-    async def start_async(self, rec: UsageRecord) -> None:
-        await self._write_async("start", self.start, rec)
+    # Off the event loop (a commit must not stall every other stream), on the ledger's own thread. They
+    # never raise a failed write: it is logged and counted, and the request goes on.
+    async def start_async(self, rec: UsageRecord) -> UsageRecord | None:
+        """`start` on the ledger's thread; None when the write failed. Raises UsageRowTaken."""
+        return await self._write_async("start", self.start, rec)
 
     async def finish_async(self, rec: UsageRecord) -> None:
         await self._write_async("finish", self.finish, rec)
 
-    async def _write_async(self, operation: str, write: Callable[[UsageRecord], None], rec: UsageRecord) -> None:
+    async def _write_async(self, operation: str, write: Callable[[UsageRecord], Any], rec: UsageRecord):
         try:
-            await asyncio.get_running_loop().run_in_executor(self._writer, write, rec)
+            return await asyncio.get_running_loop().run_in_executor(self._writer, write, rec)
+        except UsageRowTaken:
+            raise
         except Exception as exc:
             self._failed(operation, exc, rec.id)
+            return None
 
     def _failed(self, operation: str, exc: Exception, row: str | None = None) -> None:
         which = f" of row {row}" if row else ""
         log.error("usage ledger %s: the %s write%s failed (%s: %s); usage is missing until a write succeeds",
-                  self.path, operation, which, type(exc).__name__, exc)
+                  self.name, operation, which, type(exc).__name__, str(exc).strip())
         if self.on_failure is not None:
             self.on_failure(operation)
 
     def flush(self) -> None:
+        """Every stream's latest progress, and this writer's heartbeat, in one transaction."""
         with self._pending_lock:
             pending, self._pending = self._pending, {}
-        if pending:
-            with self._lock, self._conn:  # one transaction, one fsync
-                self._conn.execute("BEGIN")
-                self._conn.executemany(_PROGRESS, [_update_args(r) for r in pending.values()])
+        try:
+            with self._transaction() as tx:
+                if pending:
+                    tx.executemany(self._sql["progress"], [tuple(getattr(r, c) for c in _LIVE) + (r.id, self.owner)
+                                                           for r in pending.values()])
+                tx.execute(self._sql["heartbeat"], (self.owner,))
+        except BaseException:
+            with self._pending_lock:  # not written: keep what no newer progress replaced, for the next flush
+                for key, rec in pending.items():
+                    self._pending.setdefault(key, rec)
+            raise
+
+    def close_interrupted(self) -> int:
+        """Closes the RUNNING rows of writers that are gone (crashed) as interrupted; returns how many."""
+        with self._transaction() as tx:
+            n = tx.execute(self._sql["interrupt"], (self.owner, self.STALE_AFTER_S)).rowcount
+        if n:
+            log.warning("usage ledger %s: closed %d rows of gateways that stopped without finishing them "
+                        "as interrupted", self.name, n)
+        return n
 
     def expire(self, now: float | None = None) -> int:
         """Deletes the rows finished more than retention_days before `now` (unix seconds); returns how
         many. Batch by batch, so the writer never waits behind one long transaction."""
+        with self._transaction() as tx:
+            tx.execute(self._sql["forget_writers"], (_WRITERS_KEPT_S, self.owner))
         if self.retention_days is None:
             return 0
         cutoff = (time.time() if now is None else now) - self.retention_days * 86400.0
         deleted = 0
         while True:
-            with self._lock:
-                n = self._conn.execute(_EXPIRE, (cutoff,)).rowcount
+            with self._transaction() as tx:
+                n = tx.execute(self._sql["expire"], (cutoff,)).rowcount
             deleted += n
             if n < _RETENTION_BATCH:
                 break
@@ -205,50 +295,67 @@ class UsageLedger:
 
     def _flush_loop(self) -> None:
         while not self._closed.wait(self._flush_interval_s):
-            try:  # a full disk or a locked file: keep the server up, retry next tick
-                self.flush()
-            except sqlite3.Error as exc:
-                self._failed("progress", exc)
+            # A full disk, a locked file, a lost database: keep the server up, retry next tick.
+            self._guarded("progress", self.flush)
+            if time.monotonic() - self._interrupted_at >= self.STALE_AFTER_S:
+                self._interrupted_at = time.monotonic()
+                self._guarded("interrupt", self.close_interrupted)
             if time.monotonic() - self._expired_at >= RETENTION_INTERVAL_S:
                 self._expired_at = time.monotonic()
-                try:
-                    self.expire()
-                except sqlite3.Error as exc:
-                    self._failed("retention", exc)
+                self._guarded("retention", self.expire)
+
+    def _guarded(self, operation: str, work: Callable[[], Any]) -> None:
+        try:
+            work()
+        except self.ERRORS as exc:
+            self._failed(operation, exc)
 
     def close(self) -> None:
         self._closed.set()
         self._flusher.join(timeout=5)
         self._writer.shutdown(wait=True)
-        self.flush()
-        with self._lock:
-            self._conn.close()
+        self._guarded("progress", self.flush)
+        # Gone cleanly: another writer may close whatever this one left RUNNING, without waiting.
+        self._guarded("unregister", lambda: self._execute("unregister", (self.owner,)))
+        self._close_connections()
+
+    def _execute(self, statement: str, params: tuple) -> None:
+        with self._transaction() as tx:
+            tx.execute(self._sql[statement], params)
 
 
-def _update_args(rec: UsageRecord) -> tuple:
-    return tuple(getattr(rec, c) for c in _UPDATED) + (rec.id, rec.tenant)
+def is_postgres_url(location: str | os.PathLike) -> bool:
+    return isinstance(location, str) and location.startswith(("postgresql://", "postgres://"))
 
 
-def query_usage(path: str | pathlib.Path, tenant: str | None = None, since: float | None = None) -> list[UsageRecord]:
-    """Rows ordered by finish time; opened read-only so it works beside a running server."""
-    path = pathlib.Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no usage ledger there; pass --ledger with the server's ledger path")
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    try:
-        columns = {row[1] for row in conn.execute("PRAGMA table_info(usage)")}
-        select = ", ".join(c if c in columns else f"NULL AS {c}" for c in _COLUMNS)  # an unmigrated ledger
-        sql, params = f"SELECT {select} FROM usage WHERE 1=1", []
-        if tenant is not None:
-            sql += " AND tenant = ?"
-            params.append(tenant)
-        if since is not None:
-            sql += " AND finished_at >= ?"
-            params.append(since)
-        rows = conn.execute(sql + " ORDER BY finished_at", params).fetchall()
-    finally:
-        conn.close()
-    return [UsageRecord(*row) for row in rows]
+def open_ledger(location: str | os.PathLike, flush_interval_s: float = FLUSH_INTERVAL_S, *,
+                retention_days: float | None = None, on_failure: Callable[[str], None] | None = None) -> UsageLedger:
+    """A `postgresql://user:pass@host:port/db` URL: the PostgreSQL ledger; anything else: a SQLite file.
+    Raises LedgerUnavailable (its message names the location, password masked) when it cannot open."""
+    if is_postgres_url(location):
+        from duospec.coordinator.tenants.ledger_postgres import PostgresLedger
+
+        return PostgresLedger(str(location), flush_interval_s, retention_days=retention_days, on_failure=on_failure)
+    from duospec.coordinator.tenants.ledger_sqlite import SqliteLedger
+
+    return SqliteLedger(location, flush_interval_s, retention_days=retention_days, on_failure=on_failure)
+
+
+def check_ledger(location: str | os.PathLike) -> None:
+    """Opens (migrating it) and closes the ledger, so a bad location fails before anything slow starts.
+    Raises LedgerUnavailable."""
+    open_ledger(location).close()
+
+
+def query_usage(location: str | os.PathLike, tenant: str | None = None, since: float | None = None) -> list[UsageRecord]:
+    """Rows ordered by finish time, from either ledger; read-only, so it works beside running gateways."""
+    if is_postgres_url(location):
+        from duospec.coordinator.tenants.ledger_postgres import query_postgres
+
+        return query_postgres(str(location), tenant, since)
+    from duospec.coordinator.tenants.ledger_sqlite import query_sqlite
+
+    return query_sqlite(location, tenant, since)
 
 
 def summarize(records: list[UsageRecord]) -> list[dict]:

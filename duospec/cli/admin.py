@@ -36,7 +36,8 @@ def register(subparsers) -> None:
     rm.set_defaults(func=tenants_remove)
 
     usage = subparsers.add_parser("usage", help="usage per tenant and model from the server's ledger")
-    usage.add_argument("--ledger", type=pathlib.Path, required=True, help="the server's SQLite ledger")
+    usage.add_argument("--ledger", required=True,
+                       help="the server's ledger: its SQLite path, or its postgresql://user:pass@host:port/db URL")
     usage.add_argument("--tenant", help="only this tenant")
     usage.add_argument("--since", help="only requests finished since: 30m, 12h, 7d, or an ISO date/time")
     usage.set_defaults(func=usage_report)
@@ -121,7 +122,7 @@ def usage_report(args: argparse.Namespace) -> int:
     try:
         since = parse_since(args.since) if args.since else None
         records = query_usage(args.ledger, tenant=args.tenant, since=since)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # (a missing file, an unreachable database: LedgerUnavailable)
         return _fail(str(exc))
     rows = [("TENANT", "MODEL", "REQUESTS", "RUNNING", "ERRORS", "PROMPT", "COMPLETION", "DRAFTED", "ACCEPTED", "ACCEPT%",
              "TOK/FWD")]

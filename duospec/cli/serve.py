@@ -33,7 +33,8 @@ def register(subparsers) -> None:
                    help="ray = draft/target Ray actors (default); local = in-process, no Ray (development)")
     p.add_argument("--insecure-no-auth", action="store_true",
                    help="allow serving without a tenants file on a non-loopback address")
-    p.add_argument("--ledger", help="usage ledger SQLite path (default duospec-usage.db, or ledger from --config)")
+    p.add_argument("--ledger", help="usage ledger: a SQLite path, or postgresql://user:pass@host:port/db shared by "
+                                    "several gateways (default duospec-usage.db, or ledger from --config)")
     p.add_argument("--model-dir", type=pathlib.Path, help="serve one model from DIR/target (+ DIR/draft)")
     p.add_argument("--gateways", type=int, metavar="N",
                    help="gateway processes sharing the ports (default 1: one process; more run each replica's "
@@ -95,6 +96,7 @@ def build_config(args: argparse.Namespace):
     from dataclasses import replace
 
     from duospec.coordinator.config import DEFAULT_LEDGER, ServeConfig, ServerSettings, load_serve_config
+    from duospec.coordinator.tenants.ledger import is_postgres_url
 
     if args.config is not None:
         config = load_serve_config(pathlib.Path(args.config).expanduser())
@@ -109,7 +111,8 @@ def build_config(args: argparse.Namespace):
     server = replace(server, **{k: v for k, v in overrides.items() if v is not None})
     config = replace(config, server=server)
     if args.ledger:
-        config = replace(config, ledger=str(pathlib.Path(args.ledger).expanduser().resolve()))
+        ledger = args.ledger if is_postgres_url(args.ledger) else str(pathlib.Path(args.ledger).expanduser().resolve())
+        config = replace(config, ledger=ledger)
     if args.tenants:
         config = replace(config, tenants=str(args.tenants.expanduser().resolve()))
     return config
@@ -156,10 +159,12 @@ def make_coordinator(config, args: argparse.Namespace):
 
 async def _serve(config, args: argparse.Namespace) -> int:
     from duospec.coordinator.serving.server import check_auth_policy
+    from duospec.coordinator.tenants.ledger import check_ledger
     from duospec.coordinator.tenants.tenancy import load_tenants
 
     tenants = load_tenants(config.tenants) if config.tenants else None
     check_auth_policy(config.server.host, tenants, args.insecure_no_auth)  # fail before loading models
+    check_ledger(config.ledger)  # (an unreachable database, too)
     if args.gateway_only:
         return await _serve_gateway(config, args, tenants)
     if config.server.gateways > 1:

@@ -19,19 +19,21 @@ import os
 import pathlib
 import re
 import shlex
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
 from deploy_support import (
-    CLUSTER_CONFIGS, DEPLOY, REPO, commands_in, deploy_commands, flag_values, head_pod_spec, head_serve_flags,
-    gpus_serve_yaml_places, kuberay_docs, load_yaml, readme_commands, serve_config, the_doc, yaml_strings,
+    API_SERVICE, CLUSTER_CONFIGS, DEPLOY, LEDGER, REPO, TENANTS_SECRET, commands_in, deploy_commands, flag_values,
+    head_pod_spec, head_serve_flags, gpus_serve_yaml_places, kuberay_docs, load_yaml, named, readme_commands,
+    serve_config, the_doc, yaml_strings,
 )
 
 CRD_KINDS = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml",
              "RayService": "ray.io_rayservices.yaml"}
-CORE_KINDS = ("Service", "Secret", "ConfigMap", "PersistentVolumeClaim", "NetworkPolicy", "Deployment")
-API_VERSIONS = {"NetworkPolicy": "networking.k8s.io/v1", "Deployment": "apps/v1"}  # the rest are core v1
+CORE_KINDS = ("Service", "Secret", "ConfigMap", "PersistentVolumeClaim", "NetworkPolicy", "StatefulSet", "Deployment")
+API_VERSIONS = {"NetworkPolicy": "networking.k8s.io/v1", "StatefulSet": "apps/v1", "Deployment": "apps/v1"}  # the rest are core v1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,44 +183,72 @@ def core_kind_errors(doc: dict) -> list[str]:
                 if not isinstance(port.get("port"), int) or port.get("protocol", "TCP") not in ("TCP", "UDP", "SCTP"):
                     errors.append(f"spec.ingress[{i}].ports[{j}]: {port!r} is not a port rule")
     elif kind == "PersistentVolumeClaim":
-        if not spec.get("accessModes"):
-            errors.append("spec.accessModes: missing")
-        if not (spec.get("resources") or {}).get("requests", {}).get("storage"):
-            errors.append("spec.resources.requests.storage: missing")
+        errors += claim_errors(spec, "spec")
+    elif kind == "StatefulSet":
+        errors += stateful_set_errors(spec)
     return errors
+
+
+def claim_errors(spec: dict, where: str) -> list[str]:
+    errors = [] if spec.get("accessModes") else [f"{where}.accessModes: missing"]
+    if not (spec.get("resources") or {}).get("requests", {}).get("storage"):
+        errors.append(f"{where}.resources.requests.storage: missing")
+    return errors
+
+
+def stateful_set_errors(spec: dict) -> list[str]:
+    """What the API server checks of a StatefulSet, and what would leave it unable to run: its headless
+    Service exists, its claims are complete, and what every workload needs (workload_errors)."""
+    errors = []
+    services = {d["metadata"]["name"] for _, d in kuberay_docs() if d["kind"] == "Service"}
+    if spec.get("serviceName") not in services:
+        errors.append(f"spec.serviceName: {spec.get('serviceName')!r} names no Service in deploy/kuberay")
+    claims = spec.get("volumeClaimTemplates") or []
+    for i, claim in enumerate(claims):
+        errors += claim_errors(claim.get("spec") or {}, f"spec.volumeClaimTemplates[{i}].spec")
+    return errors + workload_errors(spec, {c["metadata"]["name"] for c in claims})
 
 
 POD_FIELDS = {"containers", "volumes", "securityContext", "terminationGracePeriodSeconds",
               "automountServiceAccountToken", "affinity", "tolerations", "nodeSelector", "serviceAccountName"}
 CONTAINER_FIELDS = {"name", "image", "imagePullPolicy", "command", "args", "env", "ports", "readinessProbe",
                     "livenessProbe", "startupProbe", "securityContext", "resources", "volumeMounts"}
+# Secrets the operator makes, not shipped here: Ray's token, which must be the RayCluster's (gateway.yaml)
+EXTERNAL_SECRETS = {"duospec-ray-token"}
 
 
-def workload_errors(spec: dict) -> list[str]:
-    """A Deployment's (or StatefulSet's) spec: its selector picks its own pods, its pod spec has the
-    fields Kubernetes knows (a misspelled one would be dropped by `kubectl apply` without a word),
-    every container an image, probes on declared ports, mounts of declared volumes."""
+def workload_errors(spec: dict, claims: set[str] = frozenset()) -> list[str]:
+    """A Deployment's or StatefulSet's spec: its selector picks its own pods, its pod spec has the fields
+    Kubernetes knows (a misspelled one would be dropped by `kubectl apply` without a word), every
+    container a name and an image, probes on declared ports, mounts of declared volumes (or `claims`),
+    Secrets it reads shipped with the keys it reads."""
     errors = []
     template = spec.get("template") or {}
     labels = (template.get("metadata") or {}).get("labels") or {}
     selector = (spec.get("selector") or {}).get("matchLabels") or {}
-    if not selector or any(labels.get(k) != v for k, v in selector.items()):
-        errors.append(f"spec.selector.matchLabels {selector} must be set and match the template's labels {labels}")
+    if not selector or selector.items() - labels.items():
+        errors.append(f"spec.selector.matchLabels {selector} must be among the template's labels {labels}")
     pod = template.get("spec") or {}
     errors += [f"spec.template.spec.{k}: not a pod field" for k in sorted(set(pod) - POD_FIELDS)]
-    volumes = {v.get("name") for v in pod.get("volumes") or []}
-    for i, c in enumerate(pod.get("containers") or [{}]):
-        where = f"spec.template.spec.containers[{i}]"
+    volumes = {v.get("name") for v in pod.get("volumes") or []} | set(claims)
+    secrets = {d["metadata"]["name"]: d.get("stringData") or d.get("data") or {}
+               for _, d in kuberay_docs() if d["kind"] == "Secret"}
+    for c in pod.get("containers") or [{}]:
+        where = f"spec.template.spec.containers[{c.get('name')!r}]"
         errors += [f"{where}.{k}: not a container field" for k in sorted(set(c) - CONTAINER_FIELDS)]
         if not c.get("image") or not c.get("name"):
-            errors.append(f"{where}: needs a name and an image")
+            errors.append(f"{where}: name and image are required")
         ports = {p.get("containerPort") for p in c.get("ports") or []}
         for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
             port = ((c.get(probe) or {}).get("grpc") or {}).get("port")
-            if probe in c and port not in ports:
+            if port is not None and port not in ports:
                 errors.append(f"{where}.{probe}: port {port} is not one of the container's ports {sorted(ports)}")
         errors += [f"{where}.volumeMounts: {m.get('name')!r} is no volume of the pod"
                    for m in c.get("volumeMounts") or [] if m.get("name") not in volumes]
+        for env in c.get("env") or []:
+            ref = (env.get("valueFrom") or {}).get("secretKeyRef")
+            if ref and ref["name"] not in EXTERNAL_SECRETS and ref["key"] not in secrets.get(ref["name"], {}):
+                errors.append(f"{where}.env.{env['name']}: no Secret {ref['name']!r} with key {ref['key']!r}")
     return errors
 
 
@@ -338,7 +368,7 @@ def test_kuberay_ports_agree_between_server_service_and_probe():
     assert container["readinessProbe"]["grpc"]["port"] == grpc_port
     container_ports = {p["containerPort"] for p in container["ports"]}
     assert {grpc_port, http_port, metrics_port} <= container_ports
-    service = the_doc("Service", "duospec")
+    service = named("Service", API_SERVICE)
     targets = {p["targetPort"] for p in service["spec"]["ports"]}
     assert targets == {grpc_port, http_port, metrics_port}, f"Service targetPorts {targets}"
     head_labels = {"ray.io/cluster": the_doc("RayCluster")["metadata"]["name"], "ray.io/node-type": "head"}
@@ -351,20 +381,34 @@ def volume_mount_for(pod_spec: dict, predicate) -> str:
     return mount["mountPath"]
 
 
-def test_kuberay_head_mounts_the_configmap_secret_and_ledger():
+def test_kuberay_head_mounts_the_configmap_and_secret_and_reaches_the_ledger_database():
     pod = head_pod_spec()
     flags = head_serve_flags()
-    configmap, secret, pvc = the_doc("ConfigMap"), the_doc("Secret"), the_doc("PersistentVolumeClaim")
+    configmap, secret = the_doc("ConfigMap"), named("Secret", TENANTS_SECRET)
     config_dir = volume_mount_for(pod, lambda v: v.get("configMap", {}).get("name") == configmap["metadata"]["name"])
     tenants_dir = volume_mount_for(pod, lambda v: v.get("secret", {}).get("secretName") == secret["metadata"]["name"])
-    ledger_dir = volume_mount_for(
-        pod, lambda v: v.get("persistentVolumeClaim", {}).get("claimName") == pvc["metadata"]["name"])
     config_path, tenants_path = pathlib.PurePosixPath(flags["--config"]), pathlib.PurePosixPath(flags["--tenants"])
     assert str(config_path.parent) == config_dir and config_path.name in configmap["data"]
     assert str(tenants_path.parent) == tenants_dir and tenants_path.name in secret["stringData"]
-    assert str(pathlib.PurePosixPath(serve_config()["ledger"]).parent) == ledger_dir
     grace = serve_config()["server"]["grace_period_s"]
     assert pod["terminationGracePeriodSeconds"] > grace, "pods must outlive the server's drain period"
+
+
+def test_the_head_writes_its_ledger_to_the_shipped_postgres_with_the_secrets_password():
+    """--ledger names the database's Service, port, user and database, and no password; the head's
+    PGPASSWORD and the database's POSTGRES_PASSWORD are the same Secret key."""
+    url = urlsplit(head_serve_flags()["--ledger"])
+    service, database = named("Service", LEDGER), named("StatefulSet", LEDGER)
+    [container] = database["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert url.scheme == "postgresql" and url.password is None, "the password comes from PGPASSWORD, not the URL"
+    assert (url.hostname, url.port) == (service["metadata"]["name"], service["spec"]["ports"][0]["port"])
+    assert (url.username, url.path.lstrip("/")) == (env["POSTGRES_USER"]["value"], env["POSTGRES_DB"]["value"])
+    assert service["spec"]["selector"].items() <= database["spec"]["template"]["metadata"]["labels"].items()
+    head_env = {e["name"]: e for e in head_pod_spec()["containers"][0]["env"]}
+    password = env["POSTGRES_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert head_env["PGPASSWORD"]["valueFrom"]["secretKeyRef"] == password
+    assert password["key"] in named("Secret", password["name"])["stringData"]
 
 
 def test_configmap_carries_deploy_serve_yaml():
@@ -379,7 +423,7 @@ def test_serve_config_and_tenants_load_with_the_real_loaders():
 
     config = load_serve_config(DEPLOY / "serve.yaml")
     assert config.models and all(m.draft for m in config.models), "the deployment serves draft/target pairs"
-    [(key, text)] = the_doc("Secret")["stringData"].items()
+    [(key, text)] = named("Secret", TENANTS_SECRET)["stringData"].items()
     tenants = parse_tenants(yaml.safe_load(text), source=f"tenants-secret.yaml:{key}")
     assert tenants, "the shipped tenants file should show at least one tenant"
 
@@ -457,7 +501,7 @@ def test_gpu_workers_hold_what_the_serve_config_places():
 
 def test_kuberay_gateways_join_the_deployment_on_the_configs_ports_behind_their_service():
     server = serve_config()["server"]
-    deployment = the_doc("Deployment", "duospec-gateway")
+    deployment = named("Deployment", "duospec-gateway")
     pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
     [argv] = [a for text in yaml_strings(container) for a in commands_in(text) if a[0] == "serve"]
@@ -467,7 +511,7 @@ def test_kuberay_gateways_join_the_deployment_on_the_configs_ports_behind_their_
         (str(server["port"]), str(server["http_port"]), str(server["metrics_port"]))
     assert flags["--config"].startswith(volume_mount_for(pod, lambda v: "configMap" in v))
     assert flags["--tenants"].startswith(volume_mount_for(pod, lambda v: "secret" in v))
-    service = the_doc("Service", "duospec-gateway")
+    service = named("Service", "duospec-gateway")
     assert service["spec"]["selector"] == deployment["spec"]["template"]["metadata"]["labels"]
     assert {p["targetPort"] for p in service["spec"]["ports"]} == {p["containerPort"] for p in container["ports"]}
     # it joins Ray with the cluster's token mode, so Ray admits it

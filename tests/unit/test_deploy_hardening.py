@@ -30,8 +30,8 @@ import pytest
 import yaml
 
 from deploy_support import (
-    CLUSTER_CONFIGS, DEPLOY, REPO, commands_in, deploy_commands, flag_values, head_pod_spec, head_serve_flags,
-    kuberay_docs, load_yaml, readme_commands, the_doc,
+    API_SERVICE, CLUSTER_CONFIGS, DEPLOY, LEDGER, REPO, commands_in, deploy_commands, flag_values, head_pod_spec,
+    head_serve_flags, kuberay_docs, load_yaml, named, readme_commands, the_doc,
 )
 
 SUPERVISE = DEPLOY / "supervise.py"
@@ -225,40 +225,61 @@ def test_kuberay_head_starts_ray_without_block_then_execs_serve_with_metrics_on_
 def pod_specs() -> list[tuple[str, dict]]:
     spec = the_doc("RayCluster")["spec"]
     return [("head", spec["headGroupSpec"]["template"]["spec"]),
-            *[(group["groupName"], group["template"]["spec"]) for group in spec["workerGroupSpecs"]]]
+            *[(group["groupName"], group["template"]["spec"]) for group in spec["workerGroupSpecs"]],
+            *[(d["metadata"]["name"], d["spec"]["template"]["spec"]) for _, d in kuberay_docs()
+              if d["kind"] in ("StatefulSet", "Deployment")]]
+
+
+GATEWAY_LABELS = {"app.kubernetes.io/name": "duospec", "app.kubernetes.io/component": "gateway"}  # gateway.yaml
 
 
 def test_kuberay_exposes_only_the_api_and_metrics_beyond_the_raycluster():
     """The dashboard (job submission runs code), GCS and the workers' data-plane ports are reachable
-    only from the RayCluster's own pods; from elsewhere only gRPC 50051 and HTTP 8000 on the head, and
-    its metrics 9400 only from the monitoring namespace."""
+    only from the RayCluster's own pods and the gateways that join it; from elsewhere only gRPC 50051
+    and HTTP 8000 on the head and the gateways, and their metrics 9400 only from the monitoring namespace."""
     cluster = the_doc("RayCluster")["metadata"]["name"]
-    policies = [d for _, d in kuberay_docs() if d.get("kind") == "NetworkPolicy"]
+    database = named("StatefulSet", LEDGER)["spec"]["template"]["metadata"]["labels"]
+    policies = [d for _, d in kuberay_docs() if d.get("kind") == "NetworkPolicy"
+                and d["spec"]["podSelector"]["matchLabels"] != database]
     own_pods = {"podSelector": {"matchLabels": {"ray.io/cluster": cluster}}}
+    gateways = {"podSelector": {"matchLabels": GATEWAY_LABELS}}
     opened_to_outside: dict[str, set] = {}
     for policy in policies:
         spec = policy["spec"]
         assert "Ingress" in spec["policyTypes"]
         selected = spec["podSelector"]["matchLabels"]
-        assert selected.get("ray.io/cluster") == cluster, policy["metadata"]["name"]
+        assert selected.get("ray.io/cluster") == cluster or selected == GATEWAY_LABELS, policy["metadata"]["name"]
         for rule in spec.get("ingress", []):
-            if rule.get("from") == [own_pods]:
-                continue  # the pods of this RayCluster talk to each other freely
+            if rule.get("from") == [own_pods, gateways]:
+                continue  # the pods of this RayCluster and the gateways that join it talk to each other freely
             assert "from" not in rule or rule["from"], "an empty from would admit everyone"
             ports = {p["port"] for p in rule.get("ports", [])}
             assert ports, f"{policy['metadata']['name']}: a rule open to other pods must name its ports"
             if 9400 in ports:
                 assert rule.get("from") == MONITORING and ports == {9400}, \
                     f"{policy['metadata']['name']}: metrics (9400) only to the monitoring namespace: {rule}"
-            opened_to_outside.setdefault(selected.get("ray.io/node-type", "all"), set()).update(ports)
-    assert opened_to_outside == {"head": {50051, 8000, 9400}}
+            kind = "gateway" if selected == GATEWAY_LABELS else selected.get("ray.io/node-type", "all")
+            opened_to_outside.setdefault(kind, set()).update(ports)
+    assert opened_to_outside == {"head": {50051, 8000, 9400}, "gateway": {50051, 8000, 9400}}
     assert any(p["spec"]["podSelector"]["matchLabels"] == {"ray.io/cluster": cluster} for p in policies), \
         "every pod of the RayCluster must be covered by a policy"
-    service = next(d for _, d in kuberay_docs() if d.get("kind") == "Service")
+    service = named("Service", API_SERVICE)
     assert service["spec"].get("type", "ClusterIP") == "ClusterIP" and {p["port"] for p in service["spec"]["ports"]} \
         == {50051, 8000, 9400}
     head_service = the_doc("RayCluster")["spec"]["headGroupSpec"]["headService"]["spec"]
     assert head_service.get("clusterIP") == "None" and head_service.get("type", "ClusterIP") == "ClusterIP"
+
+
+def test_only_the_head_and_the_gateways_reach_the_ledger_database_and_only_on_its_port():
+    cluster = the_doc("RayCluster")["metadata"]["name"]
+    database = named("StatefulSet", LEDGER)["spec"]["template"]["metadata"]["labels"]
+    [policy] = [d for _, d in kuberay_docs() if d.get("kind") == "NetworkPolicy"
+                and d["spec"]["podSelector"]["matchLabels"] == database]
+    head = {"podSelector": {"matchLabels": {"ray.io/cluster": cluster, "ray.io/node-type": "head"}}}
+    gateways = {"podSelector": {"matchLabels": GATEWAY_LABELS}}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [{"from": [head, gateways], "ports": [{"port": 5432, "protocol": "TCP"}]}]
+    assert named("Service", LEDGER)["spec"].get("type", "ClusterIP") == "ClusterIP"
 
 
 def test_kuberay_pods_run_unprivileged_without_a_service_account_token():

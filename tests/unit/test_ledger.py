@@ -13,7 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from duospec.coordinator.tenants.ledger import RUNNING, UsageLedger, UsageRecord, query_usage, summarize
+from duospec.coordinator.tenants.ledger import COLUMNS, RUNNING, UsageRecord, query_usage, summarize
+from duospec.coordinator.tenants.ledger_sqlite import SqliteLedger
 from duospec.cli import admin
 from duospec.v1 import generation_pb2 as pb
 from duospec.v1 import generation_pb2_grpc as pb_grpc
@@ -30,7 +31,7 @@ def record(i: int, tenant: str = "a", finished_at: float = 1000.0, status: str =
 
 
 def test_rows_round_trip_and_filter(tmp_path):
-    ledger = UsageLedger(tmp_path / "u.db")
+    ledger = SqliteLedger(tmp_path / "u.db")
     for i, (tenant, t) in enumerate([("a", 100.0), ("b", 200.0), ("a", 300.0)]):
         ledger.finish(record(i, tenant, t))
     ledger.finish(record(9, "a", 400.0, status="INTERNAL"))
@@ -46,7 +47,7 @@ def test_rows_round_trip_and_filter(tmp_path):
 def test_a_resumed_stream_takes_over_its_broken_streams_row(tmp_path):
     """start() is an upsert by id: the resumed stream writes the broken stream's row (started_at kept),
     charged once, never for fewer tokens than any of its streams sent."""
-    ledger = UsageLedger(tmp_path / "u.db", flush_interval_s=3600)
+    ledger = SqliteLedger(tmp_path / "u.db", flush_interval_s=3600)
     ledger.start(record(1, tokens=0, status=RUNNING, finish="running", finished_at=100.0))
     ledger.finish(record(1, tokens=9, status="CANCELLED", finished_at=101.0))  # the broken stream sent 9
     ledger.start(record(1, tokens=7, status=RUNNING, finish="running", finished_at=102.0))  # client got 7
@@ -59,7 +60,7 @@ def test_a_resumed_stream_takes_over_its_broken_streams_row(tmp_path):
 
 
 def test_a_row_is_never_taken_over_by_another_tenant(tmp_path):
-    ledger = UsageLedger(tmp_path / "u.db", flush_interval_s=3600)
+    ledger = SqliteLedger(tmp_path / "u.db", flush_interval_s=3600)
     ledger.finish(record(1, tenant="a", tokens=9))
     with pytest.raises(ValueError, match="another tenant"):
         ledger.start(record(1, tenant="b", tokens=0, status=RUNNING, finish="running"))
@@ -69,7 +70,7 @@ def test_a_row_is_never_taken_over_by_another_tenant(tmp_path):
 
 
 def test_a_row_exists_from_admission_and_follows_the_stream(tmp_path):
-    ledger = UsageLedger(tmp_path / "u.db", flush_interval_s=3600)  # flushed by hand below
+    ledger = SqliteLedger(tmp_path / "u.db", flush_interval_s=3600)  # flushed by hand below
     ledger.start(record(1, tokens=0, status=RUNNING, finish="running"))
     [row] = query_usage(tmp_path / "u.db")
     assert (row.id, row.request_id, row.status_code, row.completion_tokens) == ("id1", "r1", RUNNING, 0)
@@ -87,7 +88,7 @@ def test_a_row_exists_from_admission_and_follows_the_stream(tmp_path):
 
 
 def test_progress_pending_when_the_request_finishes_never_overwrites_the_final_row(tmp_path):
-    ledger = UsageLedger(tmp_path / "u.db", flush_interval_s=3600)
+    ledger = SqliteLedger(tmp_path / "u.db", flush_interval_s=3600)
     ledger.start(record(1, tokens=0, status=RUNNING, finish="running"))
     ledger.progress(record(1, tokens=5, status=RUNNING, finish="running"))
     pending = dict(ledger._pending)  # a flush that took this progress just before the finish...
@@ -100,10 +101,10 @@ def test_progress_pending_when_the_request_finishes_never_overwrites_the_final_r
 
 
 def test_rows_left_running_by_a_crash_are_closed_as_interrupted_on_reopen(tmp_path):
-    ledger = UsageLedger(tmp_path / "u.db")
+    ledger = SqliteLedger(tmp_path / "u.db")
     ledger.start(record(1, tokens=4, status=RUNNING, finish="running"))
     ledger.close()
-    UsageLedger(tmp_path / "u.db").close()
+    SqliteLedger(tmp_path / "u.db").close()
     [row] = query_usage(tmp_path / "u.db")
     assert (row.finish_reason, row.status_code, row.completion_tokens) == ("interrupted", "UNAVAILABLE", 4)
 
@@ -119,7 +120,7 @@ def test_a_ledger_from_before_row_ids_is_migrated(tmp_path):
     conn.commit()
     conn.close()
     assert query_usage(tmp_path / "old.db")[0].id is None  # readable before the server migrates it
-    ledger = UsageLedger(tmp_path / "old.db")
+    ledger = SqliteLedger(tmp_path / "old.db")
     ledger.finish(record(1))
     ledger.close()
     assert [(r.id, r.request_id) for r in query_usage(tmp_path / "old.db")] == [(None, "old-1"), ("id1", "r1")]
@@ -131,13 +132,13 @@ def test_rows_past_the_retention_are_deleted_in_batches_and_running_rows_are_kep
     from duospec.coordinator.tenants import ledger as ledger_module
 
     now = time.time()
-    ledger = UsageLedger(tmp_path / "u.db", flush_interval_s=3600, retention_days=30)
+    ledger = SqliteLedger(tmp_path / "u.db", flush_interval_s=3600, retention_days=30)
     ledger.finish(record(1, finished_at=now - 40 * 86400))
     ledger.finish(record(2, finished_at=now - 10 * 86400))
     ledger.start(record(3, status=RUNNING, finish="running", finished_at=now - 40 * 86400))  # a long stream
     n_old = ledger_module._RETENTION_BATCH * 2 + 7  # more than one delete's worth
     with sqlite3.connect(tmp_path / "u.db") as conn:  # one transaction: the ledger would fsync each row
-        conn.executemany(f"INSERT INTO usage VALUES ({', '.join('?' * 14)})",
+        conn.executemany(f"INSERT INTO usage ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})",
                          [tuple(vars(record(100 + i, finished_at=now - 31 * 86400)).values()) for i in range(n_old)])
     assert ledger.expire(now) == n_old + 1
     assert sorted(r.id for r in query_usage(tmp_path / "u.db")) == ["id2", "id3"]
@@ -145,11 +146,11 @@ def test_rows_past_the_retention_are_deleted_in_batches_and_running_rows_are_kep
 
 
 def test_the_retention_runs_on_its_own_once_the_ledger_is_open(tmp_path):
-    ledger = UsageLedger(tmp_path / "u.db")  # no retention: kept
+    ledger = SqliteLedger(tmp_path / "u.db")  # no retention: kept
     ledger.finish(record(1, finished_at=time.time() - 400 * 86400))
     ledger.close()
     assert len(query_usage(tmp_path / "u.db")) == 1
-    ledger = UsageLedger(tmp_path / "u.db", flush_interval_s=0.02, retention_days=365)
+    ledger = SqliteLedger(tmp_path / "u.db", flush_interval_s=0.02, retention_days=365)
     try:
         deadline = time.monotonic() + 30
         while query_usage(tmp_path / "u.db"):
@@ -171,7 +172,7 @@ async def test_ledger_writes_do_not_wait_for_the_executor_that_tokenizes(tmp_pat
     loop.set_default_executor(busy)
     release = threading.Event()
     blocker = asyncio.ensure_future(asyncio.to_thread(release.wait))
-    ledger = UsageLedger(tmp_path / "u.db")
+    ledger = SqliteLedger(tmp_path / "u.db")
     try:
         await asyncio.wait_for(ledger.start_async(record(1, status=RUNNING, finish="running")), 30)
         await asyncio.wait_for(ledger.finish_async(record(1)), 30)
@@ -213,7 +214,7 @@ def cli_main(argv: list[str]) -> int:
 
 
 def test_usage_command_prints_a_table(tmp_path, capsys):
-    ledger = UsageLedger(tmp_path / "u.db")
+    ledger = SqliteLedger(tmp_path / "u.db")
     ledger.finish(record(1, "team-a", time.time()))
     ledger.close()
     assert cli_main(["usage", "--ledger", str(tmp_path / "u.db"), "--since", "1h"]) == 0

@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from duospec.coordinator.tenants.admission import Admission, AdmissionError, TokenBucket
+from duospec.coordinator.tenants.admission import Admission, AdmissionError
+from duospec.coordinator.tenants.quota import TokenBucket
 from duospec.coordinator.tenants.tenancy import (
     AuthError, Tenant, TenantLimits, TenantRegistry, TenantsFileError, hash_api_key, load_tenants, new_api_key,
     parse_tenants, save_tenants,
@@ -84,19 +85,19 @@ async def test_concurrent_stream_and_request_rate_limits():
     await admission.admit(tenant, 1)
     admission.release(t1, 1)  # double release is a no-op
     for _ in range(3):  # charged before validation: requests later rejected count too
-        admission.charge_request(tenant)
+        await admission.charge_request(tenant)
     with pytest.raises(AdmissionError, match="requests_per_minute"):
-        admission.charge_request(tenant)
+        await admission.charge_request(tenant)
 
 
-def test_a_reload_gives_changed_limits_new_buckets_and_keeps_the_stream_counts():
+async def test_a_reload_gives_changed_limits_new_buckets_and_keeps_the_stream_counts():
     admission = Admission(8, 8, tenants=[Tenant("a", limits=TenantLimits(requests_per_minute=1))])
-    admission.charge_request(Tenant("a", limits=TenantLimits(requests_per_minute=1)))
+    await admission.charge_request(Tenant("a", limits=TenantLimits(requests_per_minute=1)))
     with pytest.raises(AdmissionError):
-        admission.charge_request(Tenant("a", limits=TenantLimits(requests_per_minute=1)))
+        await admission.charge_request(Tenant("a", limits=TenantLimits(requests_per_minute=1)))
     raised = Tenant("a", limits=TenantLimits(requests_per_minute=5), priority_weight=4.0)
     admission.set_tenants([raised, Tenant("b")])
-    admission.charge_request(raised)
+    await admission.charge_request(raised)
     assert admission.queue_share(raised) == 6  # 8 * 4 / (4 + 1)
 
 
