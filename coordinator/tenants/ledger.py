@@ -237,7 +237,9 @@ class UsageLedger:
 
     async def _write_async(self, operation: str, write: Callable[[UsageRecord], Any], rec: UsageRecord):
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._writer, write, rec)
+            # Shielded: a stream whose client hung up (its task cancelled) still gets its row written; an
+            # unshielded write still queued behind another would be dropped with the task.
+            return await asyncio.shield(asyncio.get_running_loop().run_in_executor(self._writer, write, rec))
         except UsageRowTaken:
             raise
         except Exception as exc:

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 import duospec
-from duospec.coordinator.tenants.ledger import query_usage
+from duospec.coordinator.tenants.ledger import RUNNING, query_usage
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -165,9 +165,13 @@ def test_a_gateway_killed_under_16_seeded_streams_loses_none(deployment):
 
     asyncio.run(run())
     assert got == want  # every stream whole, token for token (and text) the unbroken run's
+    deadline = time.monotonic() + 10  # finished rows are written on the ledger's thread, just after
+    while any(r.status_code == RUNNING for r in query_usage(folder / "usage.db")):
+        assert time.monotonic() < deadline, query_usage(folder / "usage.db")[rows_before:]
+        time.sleep(0.2)
     rows = query_usage(folder / "usage.db")[rows_before:]
     assert len(rows) == len(requests)  # each request counted once, resumed or not
-    assert sorted(r.completion_tokens for r in rows) == [96] * len(requests)
+    assert [(r.completion_tokens, r.status_code) for r in rows] == [(96, "OK")] * len(requests), rows
     deadline = time.monotonic() + 60  # the supervisor restarts the killed gateway
     while len(gateway_pids(proc.pid)) < 2:
         assert time.monotonic() < deadline, "the killed gateway was not restarted"

@@ -323,3 +323,28 @@ def _completion_tokens(ledger_path) -> int | None:
     except (FileNotFoundError, sqlite3.OperationalError):  # not created yet, or busy: try again next token
         return None
     return rows[0].completion_tokens if rows else None
+
+
+async def test_a_final_row_is_written_even_when_its_stream_is_cancelled_while_the_write_waits(tmp_path):
+    # A client that hangs up after its last message cancels the stream's task while its final write may
+    # still be queued behind another on the ledger's one writer thread: the row must land anyway.
+    import asyncio
+    import dataclasses
+    import threading
+
+    ledger = SqliteLedger(tmp_path / "u.db", flush_interval_s=3600)
+    now = time.time()
+    rec = UsageRecord("r1", "r1", "t", "m", 5, 0, 0, 0, 0, 0.0, "running", RUNNING, now, now)
+    ledger.start(rec)
+    release = threading.Event()
+    ledger._writer.submit(release.wait)  # the writer is busy: the final write queues behind this
+    done = dataclasses.replace(rec, completion_tokens=7, finish_reason="length", status_code="OK")
+    task = asyncio.create_task(ledger.finish_async(done))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    ledger.close()  # waits for the writer
+    [row] = query_usage(tmp_path / "u.db")
+    assert (row.completion_tokens, row.status_code) == (7, "OK")
