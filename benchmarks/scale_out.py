@@ -124,7 +124,7 @@ async def _run_streams(port: int, prompts, mode: str, streams: int, requests: in
 
 
 def measure(pair, speculation, prompts, replicas: int, gateways: int, mode: str, max_new_tokens: int,
-            requests: int, folder: pathlib.Path) -> dict:
+            requests: int, folder: pathlib.Path, per_replica: int = STREAMS_PER_REPLICA) -> dict:
     port = _free_port()
     config = _write_config(folder, pair, speculation, replicas, gateways, port)
     env = {**os.environ, "DUOSPEC_TORCH_THREADS": "1"}
@@ -132,7 +132,7 @@ def measure(pair, speculation, prompts, replicas: int, gateways: int, mode: str,
                               stdout=subprocess.DEVNULL, stderr=open(folder / f"serve-{replicas}-{gateways}.log", "w"))
     try:
         asyncio.run(_wait_serving(port, 300))
-        streams = STREAMS_PER_REPLICA * replicas
+        streams = per_replica * replicas
         asyncio.run(_run_streams(port, prompts, mode, replicas * 2, 1, 8))  # warm-up: every replica, every gateway
         procs = {pid: _kind_of(cmd) for pid, cmd in _processes().items() if _kind_of(cmd)}
         procs[server.pid] = "serve (one process)" if gateways == 1 else "supervisor"
@@ -150,8 +150,8 @@ def measure(pair, speculation, prompts, replicas: int, gateways: int, mode: str,
     for pid, kind in procs.items():
         shares.setdefault(kind, []).append(used[pid] / wall)
     shares["client (this benchmark)"] = [client_cpu / wall]
-    return {"replicas": replicas, "gateways": gateways, "streams": STREAMS_PER_REPLICA * replicas,
-            "tokens_per_s": tokens / wall, "requests": STREAMS_PER_REPLICA * replicas * requests, "tokens": tokens,
+    return {"replicas": replicas, "gateways": gateways, "streams": streams,
+            "tokens_per_s": tokens / wall, "requests": streams * requests, "tokens": tokens,
             "wall_s": wall, "shares": shares}
 
 
@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", default="pearl", choices=("pearl", "vanilla", "off"))
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=2, help="requests per stream, back to back")
+    parser.add_argument("--streams-per-replica", type=int, default=STREAMS_PER_REPLICA,
+                        help="client streams per replica (1: the per-token latency of one stream)")
     args = parser.parse_args(argv)
 
     from duospec.bench.inprocess import BenchPair, encode_prompts
@@ -179,19 +181,20 @@ def main(argv: list[str] | None = None) -> int:
         max_new_tokens=args.max_new_tokens, max_draft_tokens=speculation.max_draft_tokens, gamma=speculation.gamma,
         max_lookahead=speculation.max_lookahead, progress=False)
     pair = BenchPair(str(target), str(draft))
-    rows = [measure(pair, speculation, prompts, n, g, args.mode, args.max_new_tokens, args.requests, folder)
-            for g in args.gateways for n in args.replicas]
+    rows = [measure(pair, speculation, prompts, n, g, args.mode, args.max_new_tokens, args.requests, folder,
+                    args.streams_per_replica) for g in args.gateways for n in args.replicas]
     print(f"SIMULATED devices ({simulation['what'][:90]}...), mode {args.mode}, {args.max_new_tokens} new tokens, "
-          f"{STREAMS_PER_REPLICA} streams per replica, {args.requests} requests each, {os.cpu_count()} cores; "
+          f"{args.streams_per_replica} streams per replica, {args.requests} requests each, {os.cpu_count()} cores; "
           f"logs in {folder}")
-    print("| gateways | replicas | streams | tokens/s | x one replica | CPU per process kind (busiest / all, % of a core) |")
-    print("|---:|---:|---:|---:|---:|---|")
+    print("| gateways | replicas | streams | tokens/s | ms per token per stream | x one replica | "
+          "CPU per process kind (busiest / all, % of a core) |")
+    print("|---:|---:|---:|---:|---:|---:|---|")
     base = {}
     for r in rows:
         base.setdefault(r["gateways"], r["tokens_per_s"])
         cpu = "; ".join(f"{kind}: {100 * max(v):.0f} / {100 * sum(v):.0f}" for kind, v in sorted(r["shares"].items()))
         print(f"| {r['gateways']} | {r['replicas']} | {r['streams']} | {r['tokens_per_s']:.0f} | "
-              f"{r['tokens_per_s'] / base[r['gateways']]:.2f} | {cpu} |")
+              f"{1e3 * r['streams'] / r['tokens_per_s']:.2f} | {r['tokens_per_s'] / base[r['gateways']]:.2f} | {cpu} |")
     for r in rows:
         per_token_ms = {kind: 1e3 * sum(v) * r["wall_s"] / max(1, r["tokens"]) for kind, v in r["shares"].items()}
         per_request_ms = {kind: 1e3 * sum(v) * r["wall_s"] / max(1, r["requests"]) for kind, v in r["shares"].items()}

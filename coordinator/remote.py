@@ -216,11 +216,11 @@ class RemoteCoordinator:
                         stats = event.stats
                         if isinstance(event, TokensEvent):
                             delivered += event.token_ids
-                            yield dataclasses.replace(event, stats=_added(before, event.stats))
+                            yield dataclasses.replace(event, stats=_added(before, event.stats)) if attempt else event
                         else:
                             yield dataclasses.replace(event, prompt_tokens=len(request.prompt_token_ids),
                                                       completion_tokens=len(delivered),
-                                                      stats=_added(before, event.stats))
+                                                      stats=_added(before, event.stats)) if attempt else event
                             return
                 raise _Lost("its stream ended without a finish")
             except (grpc.aio.AioRpcError, _Lost) as exc:
