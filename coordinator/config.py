@@ -26,7 +26,7 @@ from typing import Any
 from duospec.cluster.placement import PLACEMENTS
 from duospec.coordinator.config_fields import ConfigError, Fields, existing_file, read_mapping, resolve, resolve_model_path
 from duospec.coordinator.api import MAX_DRAFT_TOKENS, SpeculationMode
-from duospec.coordinator.tenants.ledger import is_postgres_url
+from duospec.coordinator.tenants.ledgers import is_postgres_url
 from duospec.engine.errors import CheckpointError
 from duospec.coordinator.scheduling.kv_budget import PREFIX_CACHE_SCOPES
 from duospec.coordinator.scheduling.routing import AFFINITY_SLACK_TOKENS, ROUTING_POLICIES

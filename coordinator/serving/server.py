@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from duospec.coordinator.tenants.admission import Admission
 from duospec.coordinator.api import Coordinator, SpeculationMode
 from duospec.coordinator.config import ConfigError, ServerSettings, TlsSettings
-from duospec.coordinator.tenants.ledger import open_ledger
+from duospec.coordinator.tenants.ledgers import open_ledger
 from duospec.coordinator.serving.metrics import ServerMetrics
 from duospec.coordinator.serving.gateway import Gateway, Lifecycle
 from duospec.coordinator.serving.service import GenerationServicer

@@ -117,7 +117,8 @@ def tenants_remove(args: argparse.Namespace) -> int:
 
 
 def usage_report(args: argparse.Namespace) -> int:
-    from duospec.coordinator.tenants.ledger import query_usage, summarize
+    from duospec.coordinator.tenants.ledger import summarize
+    from duospec.coordinator.tenants.ledgers import query_usage
 
     try:
         since = parse_since(args.since) if args.since else None

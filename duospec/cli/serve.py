@@ -96,7 +96,7 @@ def build_config(args: argparse.Namespace):
     from dataclasses import replace
 
     from duospec.coordinator.config import DEFAULT_LEDGER, ServeConfig, ServerSettings, load_serve_config
-    from duospec.coordinator.tenants.ledger import is_postgres_url
+    from duospec.coordinator.tenants.ledgers import is_postgres_url
 
     if args.config is not None:
         config = load_serve_config(pathlib.Path(args.config).expanduser())
@@ -159,7 +159,7 @@ def make_coordinator(config, args: argparse.Namespace):
 
 async def _serve(config, args: argparse.Namespace) -> int:
     from duospec.coordinator.serving.server import check_auth_policy
-    from duospec.coordinator.tenants.ledger import check_ledger
+    from duospec.coordinator.tenants.ledgers import check_ledger
     from duospec.coordinator.tenants.tenancy import load_tenants
 
     tenants = load_tenants(config.tenants) if config.tenants else None

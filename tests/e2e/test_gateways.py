@@ -19,7 +19,8 @@ import pytest
 import yaml
 
 import duospec
-from duospec.coordinator.tenants.ledger import RUNNING, query_usage
+from duospec.coordinator.tenants.ledger import RUNNING
+from duospec.coordinator.tenants.ledgers import query_usage
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 

@@ -16,7 +16,7 @@ import pytest
 
 import duospec
 from duospec import sdk
-from duospec.coordinator.tenants.ledger import query_usage
+from duospec.coordinator.tenants.ledgers import query_usage
 from duospec.v1 import generation_pb2 as pb
 from duospec.v1 import generation_pb2_grpc as pb_grpc
 from server_support import collect, rpc_error, running_server, server_coordinator

@@ -124,3 +124,28 @@ def test_serve_grace_period_flag_overrides_the_config(tiny_pair, tmp_path, capsy
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--grace-period", "-1"])
     assert "must be between 0 and 3600 seconds" in capsys.readouterr().err
+
+
+def test_serve_scale_out_flags_set_the_config(tiny_pair, tmp_path):
+    from duospec.cli import build_parser
+    from duospec.cli.serve import build_config
+
+    target, draft = tiny_pair
+    config_file = tmp_path / "serve.yaml"
+    config_file.write_text(yaml.safe_dump({"server": {"gateways": 3, "ray_num_cpus": 8},
+                                           "models": [{"name": "tiny", "target": str(target), "draft": str(draft)}]}))
+    server = build_config(build_parser().parse_args(["serve", "--config", str(config_file)])).server
+    assert (server.gateways, server.ray_num_cpus) == (3, 8)
+    args = build_parser().parse_args(["serve", "--config", str(config_file), "--gateways", "2", "--num-cpus", "6"])
+    assert (build_config(args).server.gateways, build_config(args).server.ray_num_cpus) == (2, 6)
+
+
+def test_serve_gateways_need_a_fixed_port_and_gateway_only_an_address(tiny_pair, tmp_path):
+    model_dir = tiny_pair[0].parent
+    for flags, message in ((["--gateways", "2", "--port", "0"], "give --port a number, not 0"),
+                           (["--gateway-only"], "pass --address")):
+        proc = subprocess.run(duospec_cmd("serve", "--model-dir", str(model_dir), "--metrics-port", "0",
+                                          "--http-port", "0", "--ledger", str(tmp_path / "u.db"), *flags),
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

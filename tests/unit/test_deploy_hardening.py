@@ -59,9 +59,11 @@ def recording_tool(path: pathlib.Path, record: pathlib.Path) -> None:
     path.chmod(0o755)
 
 
-def run_ray_up_commands(commands: list[str], root: pathlib.Path, expect_setsid: bool) -> list[dict]:
+def run_ray_up_commands(commands: list[str], root: pathlib.Path, expect_setsid: bool,
+                        node_env: dict[str, str] | None = None) -> list[dict]:
     """Runs `commands` as `ray up` does (one shell each, in order) in a fresh home with the repo at
-    ~/duospec-src and fake `ray`/`setsid` on PATH and in ~/duospec-venv/bin; returns their records."""
+    ~/duospec-src and fake `ray`/`setsid` on PATH and in ~/duospec-venv/bin, with `node_env` (what a node
+    type's docker run options set); returns their records."""
     home, tools, record = root / "home", root / "bin", root / "calls.jsonl"
     venv_tools = home / "duospec-venv" / "bin"  # cluster.local.yaml names its venv's tools
     for folder in (tools, venv_tools):
@@ -70,7 +72,7 @@ def run_ray_up_commands(commands: list[str], root: pathlib.Path, expect_setsid: 
         (folder / "python").symlink_to(sys.executable)
     recording_tool(tools / "setsid", record)
     (home / "duospec-src").symlink_to(REPO)
-    env = {"HOME": str(home), "PATH": f"{tools}:/usr/bin:/bin", "RAY_HEAD_IP": "10.0.0.1"}
+    env = {"HOME": str(home), "PATH": f"{tools}:/usr/bin:/bin", "RAY_HEAD_IP": "10.0.0.1", **(node_env or {})}
     for command in commands:
         done = subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, f"`{command}` failed: {done.stderr}"
@@ -106,6 +108,23 @@ def test_ray_up_starts_every_node_with_token_auth_and_the_dashboard_on_loopback(
     assert config["file_mounts"].get("~/.ray/auth_token") == "~/.ray/auth_token", name
     [launch] = [c for c in head if c["tool"] == "setsid"]
     assert launch["auth_mode"] == "token", f"deploy/{name}: duospec serve joins Ray without the token mode"
+
+
+def test_ray_up_gateway_nodes_run_a_supervised_gateway_and_gpu_nodes_none(tmp_path):
+    config = load_yaml(DEPLOY / "cluster.yaml")
+    node = config["available_node_types"]["gateway"]
+    env = dict(option.split(" ", 1)[1].split("=", 1) for option in node["docker"]["worker_run_options"]
+               if option.startswith("--env "))
+    calls = run_ray_up_commands(config["worker_start_ray_commands"], tmp_path / "gw", expect_setsid=True,
+                                node_env=env)
+    [launch] = [c for c in calls if c["tool"] == "setsid"]
+    assert launch["auth_mode"] == "token"
+    nohup, python, script, *args = launch["argv"]
+    parsed = load_supervise().build_parser().parse_args(args)
+    serve = parsed.command[1:]
+    assert serve[:3] == ["duospec", "serve", "--gateway-only"] and flag_values(serve)["--address"] == "auto"
+    gpu = run_ray_up_commands(config["worker_start_ray_commands"], tmp_path / "gpu", expect_setsid=False)
+    assert not [c for c in gpu if c["tool"] == "setsid"]  # a GPU worker runs no gateway
 
 
 @pytest.mark.parametrize("name", CLUSTER_CONFIGS)

@@ -13,7 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from duospec.coordinator.tenants.ledger import COLUMNS, RUNNING, UsageRecord, query_usage, summarize
+from duospec.coordinator.tenants.ledger import COLUMNS, RUNNING, UsageRecord, summarize
+from duospec.coordinator.tenants.ledgers import query_usage
 from duospec.coordinator.tenants.ledger_sqlite import SqliteLedger
 from duospec.cli import admin
 from duospec.v1 import generation_pb2 as pb

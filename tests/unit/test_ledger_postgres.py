@@ -13,9 +13,8 @@ import pytest
 
 from duospec.cli import admin
 from duospec.coordinator.tenants.admission import Admission, AdmissionError
-from duospec.coordinator.tenants.ledger import (
-    RUNNING, LedgerUnavailable, UsageRecord, UsageRowTaken, open_ledger, query_usage,
-)
+from duospec.coordinator.tenants.ledger import RUNNING, LedgerUnavailable, UsageRecord, UsageRowTaken
+from duospec.coordinator.tenants.ledgers import open_ledger, query_usage
 from duospec.coordinator.tenants.tenancy import Tenant, TenantLimits
 from postgres_support import PostgresServer, start_or_skip
 
