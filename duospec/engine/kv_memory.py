@@ -17,6 +17,7 @@ ever run) and fit in free memory.
 from __future__ import annotations
 
 import os
+import pathlib
 
 import torch
 
@@ -62,12 +63,27 @@ def check_kv_fits(kv_bytes: int, device: torch.device, what: str) -> None:
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
-        try:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):  # not a POSIX system: nothing to check against
+        free = available_memory_bytes()
+        if free is None:  # not a POSIX system: nothing to check against
             return
     if kv_bytes > 0.9 * free:
         raise CheckpointError(
             f"the KV cache ({what}) needs {kv_bytes / 2**30:.1f} GiB but {free / 2**30:.1f} GiB is free on {device}; "
             f"set models[].kv_cache_memory_bytes lower (or lower models[].max_model_len or the number of sequences)"
         )
+
+
+def available_memory_bytes(meminfo: str = "/proc/meminfo") -> int | None:
+    """Host memory a new allocation can have: Linux's MemAvailable, i.e. free memory plus the page cache
+    the kernel drops on demand (a machine that just read large checkpoints or a training cache has
+    little *free* memory and plenty available); elsewhere the free pages; None when unknown."""
+    try:
+        for line in pathlib.Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

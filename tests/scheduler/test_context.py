@@ -88,3 +88,12 @@ def test_a_kv_cache_that_cannot_fit_is_a_clear_start_up_error():
                                               r"models\[\]\.kv_cache_memory_bytes lower"):
         check_kv_fits(1 << 60, torch.device("cpu"), "16 sequences x 131072 positions")
     check_kv_fits(1 << 20, torch.device("cpu"), "16 sequences x 1024 positions")  # a small one passes
+
+
+def test_available_memory_counts_the_page_cache_the_kernel_can_drop(tmp_path):
+    from duospec.engine.kv_memory import available_memory_bytes
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:         2000000 kB\nMemAvailable:   21000000 kB\n")
+    assert available_memory_bytes(str(meminfo)) == 21000000 * 1024  # not MemFree: a read cache is not in use
+    assert available_memory_bytes(str(tmp_path / "absent")) is not None  # falls back to the free pages
