@@ -9,12 +9,15 @@ policies here exactly as in the one-process server.
 
 Gateways reach it over the internal data plane, as the scheduler reaches the workers: a gRPC
 server on the actor's node whose calls must carry the deployment secret (and, with
-server.internal_tls, mutual TLS). One method, `SchedulerService/Generate`, unary request, streamed
-events. Its messages are the coordinator's own frozen dataclasses (GenerationRequest, TokensEvent,
-FinishEvent, CoordinatorError), pickled: both ends are one duospec version of one deployment, the
-peer is authenticated before a byte is deserialized (the interceptor answers a call without the
-secret before its request is read), and a proto mirror of every request field would be a second
-definition of each to keep in step.
+server.internal_tls, mutual TLS). One method, `SchedulerService/Serve`: one bidirectional stream per
+gateway, carrying all of that gateway's requests, batched as the worker links are — the gateway sends
+`[(START, call id, GenerationRequest) | (CANCEL, call id, None), ...]`, the scheduler answers with
+`[(call id, TokensEvent | FinishEvent | CoordinatorError), ...]`, everything its sequences produced
+in one turn of its event loop (a verify round's events for every sequence of that gateway) in one
+message. The messages are the coordinator's own frozen dataclasses, pickled: both ends are one
+duospec version of one deployment, the peer is authenticated before a byte is deserialized (the
+interceptor answers a call without the secret before its first message is read), and a proto mirror
+of every request field would be a second definition of each to keep in step.
 
 Load is published through Ray (`load()`, polled by every gateway): the replica's state, live
 requests and the tokens they may still produce, and its scheduler's stats. Ray restarts the actor
@@ -40,7 +43,8 @@ from duospec.cluster.secret import DeploymentSecretAioInterceptor
 log = logging.getLogger("duospec.scheduler_actor")
 
 SERVICE = "duospec.internal.v1.SchedulerService"
-GENERATE = f"/{SERVICE}/Generate"
+SERVE = f"/{SERVICE}/Serve"
+START, CANCEL = "start", "cancel"  # what a gateway asks of the scheduler, per call
 
 
 def scheduler_name(model: str, replica: int) -> str:
@@ -91,8 +95,8 @@ class SchedulerActor:
             interceptors=[DeploymentSecretAioInterceptor(self.pair.deployment_secret)],
             options=[("grpc.max_receive_message_length", 64 << 20), *WORKER_KEEPALIVE_OPTIONS])
         server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {
-            "Generate": grpc.unary_stream_rpc_method_handler(
-                self._generate, request_deserializer=decode, response_serializer=encode)})])
+            "Serve": grpc.stream_stream_rpc_method_handler(
+                self._serve, request_deserializer=decode, response_serializer=encode)})])
         host = node_ip()
         tls = self.pair.internal_tls
         port = server.add_secure_port(f"{host}:0", tls.server_credentials()) if tls is not None \
@@ -100,15 +104,50 @@ class SchedulerActor:
         await server.start()
         self.server, self.endpoint = server, f"{host}:{port}"
 
-    async def _generate(self, request, context):
-        from duospec.coordinator.api import CoordinatorError
+    async def _serve(self, commands, context):
+        """One gateway's stream: runs each request it starts as a task of its own and sends back what
+        they produced, one message per turn of the loop."""
+        outbox: list[tuple[int, object]] = []
+        ready = asyncio.Event()
+        calls: dict[int, asyncio.Task] = {}
 
+        async def run(call: int, request) -> None:
+            from duospec.coordinator.api import CoordinatorError
+
+            try:
+                async with contextlib.aclosing(self.router.generate(request)) as events:
+                    async for event in events:
+                        outbox.append((call, event))
+                        ready.set()
+            except CoordinatorError as exc:  # the gateway raises it: its status and message reach the client
+                outbox.append((call, exc))
+                ready.set()
+            finally:
+                calls.pop(call, None)
+
+        async def read() -> None:
+            async for batch in commands:
+                for kind, call, request in batch:
+                    if kind == START:
+                        calls[call] = asyncio.create_task(run(call, request))
+                    elif call in calls:
+                        calls.pop(call).cancel()  # closes the sequence's generator: frees its slots
+            ready.set()
+
+        reader = asyncio.create_task(read())
         try:
-            async with contextlib.aclosing(self.router.generate(request)) as events:
-                async for event in events:
-                    yield event
-        except CoordinatorError as exc:  # the gateway re-raises it: the status and message reach the client
-            yield exc
+            while not (reader.done() and not calls and not outbox):
+                await ready.wait()
+                ready.clear()
+                await asyncio.sleep(0)  # the other sequences woken by the same verdict add theirs first
+                if outbox:
+                    batch, outbox[:] = list(outbox), []
+                    yield batch
+            reader.result()  # a gateway that broke its stream: raise here, not silently
+        finally:
+            reader.cancel()
+            for task in calls.values():
+                task.cancel()
 
     def info(self) -> dict:
         import ray

@@ -30,7 +30,7 @@ def call_metadata(secret: str) -> tuple[tuple[str, str], ...]:
 
 def _refusals(secret: str, aio: bool) -> tuple[bytes, dict[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler]:
     """The secret to compare, and the handlers that refuse a call without it, by the call's shape:
-    the workers' Draft/Verify are bidirectional streams, a scheduler's Generate streams its answer;
+    the workers' Draft/Verify and a scheduler's Serve are bidirectional streams;
     anything else (e.g. health probes by strangers) is refused as a unary call. `aio`: for an asyncio
     server (its handlers are coroutines)."""
     if not secret:
@@ -46,7 +46,7 @@ def _refusals(secret: str, aio: bool) -> tuple[bytes, dict[str, grpc.RpcMethodHa
     handler = refuse_async if aio else refuse
     by_suffix = {"/Draft": grpc.stream_stream_rpc_method_handler(handler),
                  "/Verify": grpc.stream_stream_rpc_method_handler(handler),
-                 "/Generate": grpc.unary_stream_rpc_method_handler(handler)}
+                 "/Serve": grpc.stream_stream_rpc_method_handler(handler)}
     return secret.encode(), by_suffix, grpc.unary_unary_rpc_method_handler(handler)
 
 

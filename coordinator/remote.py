@@ -25,12 +25,13 @@ import contextlib
 import dataclasses
 import hashlib
 import hmac
+import itertools
 import logging
 from typing import AsyncIterator
 
 import grpc
 
-from duospec.cluster.scheduler_actor import GENERATE, decode, encode
+from duospec.cluster.scheduler_actor import CANCEL, SERVE, START, decode, encode
 from duospec.cluster.secret import InternalTls, call_metadata, internal_channel
 from duospec.coordinator.api import (
     CoordinatorError, FinishEvent, FinishReason, GenerationRequest, ModelInfo, ModelNotFound, SpecStats,
@@ -45,13 +46,80 @@ LOAD_POLL_S = 0.1  # how often a gateway reads every scheduler's published load
 LOAD_TIMEOUT_S = 2.0  # a scheduler that does not answer its load within this is not routed to
 MAX_CONTINUATIONS = 3  # schedulers lost under one request before it ends UNAVAILABLE
 RESTART_WAIT_S = 120.0  # how long a request waits for a lost model's only replica to come back
-# how a call to a scheduler whose process died (or is being replaced) ends
-_LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
-               grpc.StatusCode.CANCELLED)
 
 
 class _Lost(Exception):
     """A scheduler's stream that ended without its finish event."""
+
+
+_LOST = object()  # what a broken link hands every request still waiting on it
+
+
+class SchedulerLink:
+    """This gateway's one stream to one scheduler actor, carrying all its requests there
+    (cluster/scheduler_actor.py): starts and cancels go out batched, events come back batched per
+    round and are handed to each request's queue. A broken stream ends every open request with _Lost."""
+
+    def __init__(self, endpoint: str, secret: str, tls: InternalTls | None):
+        self._channel = internal_channel(endpoint, tls)
+        self._outgoing: asyncio.Queue = asyncio.Queue()
+        self._calls: dict[int, asyncio.Queue] = {}
+        self._ids = itertools.count(1)
+        self.broken = False
+        serve = self._channel.stream_stream(SERVE, request_serializer=encode, response_deserializer=decode)
+        self._call = serve(self._commands(), metadata=call_metadata(secret))
+        self._reader = asyncio.create_task(self._read(), name=f"duospec-scheduler-link-{endpoint}")
+
+    async def _commands(self):
+        while True:
+            batch = [await self._outgoing.get()]
+            while not self._outgoing.empty():
+                batch.append(self._outgoing.get_nowait())
+            yield batch
+
+    async def _read(self) -> None:
+        try:
+            async for batch in self._call:
+                for call, event in batch:
+                    queue = self._calls.get(call)
+                    if queue is not None:
+                        queue.put_nowait(event)
+        except (grpc.aio.AioRpcError, asyncio.CancelledError):  # the scheduler died, or this link closed
+            pass
+        finally:
+            self.broken = True
+            for queue in self._calls.values():
+                queue.put_nowait(_LOST)
+
+    async def events(self, request: GenerationRequest) -> AsyncIterator:
+        """The scheduler's events for `request`; closing this early cancels the sequence there."""
+        if self.broken:
+            raise _Lost("its stream is broken")
+        call, queue = next(self._ids), asyncio.Queue()
+        self._calls[call] = queue
+        self._outgoing.put_nowait((START, call, request))
+        done = False
+        try:
+            while True:
+                event = await queue.get()
+                if event is _LOST:
+                    raise _Lost("its stream broke")
+                if isinstance(event, CoordinatorError):
+                    done = True
+                    raise event
+                if isinstance(event, FinishEvent):
+                    done = True
+                yield event
+                if done:
+                    return
+        finally:
+            self._calls.pop(call, None)
+            if not done and not self.broken:
+                self._outgoing.put_nowait((CANCEL, call, None))
+
+    async def close(self) -> None:
+        self._call.cancel()
+        await _quietly(self._channel.close())
 
 
 class RemoteReplica:
@@ -66,7 +134,7 @@ class RemoteReplica:
         self.reachable = False
         self.sent = 0  # requests sent since the last published load (it counts them from then on)
         self.sent_tokens = 0
-        self._channel: grpc.aio.Channel | None = None
+        self._link: SchedulerLink | None = None
         self._endpoint = ""
         self._started_at = None
 
@@ -92,25 +160,25 @@ class RemoteReplica:
             self.reachable = False
             asyncio.ensure_future(_quietly(self.handle.start.remote()))
             return
-        if load["started_at"] != self._started_at or load["endpoint"] != self._endpoint:
+        if load["started_at"] != self._started_at or load["endpoint"] != self._endpoint or self._link is None \
+                or self._link.broken:
             await self._reconnect(load["endpoint"], load["started_at"])
         self.published, self.reachable = load, True
         self.sent = self.sent_tokens = 0
 
     async def _reconnect(self, endpoint: str, started_at: float) -> None:
-        old, self._channel = self._channel, internal_channel(endpoint, self._tls)
+        old, self._link = self._link, SchedulerLink(endpoint, self._secret, self._tls)
         self._endpoint, self._started_at = endpoint, started_at
         if old is not None:
-            await _quietly(old.close())
+            await old.close()
 
-    def stream(self, request: GenerationRequest):
-        """The scheduler's events for `request`: a gRPC call (cancel it to cancel the sequence)."""
-        if self._channel is None:
+    def stream(self, request: GenerationRequest) -> AsyncIterator:
+        """The scheduler's events for `request` (close it early to cancel the sequence)."""
+        if self._link is None:
             raise Unavailable("replica has no endpoint yet")
         self.sent += 1
         self.sent_tokens += request.max_new_tokens
-        call = self._channel.unary_stream(GENERATE, request_serializer=encode, response_deserializer=decode)
-        return call(request, metadata=call_metadata(self._secret))
+        return self._link.events(request)
 
     def status(self) -> ReplicaStatus:
         p = self.published
@@ -121,8 +189,8 @@ class RemoteReplica:
                              target_node_id=p.get("target_node_id", ""), draft_node_id=p.get("draft_node_id", ""))
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await _quietly(self._channel.close())
+        if self._link is not None:
+            await self._link.close()
 
 
 @dataclasses.dataclass
@@ -211,7 +279,7 @@ class RemoteCoordinator:
             replica = await model.choose(now, RESTART_WAIT_S if attempt else 0.0)
             stats = None
             try:
-                async with contextlib.aclosing(_events(replica.stream(now))) as events:
+                async with contextlib.aclosing(replica.stream(now)) as events:
                     async for event in events:
                         stats = event.stats
                         if isinstance(event, TokensEvent):
@@ -223,10 +291,8 @@ class RemoteCoordinator:
                                                       stats=_added(before, event.stats)) if attempt else event
                             return
                 raise _Lost("its stream ended without a finish")
-            except (grpc.aio.AioRpcError, _Lost) as exc:
-                why = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() not in _LOST_CODES:
-                    raise Unavailable(f"replica {replica.index} of {model.info.name!r} failed: {why}") from None
+            except _Lost as exc:
+                why = str(exc)
                 replica.reachable = False  # until its next published load
                 log.warning("the scheduler of replica %d of %s was lost under request %s after %d tokens (%s)",
                             replica.index, model.info.name, request.request_id, len(delivered), why)
@@ -275,17 +341,6 @@ def _added(a: SpecStats, b: SpecStats | None) -> SpecStats:
         else:
             setattr(out, f.name, x + y)
     return out
-
-
-async def _events(call) -> AsyncIterator:
-    """A scheduler's stream as events; a CoordinatorError it sent is raised here, as in-process."""
-    try:
-        async for message in call:
-            if isinstance(message, CoordinatorError):
-                raise message
-            yield message
-    finally:
-        call.cancel()  # a consumer that stopped early cancels the sequence on the scheduler
 
 
 async def _quietly(awaitable) -> None:
