@@ -56,12 +56,9 @@ class GenerationStream:
         return chunk
 
     def _read(self) -> pb.GenerateResponse:
-        try:
-            return next(self._call)
-        except StopIteration:
-            error = None
-        except grpc.RpcError as err:
-            error = err
+        response, error = _next(self._call)
+        if response is not None:
+            return response
         self._call.cancel()
         time.sleep(self._generation.broken(error))
         return self._connect()
@@ -71,12 +68,9 @@ class GenerationStream:
         generation = self._generation
         while True:
             self._call = self._client._call_generate(generation)
-            try:
-                return next(self._call)
-            except StopIteration:
-                error = None
-            except grpc.RpcError as err:
-                error = err
+            response, error = _next(self._call)
+            if response is not None:
+                return response
             time.sleep(generation.broken(error))
 
     def cancel(self) -> None:
@@ -223,3 +217,13 @@ class Client:
             else:
                 self._address = attempts.address
                 return reply
+
+
+def _next(call) -> tuple[pb.GenerateResponse | None, grpc.RpcError | None]:
+    """The call's next message, or None and what ended the call (None: it closed without a final message)."""
+    try:
+        return next(call), None
+    except StopIteration:
+        return None, None
+    except grpc.RpcError as err:
+        return None, err
