@@ -18,12 +18,12 @@ import os
 import pathlib
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 import uuid
 
 import pytest
+from server_support import free_port
 
 USER = "duo"  # the superuser initdb creates; trust auth, so the password in URLs is never checked
 PASSWORD = "s3cret-pw"
@@ -56,11 +56,6 @@ def _run_as() -> list[str]:
     raise RuntimeError("running as root and there is neither a `postgres` nor a `nobody` user to run PostgreSQL as")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class PostgresServer:
     def __init__(self):
@@ -82,7 +77,7 @@ class PostgresServer:
         data = self.dir / "data"
         self._run("initdb", "-D", str(data), "-U", USER, "--auth=trust", "-E", "UTF8", "--no-sync",
                   "--no-instructions")
-        self.port = _free_port()
+        self.port = free_port()
         options = f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off"
         self._run("pg_ctl", "-D", str(data), "-o", options, "-l", str(self.dir / "server.log"), "-w", "-t", "30",
                   "start")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import pathlib
+import socket
 import time
 from dataclasses import dataclass
 
@@ -35,6 +36,13 @@ from exactness import reference_model
 
 MODEL = "tiny"
 MAX_CONTEXT = 256
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for servers that must be told a port: several processes share it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

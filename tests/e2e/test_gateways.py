@@ -10,7 +10,6 @@ import asyncio
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,17 +20,13 @@ import yaml
 import duospec
 from duospec.coordinator.tenants.ledger import RUNNING
 from duospec.coordinator.tenants.ledgers import query_usage
+from server_support import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 MODES = ("off", "vanilla", "pearl")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gateway_pids(parent: int) -> list[int]:
@@ -54,7 +49,7 @@ def gateway_pids(parent: int) -> list[int]:
 def deployment(tiny_pair, tmp_path_factory):
     target, draft = tiny_pair
     folder = tmp_path_factory.mktemp("gateways")
-    port = _free_port()
+    port = free_port()
     config = {"server": {"host": "127.0.0.1", "port": port, "http_port": 0, "metrics_port": 0, "gateways": 2,
                          "ray_num_cpus": 6, "grace_period_s": 2},
               "ledger": str(folder / "usage.db"),
