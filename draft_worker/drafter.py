@@ -23,6 +23,11 @@ from duospec.internal.v1 import pearl_pb2 as pb
 from duospec.qcodec import DraftProbs
 
 
+# Most grammar-forced drafts a sequence holds past its verified prefix, beyond its lookahead (each is
+# a target row; a JSON schema's keys and punctuation force runs of 3-10 tokens).
+FORCED_AHEAD = 32
+
+
 class Drafter:
     """Draft state for every live sequence; `apply` commands, then `step` to draft."""
 
@@ -72,7 +77,9 @@ class Drafter:
         """Abort + rollback to `tail` from `start_pos`; with `adopt`, the hedge the verdict hit becomes
         the main line when this drafter holds it with the tokens the coordinator kept."""
         tokens = seq.tokens[: cmd.start_pos] + list(cmd.tail)
-        self.grammars.changed(seq.seq_id, min(cmd.start_pos, cmd.adopt.pos) if cmd.HasField("adopt") else cmd.start_pos)
+        changed_from = min(cmd.start_pos, cmd.adopt.pos) if cmd.HasField("adopt") else cmd.start_pos
+        self.grammars.changed(seq.seq_id, changed_from)
+        seq.forget_forced(changed_from)
         hedge = self.hedges.take(seq.seq_id, (cmd.adopt.pos, cmd.adopt.token)) if cmd.HasField("adopt") else None
         self.hedges.drop(seq.seq_id)
         shared = _common_prefix(hedge.tokens, tokens) if hedge is not None else 0
@@ -133,6 +140,7 @@ class Drafter:
         committed_len = min(committed_len, len(seq.tokens))
         if committed_len > seq.committed_len:
             seq.committed_len = committed_len
+            seq.forget_forced(len(seq.tokens))
             self.proposer.observe(seq)
             self.hedges.decided(seq)
             forget_alternatives(seq, below=committed_len)
@@ -159,7 +167,7 @@ class Drafter:
     # -- drafting -------------------------------------------------------------------------------
     @staticmethod
     def _may_draft(seq: DraftState) -> bool:
-        return not seq.exhausted and not seq.waiting and seq.next_pos < seq.draft_until
+        return not seq.exhausted and not seq.waiting and seq.next_pos < seq.draft_end
 
     @classmethod
     def _may_hedge(cls, seq: DraftState) -> bool:
@@ -167,7 +175,7 @@ class Drafter:
         verification and the next one's first token): drafts past that are used only if the whole
         chunk is accepted, a hedge for its first positions about as often, and each costs a row."""
         lead = seq.next_pos - seq.committed_len
-        return not cls._may_draft(seq) or 2 * lead >= seq.draft_until - seq.committed_len
+        return not cls._may_draft(seq) or 2 * lead >= seq.draft_end - seq.committed_len
 
     def has_work(self) -> bool:
         return any(self._may_draft(seq) for seq in self.sequences.values()) or self.hedges.has_work(
@@ -184,9 +192,10 @@ class Drafter:
             seq.exhausted = True
             chunks.append(self._chunk(seq, seq.next_pos, [], [], exhausted=True))
         active = [seq for seq in active if not seq.exhausted]
-        ends = [seq.draft_until if limit is None else min(seq.draft_until, limit) for seq in active]
+        chunks += self._draft_forced(active, limit)  # sets each constrained sequence's grammar_mask
+        active = [seq for seq in active if not seq.exhausted]
+        ends = [seq.draft_end if limit is None else min(seq.draft_end, limit) for seq in active]
         budgets = [end - seq.next_pos for seq, end in zip(active, ends)]
-        chunks += self._draft_forced(active, budgets)  # sets each constrained sequence's grammar_mask
         active, budgets = [s for s, b in zip(active, budgets) if b > 0], [b for b in budgets if b > 0]
         hedging = self.hedges.growing([seq for seq in self.sequences.values() if self._may_hedge(seq)])
         for _, hedge, _ in hedging:  # (a hedge copied its parent's fields, its mask included: replaced)
@@ -220,21 +229,29 @@ class Drafter:
         self.steps += 1
         return chunks
 
-    def _draft_forced(self, active: list[DraftState], budgets: list[int]) -> list[pb.DraftChunk]:
-        """Tokens the grammar forces, drafted at no model cost (q: the point mass); `budgets` shrink,
-        and each sequence's `grammar_mask` is the mask its proposer drafts the next token with."""
+    def _draft_forced(self, active: list[DraftState], limit: int | None) -> list[pb.DraftChunk]:
+        """Tokens the grammar forces, drafted at no model cost (q: the point mass) and marked so: they
+        push the sequence's `draft_end` out by as many, so the proposer's budget stays what it was. At
+        most FORCED_AHEAD past the verified prefix (a grammar may force a long string, and each
+        costs the target a row), and never past the proposer's context `limit`. Each sequence's
+        `grammar_mask` is then the mask its proposer drafts the next token with; a sequence whose
+        grammar has ended (an end token drafted) is exhausted: nothing after it could be accepted."""
         chunks = []
-        for i, seq in enumerate(active):
-            forced, seq.grammar_mask = self.grammars.forced(seq, budgets[i])
-            if not forced:
+        for seq in active:
+            room = FORCED_AHEAD - seq.forced_ahead
+            if limit is not None:
+                room = min(room, limit - seq.next_pos)
+            forced, seq.grammar_mask = self.grammars.forced(seq, max(room, 0))
+            seq.exhausted = self.grammars.ended(seq)
+            if not forced and not seq.exhausted:
                 continue
             start = seq.next_pos
             extend(seq, forced, [])
+            seq.forced.extend(range(start, start + len(forced)))
             seq.tokens_drafted += len(forced)
             self.tokens_drafted += len(forced)
-            budgets[i] -= len(forced)
             probs = [] if seq.sampling.greedy else [DraftProbs([t], [1.0]) for t in forced]
-            chunks.append(self._chunk(seq, start, forced, probs, False))
+            chunks.append(self._chunk(seq, start, forced, probs, seq.exhausted, forced=bool(forced)))
         return chunks
 
     def _propose_within_pool(self, active: list[DraftState], budgets: list[int], hedging: list) -> list:
@@ -257,7 +274,8 @@ class Drafter:
         return []
 
     @staticmethod
-    def _chunk(seq: DraftState, start: int, tokens, probs, exhausted: bool, hedge=None) -> pb.DraftChunk:
+    def _chunk(seq: DraftState, start: int, tokens, probs, exhausted: bool, hedge=None,
+               forced: bool = False) -> pb.DraftChunk:
         alternatives = [seq.alternatives.get(start + i, (-1,))[0] for i in range(len(tokens))]
         return pb.DraftChunk(
             alternatives=alternatives if hedge is None and any(a >= 0 for a in alternatives) else [],
@@ -268,6 +286,7 @@ class Drafter:
             draft_probs=[q.to_bytes() for q in probs],
             outlook=pb.DRAFT_OUTLOOK_EXHAUSTED if exhausted else pb.DRAFT_OUTLOOK_MORE,
             hedge=pb.HedgeKey(pos=hedge[0], token=hedge[1]) if hedge is not None else None,
+            forced=forced,
         )
 
     def stats(self) -> dict:

@@ -5,7 +5,9 @@ Per constrained sequence a matcher follows the sequence's tokens, verified and d
   speculation cache likewise, through a copy of its parent's matcher: `hedge_mask`);
 - where the grammar allows exactly one token, that token is drafted without a model step (`forced`),
   with q the point mass on it: the target's mask there holds the same single token (same grammar,
-  same tokenizer, same tokens before it), so it is accepted, and still verified;
+  same tokenizer, same tokens before it), so it is accepted, and still verified. Its chunk says so
+  (DraftChunk.forced): such tokens count neither toward the lookahead nor toward the coordinator's
+  draft cap, so a schema's forced keys and punctuation ride along with the drafts around them;
 - a greedy proposal (any proposer: n-gram, heads) is cut before its first illegal token
   (`legal_prefix`): a greedy draft is a point mass, so a shorter one is as exact as the long one.
   A sampled draft is never cut: that would bias the recovered token.
@@ -102,6 +104,11 @@ class DraftGrammars:
                 break
         self.forced_tokens += len(out)
         return out, bitmask
+
+    def ended(self, seq: DraftState) -> bool:
+        """Whether the grammar is done after `seq.tokens` (an end token accepted): nothing past it
+        can be accepted, so the sequence drafts no further."""
+        return self._follow(seq) and self.matchers.matcher(seq.seq_id).is_terminated()
 
     def _mask_after(self, seq: DraftState, extra: list[int]) -> torch.Tensor | None:
         if not self.matchers.follow(seq.seq_id, [*seq.tokens, *extra], len(seq.tokens) + len(extra) - 1):

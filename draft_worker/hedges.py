@@ -114,7 +114,7 @@ class HedgeBook:
         hedge = dataclasses.replace(
             seq, tokens=seq.tokens[:pos] + [token], committed_len=min(seq.committed_len, pos),
             draft_until=pos + 1 + HEDGE_DEPTH, exhausted=False, tokens_drafted=0, proposer_state=None,
-            max_hedges=0, alternatives={})
+            max_hedges=0, alternatives={}, forced=[])
         if not self.proposer.branch(seq, hedge):
             self._unavailable.setdefault(seq.seq_id, set()).add(key)
             return

@@ -179,11 +179,29 @@ class DraftState:
     # [1, ceil(V/32)] int32 or None: the grammar's legal next tokens, set by the drafter for one `propose`
     # (draft_worker/grammar_masks.py); a proposer that samples from logits masks them with it first
     grammar_mask: object = None
+    # positions of its grammar-forced drafts (ascending; draft_worker/grammar_masks.py): the coordinator
+    # does not count them toward the lookahead, so neither does `draft_end`
+    forced: list[int] = field(default_factory=list)
 
     @property
     def next_pos(self) -> int:
         """The position the next drafted token will occupy."""
         return len(self.tokens)
+
+    @property
+    def forced_ahead(self) -> int:
+        """Forced drafts past the verified prefix."""
+        return sum(1 for pos in self.forced if pos >= self.committed_len)
+
+    @property
+    def draft_end(self) -> int:
+        """Drafting stops before this position: the coordinator's bound, pushed out by the forced drafts
+        ahead (they cost the target a row each but no model step, and are certain once their prefix is)."""
+        return self.draft_until + self.forced_ahead
+
+    def forget_forced(self, from_pos: int) -> None:
+        """The tokens from `from_pos` on were replaced; forced marks below the verified prefix are spent."""
+        self.forced = [pos for pos in self.forced if self.committed_len <= pos < from_pos]
 
 
 class FeatureStore:

@@ -76,19 +76,18 @@ class SpeculationPolicy:
             return self.max_draft_tokens  # the drafter stops at γ and idles until the verdict
         return 0
 
-    def ready(self, n_drafts: int, remaining: int, draft_alive: bool, prefill_pending: bool = False) -> bool:
-        """Whether a sequence with `n_drafts` unverified drafts should go to the target now.
-        `prefill_pending`: the target has not seen the prompt yet."""
+    def ready(self, n_drafts: int, remaining: int, draft_alive: bool, prefill_pending: bool = False,
+              free: int = 0) -> bool:
+        """Whether a sequence with `n_drafts` unverified drafts (`free` of them grammar-forced, which
+        the cap does not count) should go to the target now. `prefill_pending`: the target has not
+        seen the prompt yet."""
         if not (self.uses_draft and draft_alive):
             return True
         if self.mode is SpeculationMode.PEARL:
             # pre-verify: one token is enough when the target is free; and the target prefills the
             # prompt at once, while the drafter prefills and drafts its first token.
             return n_drafts >= 1 or prefill_pending
-        return n_drafts >= min(self.max_draft_tokens, remaining)  # vanilla: a full γ chunk
-
-    def verify_count(self, n_drafts: int, remaining: int) -> int:
-        return max(0, min(n_drafts, self.max_draft_tokens, remaining))
+        return n_drafts - free >= min(self.max_draft_tokens, remaining - free)  # vanilla: a full γ chunk
 
     def bonus(self, greedy: bool, drafting: bool) -> int:
         # Pearl with sampling declines the bonus: whether a position is decided by the bonus rule or

@@ -223,7 +223,7 @@ class Scheduler:
                     seq.draft_fed_len = max(seq.draft_fed_len, start - 1)
                 continue
             if not seq.add_drafts(start, chunk.tokens[decided:], chunk.draft_probs[decided:], exhausted,
-                                  chunk.alternatives[decided:]):
+                                  chunk.alternatives[decided:], forced=chunk.forced):
                 log.warning("seq %d: draft chunk at %d, expected %d; resyncing", seq.seq_id, chunk.start_pos,
                             seq.next_draft_pos)
                 seq.stats.wasted_draft_tokens += len(chunk.tokens) + len(seq.drafts)
@@ -318,7 +318,8 @@ class Scheduler:
             return True  # a head drafts from the prompt's hidden states: the target reads it first
         if self._may_verify_without_drafts(seq):
             return True  # patience decides whether the target waits for the first draft
-        return seq.policy.ready(len(seq.drafts), seq.remaining, seq.uses_draft, seq.prefill_pending)
+        return seq.policy.ready(len(seq.drafts), seq.remaining, seq.uses_draft, seq.prefill_pending,
+                                free=seq.free_drafts)
 
     def _may_verify_without_drafts(self, seq: Sequence) -> bool:
         """Whether a sequence with no draft (right after a rejection) may go to a free target, whose
@@ -344,9 +345,10 @@ class Scheduler:
         if not (seq.uses_draft and seq.policy.adaptive_pearl) or (
                 seq.draft_paused or seq.draft_exhausted or seq.prefill_pending):
             return 0.0
-        n = len(seq.drafts)
+        free = seq.free_drafts  # grammar-forced drafts go along free: waiting is for the drafter's own
+        n = len(seq.drafts) - free
         # (The drafter's lookahead always reaches past the draft limit: policies.lookahead > γ.)
-        reachable = min(self._draft_limit(seq), seq.remaining)
+        reachable = min(self._draft_limit(seq), seq.remaining - free)
         step, first = self.patience.draft_step_s.value or 0.0, self.patience.first_draft_s.value
         k = drafts_worth_waiting_for(seq.acceptance.alpha, n, reachable, self.verify_cost, step,
                                      self.patience.round_overhead_s.value or 0.0, len(seq.committed) - seq.target_len,

@@ -63,6 +63,9 @@ class Sequence:
     verify_probs: list[bytes] = field(default_factory=list)
     drafts: list[int] = field(default_factory=list)  # drafts that arrived after the in-flight chunk
     draft_probs: list[bytes] = field(default_factory=list)  # [len(drafts)] or empty when greedy
+    # positions of drafts the drafter marked grammar-forced (DraftChunk.forced): free, and certain once
+    # their prefix is accepted, so they count neither toward the draft cap nor toward acceptance
+    forced: set[int] = field(default_factory=set)
     draft_alive: bool = True  # False: the drafter dropped it or died; go on target-only
     draft_fed_len: int = 0  # the drafter's KV cache holds valid tokens for positions < this
     draft_started: bool = False
@@ -119,6 +122,33 @@ class Sequence:
         """Where the next draft chunk must start to extend what this sequence holds."""
         return len(self.committed) + len(self.verify_tokens or ()) + len(self.drafts)
 
+    def _forced_in(self, start: int, n: int) -> int:
+        return sum(1 for pos in range(start, start + n) if pos in self.forced) if self.forced else 0
+
+    @property
+    def free_drafts(self) -> int:
+        """How many of the drafts waiting for verification are grammar-forced."""
+        return self._forced_in(self.next_draft_pos - len(self.drafts), len(self.drafts))
+
+    def verify_span(self, cap: int) -> int:
+        """How many drafts a verify takes under a cap of `cap` drafts: forced drafts ride along free,
+        the ones after the last counted draft included (within the length limit)."""
+        end = max(0, min(len(self.drafts), self.remaining))
+        if cap <= 0 or not self.forced:
+            return min(max(cap, 0), end)
+        start, counted = self.next_draft_pos - len(self.drafts), 0
+        for n in range(end):
+            if start + n not in self.forced:
+                if counted == cap:
+                    return n
+                counted += 1
+        return end
+
+    def _keep_forced(self, below: float = float("inf")) -> None:
+        """Drops the forced marks of committed positions and of positions from `below` on (drafts gone)."""
+        if self.forced:
+            self.forced = {pos for pos in self.forced if len(self.committed) <= pos < below}
+
     @property
     def prefill_pending(self) -> bool:
         return self.target_len < len(self.committed) - 1 and not self.verifying
@@ -143,10 +173,13 @@ class Sequence:
         return ids
 
     # -- transitions ------------------------------------------------------------------------------
-    def add_drafts(self, start_pos: int, tokens, probs, exhausted: bool = False, alternatives=()) -> bool:
+    def add_drafts(self, start_pos: int, tokens, probs, exhausted: bool = False, alternatives=(),
+                   forced: bool = False) -> bool:
         """Appends a draft chunk of the current epoch; False if it does not continue the drafts."""
         if start_pos != self.next_draft_pos:
             return False
+        if forced:
+            self.forced.update(range(start_pos, start_pos + len(tokens)))
         self.drafts.extend(tokens)
         self.draft_probs.extend(probs)
         self.spec.add_alternatives(start_pos, alternatives)
@@ -202,6 +235,7 @@ class Sequence:
         """Discards the drafts not under verification (the in-flight chunk still gets its verdict)."""
         n = len(self.drafts)
         self.drafts, self.draft_probs = [], []
+        self._keep_forced(below=self.next_draft_pos)
         self.spec.drafts_dropped()
         self.stats.wasted_draft_tokens += n
         return n
@@ -219,6 +253,7 @@ class Sequence:
         """Right after a new epoch: a hedge's tokens (within the length limit) are its drafts, fed on the
         drafter's branch already. Returns them."""
         n = min(len(hedge[0]), self.remaining)
+        self.forced.clear()  # a hedge's tokens are never forced ones
         self.drafts, self.draft_probs = list(hedge[0][:n]), list(hedge[1][:n])
         self.spec.drafts_adopted(n)
         self.draft_fed_len = len(self.committed) - 1 + n  # what the branch has fed
@@ -262,7 +297,9 @@ class Sequence:
         # fed only committed[:verify_context_end].
         chunk_end = old_len if self.verify_context_end is None else min(self.verify_context_end, old_len)
         self.target_len = chunk_end + len(new_tokens) - 1
+        free, free_accepted = self._forced_in(old_len, k), self._forced_in(old_len, min(n_accepted, k))
         kept = self._commit(new_tokens)
+        self._keep_forced()
         n_accepted -= branch_accepted  # of the main chain
         # a hedge's own tokens kept: below a taken branch's root (its key), or a hit's continuation here
         from_hedge = spec.chunk_verified()
@@ -272,7 +309,8 @@ class Sequence:
             self.stats.lookup_accepted += min(n_accepted, len(kept))
             n_accepted = 0  # of the drafter's tokens
         if chunk_end == old_len:  # a prefill chunk is not a round: it commits and drafts nothing
-            self._count(k, n_accepted, len(kept), rejected, first_of_round=old_len == self.round_start)
+            self._count(k, n_accepted, len(kept), rejected, first_of_round=old_len == self.round_start,
+                        free=free, free_accepted=min(free_accepted, n_accepted))
 
         def outcome(action: DraftAction, branch_taken: BranchTaken | None = None) -> VerdictOutcome:
             return VerdictOutcome(tuple(kept), action, branch_taken, drafted=k, looked_up=len(lookup))
@@ -298,6 +336,7 @@ class Sequence:
                 # An empty round beat the restarted drafter's chunks: keep the epoch, and check the
                 # next chunk against the tokens decided past these drafts when it comes (decided_prefix).
                 self.drafts, self.draft_probs = [], []
+                self.forced.clear()
                 spec.drafts_dropped()
                 spec.unconfirmed(old_len + same)
                 spec.decided(len(self.committed))
@@ -320,6 +359,7 @@ class Sequence:
         self.draft_exhausted = False
         self.spec.new_epoch()
         self.drafts, self.draft_probs = [], []
+        self.forced.clear()
         self.verify_tokens, self.verify_probs = None, []
         self.draft_fed_len = min(self.draft_fed_len, len(self.committed) - 1)
         self.round_start = len(self.committed)
@@ -340,7 +380,10 @@ class Sequence:
             self.finish_reason = FinishReason.LENGTH
         return kept
 
-    def _count(self, k: int, accepted: int, kept: int, rejected: bool, first_of_round: bool) -> None:
+    def _count(self, k: int, accepted: int, kept: int, rejected: bool, first_of_round: bool,
+               free: int = 0, free_accepted: int = 0) -> None:
+        """Counts a round that verified k drafts (`free` of them grammar-forced: `free_accepted`
+        accepted). The acceptance estimate, which sizes the drafts to come, counts the drafter's own."""
         stats = self.stats
         stats.target_forwards += 1
         stats.drafted_tokens += k
@@ -351,8 +394,8 @@ class Sequence:
             stats.accepted_per_pos.extend([0] * (accepted_kept - len(stats.accepted_per_pos)))
         for i in range(accepted_kept):
             stats.accepted_per_pos[i] += 1
-        if k:
-            self.acceptance.observe(accepted, int(rejected))
+        if k > free:
+            self.acceptance.observe(accepted - free_accepted, int(rejected))
         if rejected:
             stats.rejections += 1
             if accepted == 0 and first_of_round and self.policy.mode is SpeculationMode.PEARL:

@@ -74,15 +74,35 @@ def test_unmasked_drafts_of_the_fake_model_leave_the_grammar():
 def test_greedy_drafts_are_legal_and_forced_tokens_cost_no_model_step():
     runner = CountingRunner()
     drafter = _drafter(runner)
-    _start(drafter)
+    _start(drafter, lookahead=3)
     first = drafter.step()
-    # "{" is the only legal first token: its own chunk, before the proposer's first token
+    # "{" is the only legal first token: its own chunk, marked forced, before the proposer's first token
     assert [list(c.tokens) for c in first][0] == [TOY_IDS["{"]] and first[0].start_pos == len(PROMPT)
+    assert first[0].forced and not first[1].forced
     assert first[1].start_pos == len(PROMPT) + 1 and runner.forwards == 1
-    _drain(drafter)
+    chunks = first + _drain(drafter)
     drafted = _drafted(drafter)
     _legal_after(drafted)
-    assert len(drafted) == 10 and drafter.grammars.forced_tokens >= 1
+    forced = [c for c in chunks if c.forced]
+    for chunk in forced:  # each forced token was the only legal one after what came before it
+        for i, token in enumerate(chunk.tokens):
+            assert _legal_after(drafted[: chunk.start_pos - len(PROMPT) + i]) == [token]
+    # the lookahead (3) counts the model's drafts: the forced ones push the bound out by as many
+    n_forced = sum(len(c.tokens) for c in forced)
+    assert n_forced == drafter.grammars.forced_tokens >= 1
+    assert len(drafted) == 3 + n_forced and runner.forwards == 3  # one forward per model draft
+
+
+def test_a_sequence_whose_grammar_ended_drafts_no_further():
+    """Past the grammar's end token nothing can be accepted: the drafter stops there (an EXHAUSTED
+    chunk) instead of drafting to its bound."""
+    drafter = _drafter()
+    _start(drafter, lookahead=30)
+    chunks = _drain(drafter)
+    drafted = _drafted(drafter)
+    assert drafted[-1] == EOS and EOS not in drafted[:-1] and len(drafted) < 30
+    assert chunks[-1].outlook == pb.DRAFT_OUTLOOK_EXHAUSTED and not drafter.has_work()
+    _legal_after(drafted[:-1])
 
 
 def test_sampled_drafts_send_the_masked_q_they_were_drawn_from():
@@ -167,8 +187,8 @@ def test_a_reset_that_keeps_an_illegal_token_drafts_unmasked_until_a_reset_remov
                                   tail=[t["a"]], draft_until=len(PROMPT) + 10, committed_len=len(PROMPT) + 2))
     _drain(drafter)
     drafted = _drafted(drafter)
-    assert drafted[:2] == [t["{"], t["a"]] and len(drafted) == 10
-    _legal_after(drafted)
+    assert drafted[:2] == [t["{"], t["a"]] and drafted[-1] == EOS  # masked again, to the grammar's end
+    _legal_after(drafted[:-1])
 
 
 def test_hedges_of_the_speculation_cache_draft_legal_tokens_too():

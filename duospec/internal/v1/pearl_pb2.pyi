@@ -148,7 +148,7 @@ class DraftControl(_message.Message):
     def __init__(self, commands: _Optional[_Iterable[_Union[DraftCommand, _Mapping]]] = ...) -> None: ...
 
 class DraftChunk(_message.Message):
-    __slots__ = ("seq_id", "epoch", "start_pos", "tokens", "draft_probs", "outlook", "hedge", "alternatives")
+    __slots__ = ("seq_id", "epoch", "start_pos", "tokens", "draft_probs", "outlook", "hedge", "alternatives", "forced")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_POS_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,7 @@ class DraftChunk(_message.Message):
     OUTLOOK_FIELD_NUMBER: _ClassVar[int]
     HEDGE_FIELD_NUMBER: _ClassVar[int]
     ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
+    FORCED_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     epoch: int
     start_pos: int
@@ -165,7 +166,8 @@ class DraftChunk(_message.Message):
     outlook: DraftOutlook
     hedge: HedgeKey
     alternatives: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., start_pos: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[bytes]] = ..., outlook: _Optional[_Union[DraftOutlook, str]] = ..., hedge: _Optional[_Union[HedgeKey, _Mapping]] = ..., alternatives: _Optional[_Iterable[int]] = ...) -> None: ...
+    forced: bool
+    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., start_pos: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[bytes]] = ..., outlook: _Optional[_Union[DraftOutlook, str]] = ..., hedge: _Optional[_Union[HedgeKey, _Mapping]] = ..., alternatives: _Optional[_Iterable[int]] = ..., forced: _Optional[bool] = ...) -> None: ...
 
 class DraftChunkBatch(_message.Message):
     __slots__ = ("chunks", "busy_seconds", "idle_seconds", "failed_seq_ids", "kv")

@@ -1,0 +1,71 @@
+"""Grammar-forced drafts (DraftChunk.forced, draft_worker/grammar_masks.py) in the scheduler: they ride
+along free — the draft cap counts the drafter's own drafts only, forced ones after the last counted
+draft go too — and the acceptance estimate that sizes the drafts counts only the drafter's own."""
+
+from __future__ import annotations
+
+from duospec.internal.v1 import pearl_pb2 as pb
+from test_scheduler import _request, _scheduler, _verdict
+
+
+def _chunk(scheduler, seq, pos, tokens, forced=False):
+    scheduler.on_draft_batch(pb.DraftChunkBatch(chunks=[pb.DraftChunk(
+        seq_id=seq.seq_id, epoch=seq.epoch, start_pos=pos, tokens=tokens, forced=forced)]))
+
+
+def _under_verification(n=30):
+    """Prompt [1, 2, 3] prefilled, draft [10] at 3 under verification; then, while it is verified: a
+    forced run [20, 21, 22], the drafter's own [30..33], a forced [40, 41] and its own [50]."""
+    scheduler, target, _, policy = _scheduler()  # max_draft_tokens 4, not adaptive
+    seq = scheduler._add(_request(n=n), policy)
+    _chunk(scheduler, seq, 3, [10])
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_NONE)  # the prompt's prefill round
+    assert list(target.sent[-1].items[0].draft_tokens) == [10]
+    _chunk(scheduler, seq, 4, [20, 21, 22], forced=True)
+    _chunk(scheduler, seq, 7, [30, 31, 32, 33])
+    _chunk(scheduler, seq, 11, [40, 41], forced=True)
+    _chunk(scheduler, seq, 13, [50])
+    return scheduler, target, seq
+
+
+def test_forced_drafts_do_not_count_toward_the_draft_cap():
+    scheduler, target, seq = _under_verification()
+    assert seq.free_drafts == 5
+    _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_BONUS, 20)  # [10] accepted, the bonus is the draft
+    # the cap of 4 counts 30..33; the forced around them go along; 50 (a fifth of its own) waits
+    assert list(target.sent[-1].items[0].draft_tokens) == [21, 22, 30, 31, 32, 33, 40, 41]
+    assert seq.drafts == [50]
+
+
+def test_the_length_limit_still_bounds_a_verify():
+    scheduler, target, seq = _under_verification(n=6)  # 10, 20 and four more at most
+    _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_BONUS, 20)
+    assert list(target.sent[-1].items[0].draft_tokens) == [21, 22, 30, 31]
+
+
+def test_the_acceptance_estimate_counts_the_drafters_own_drafts_only():
+    scheduler, target, seq = _under_verification()
+    _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_BONUS, 20)
+    tracker = seq.acceptance
+    accepted, rejected = tracker.accepted, tracker.rejected
+    # 21, 22 (forced), 30, 31 accepted; 32 rejected: two of the drafter's own accepted, one rejected
+    _verdict(scheduler, target, seq, 4, pb.NEXT_TOKEN_KIND_RECOVERED, 99)
+    assert seq.committed[-5:] == [21, 22, 30, 31, 99]
+    assert tracker.accepted == tracker.decay * accepted + 2
+    assert tracker.rejected == tracker.decay * rejected + 1
+    assert seq.forced == set()  # the new epoch dropped the drafts and their marks
+    assert seq.stats.accepted_tokens == 1 + 4  # statistics count every accepted draft, forced or not
+
+
+def test_a_round_of_forced_drafts_only_leaves_the_estimate_alone():
+    scheduler, target, _, policy = _scheduler()
+    seq = scheduler._add(_request(), policy)
+    _chunk(scheduler, seq, 3, [10])
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_NONE)
+    _chunk(scheduler, seq, 4, [20, 21], forced=True)
+    _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_BONUS, 20)
+    assert list(target.sent[-1].items[0].draft_tokens) == [21]
+    tracker = seq.acceptance
+    before = (tracker.accepted, tracker.rejected)
+    _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_BONUS, 7)
+    assert (tracker.accepted, tracker.rejected) == before
