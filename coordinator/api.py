@@ -33,6 +33,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # a stop token id (or, in the API layer, a stop string)
     EOS = "eos"  # the model's end-of-sequence token
     CANCELLED = "cancelled"  # client cancel / deadline / shutdown
+    GRAMMAR_DEAD_END = "grammar_dead_end"  # the request's constraint allows no token after the output
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from duospec.coordinator.scheduling.kv_budget import PREFIX_CACHE_SCOPES
 from duospec.coordinator.scheduling.routing import AFFINITY_SLACK_TOKENS, ROUTING_POLICIES
 from duospec.draft_worker.proposer import MAX_TENSOR_PARALLEL, DraftMethod, DraftSpec, NgramOptions
 from duospec.settings import REQUIRED, declared, setting
+from duospec.structured.constraint import DEFAULT_COMPILE_TIMEOUT_S
 
 DEVICES = ("auto", "cpu", "cuda")
 MAX_GRACE_PERIOD_S = 3600.0  # server.grace_period_s and `duospec serve --grace-period`
@@ -73,6 +74,11 @@ class ServerSettings:
     max_queued_requests: int = setting(
         256, "requests waiting for a generation slot; beyond this RESOURCE_EXHAUSTED", lo=0, hi=1 << 20)
     max_new_tokens_limit: int = setting(2048, "a request asking for more is INVALID_ARGUMENT", lo=1, hi=1 << 24)
+    # Compiles run off the event loop; one abandoned at the limit still ends within llguidance's own
+    # fuel limits (and lands in the cache).
+    grammar_compile_timeout_s: float = setting(
+        DEFAULT_COMPILE_TIMEOUT_S, "how long a request's JSON schema, regex or grammar may take to compile; "
+        "past it the request is INVALID_ARGUMENT (HTTP 400) naming the field", lo=0.01, hi=600.0)
     default_max_new_tokens: int = setting(
         256, "used when a request leaves max_new_tokens at 0; at most max_new_tokens_limit", lo=1, hi=1 << 24)
     grace_period_s: float = setting(

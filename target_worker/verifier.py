@@ -32,7 +32,9 @@ authoritative matcher (`duospec.structured.SequenceGrammars`), advanced only by 
 items' context and the verdicts). Each verify row's logits are masked (-inf outside the grammar) before
 the verify rule, which then sees p = 0 for every illegal token: greedy takes the masked argmax, sampling
 accepts an illegal draft with probability 0 and recovers from norm(max(0, p' - q)). A grammar that
-fails or reaches a dead end answers its own item with a GRAMMAR error; the batch goes on.
+fails answers its own item with a GRAMMAR error; the batch goes on. A dead end (no legal token, here
+or after an accepted draft) is no error: the verdict stops before it, as the target alone would, and
+says so (`grammar_dead_end`), and the sequence ends with its tokens.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from duospec.qcodec import DraftProbs
 from duospec.sampling import logprobs_from_logits
 from duospec.structured import ConstraintError, GrammarStateError, ItemMasks, SequenceGrammars, apply_bitmask
 from duospec.structured.manager import WorkerCompilers
-from duospec.verify import NextTokenKind, TreeVerdict
+from duospec.verify import NextTokenKind, TreeVerdict, Verdict
 from duospec.verify.batch import VerifyTask, verify_batch, verify_each
 
 _KIND_TO_PROTO = {
@@ -164,7 +166,12 @@ class Verifier:
                         raise GrammarStateError(grammar_failed[item.seq_id])
                     if isinstance(decision, Exception):
                         raise decision
+                    dead_at = masks[item.seq_id].cut_at_dead_end(decision.path) if item.seq_id in masks else None
+                    if dead_at is not None:  # the grammar allows nothing past the path's first dead_at nodes
+                        path = decision.path[:dead_at]
+                        decision = TreeVerdict(path, Verdict(len(path), None, NextTokenKind.NONE))
                     verdict = self._verdict(item, task, decision, rows, item_hidden, skip)
+                    verdict.grammar_dead_end = dead_at is not None
                     if item.seq_id in masks:
                         self._commit_grammar(item, decision)
                     out.verdicts.append(verdict)

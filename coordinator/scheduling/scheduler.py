@@ -453,6 +453,8 @@ class Scheduler:
             logprobs = tuple(TokenLogprob(t, lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs)))
                              for t, lp in zip(outcome.kept, verdict.logprobs))
             seq.events.put_nowait(TokensEvent(outcome.kept, seq.stats, logprobs))
+        if seq.finish_reason is None and verdict.grammar_dead_end:  # its constraint allows nothing more
+            seq.finish_reason = FinishReason.GRAMMAR_DEAD_END
         if seq.finish_reason is not None:
             self._finish(seq, seq.finish_reason)
         else:

@@ -365,7 +365,7 @@ class Gateway:
                                                        key=info.target_path)
         except ConstraintError as exc:
             raise RequestError("INVALID_ARGUMENT", f"constraint: model {info.name!r}: {exc}", "constraint") from None
-        return GrammarCompiler(backend)
+        return GrammarCompiler(backend, timeout_s=self.settings.grammar_compile_timeout_s)
 
     async def _run(self, v: ValidatedRequest, stream: _Stream, text_state,
                    finished: FinishReason | None) -> AsyncIterator[Delta]:

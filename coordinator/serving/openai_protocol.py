@@ -31,7 +31,9 @@ from duospec.v1 import generation_pb2 as pb
 
 _MODES = {"pearl": pb.SPECULATION_MODE_PEARL, "vanilla": pb.SPECULATION_MODE_VANILLA, "off": pb.SPECULATION_MODE_OFF}
 _FINISH = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReason.EOS: "stop",
-           FinishReason.CANCELLED: "abort"}  # abort: the server ended it (shutdown), as vLLM says
+           FinishReason.CANCELLED: "abort",  # abort: the server ended it (shutdown), as vLLM says
+           # OpenAI has no word for it: a value of its own, so that nobody takes the text for complete
+           FinishReason.GRAMMAR_DEAD_END: "grammar_dead_end"}
 # Accepted and ignored: they change nothing about what is generated.
 _IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n",

@@ -77,6 +77,11 @@ class Matcher(abc.ABC):
         """The grammar is complete and admits nothing more but an end token."""
 
     @abc.abstractmethod
+    def is_dead_end(self) -> bool:
+        """The text so far is not complete and nothing can complete it: no token is legal, or only an
+        end token is (a library may offer that as its way out). The target alone stops here."""
+
+    @abc.abstractmethod
     def fork(self) -> "Matcher":
         """An independent copy in the same state (a drafter's speculative matcher)."""
 

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 # so one request cannot make either side parse megabytes (the OpenAI body limit is larger).
 MAX_CONSTRAINT_BYTES = 256 * 1024
 
+# How long a compile may take before the request is refused (ServerSettings.grammar_compile_timeout_s).
+DEFAULT_COMPILE_TIMEOUT_S = 10.0
+
 
 class ConstraintKind(enum.Enum):
     JSON_SCHEMA = "json_schema"  # text: the schema as JSON

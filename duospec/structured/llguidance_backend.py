@@ -39,15 +39,21 @@ class LLGuidanceMatcher(Matcher):
     """llguidance's LLMatcher, with end tokens kept out of it: llguidance neither validates an end token
     once its grammar has stopped nor counts a consumed one in its rollback history (rolling back one
     token after an end token undoes the token before it). So end tokens are counted here (`_ends`):
-    legal where the mask admits one, and after one only end tokens are (the mask is then theirs)."""
+    legal where the mask admits one, and after one only end tokens are (the mask is then theirs).
+    A matcher llguidance stopped (a dead end: it computed a mask where nothing can follow) refuses to
+    roll back; it is then rebuilt from the grammar's start (`template`) by replaying its tokens."""
 
     def __init__(self, inner: llguidance.LLMatcher, end_tokens: frozenset[int], vocab_size: int,
-                 consumed: int = 0, ends: int = 0) -> None:
+                 template: llguidance.LLMatcher, consumed: int = 0, ends: int = 0,
+                 tokens: list[int] | None = None) -> None:
         self._inner = inner
+        self._template = template
         self._end_tokens = end_tokens
         self._vocab_size = vocab_size
         self._consumed = consumed  # tokens consumed, end tokens included
         self._ends = ends  # trailing end tokens consumed (never passed to llguidance)
+        self._tokens = tokens if tokens is not None else []  # what llguidance consumed (no end tokens)
+        self._masked_here = False  # a mask was computed at this position (llguidance's stop state is set then)
 
     def validate_tokens(self, tokens: Sequence[int]) -> int:
         tokens = [int(t) for t in tokens]
@@ -67,13 +73,25 @@ class LLGuidanceMatcher(Matcher):
             self._inner.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * bitmask.element_size())
             return any(t in self._end_tokens for t in allowed_tokens(bitmask[0], self._vocab_size))
         finally:
-            if prefix and not self._inner.rollback(len(prefix)):
-                raise RuntimeError("grammar matcher could not roll back a validation")
+            self._undo(len(prefix))
 
     def _consume(self, tokens: list[int]) -> None:
         # one at a time: llguidance's consume_tokens has refused tokens that consume_token takes
+        self._masked_here = self._masked_here and not tokens
         if not all(self._inner.consume_token(t) for t in tokens):
             raise RuntimeError(f"grammar matcher refused validated tokens: {_first_line(self._inner.get_error())}")
+        self._tokens.extend(tokens)
+
+    def _undo(self, n: int) -> None:
+        """Takes back the last `n` tokens llguidance consumed."""
+        if not n:
+            return
+        self._masked_here = False
+        keep = self._tokens[:-n]
+        if not self._inner.rollback(n):  # stopped at a dead end: start over and replay
+            self._inner, self._tokens = self._template.deep_copy(), []
+            self._consume(keep)
+        del self._tokens[len(keep):]
 
     def accept_tokens(self, tokens: Sequence[int]) -> int:
         # validate first: consuming an illegal token would leave llguidance's matcher in an error
@@ -91,8 +109,8 @@ class LLGuidanceMatcher(Matcher):
             raise ValueError(f"rollback({n}): only {self._consumed} tokens were consumed")
         ends = min(n, self._ends)
         self._ends -= ends
-        if n - ends and not self._inner.rollback(n - ends):
-            raise RuntimeError(f"grammar matcher could not roll back {n - ends} tokens: {self._inner.get_error()}")
+        self._masked_here = self._masked_here and n == 0
+        self._undo(n - ends)
         self._consumed -= n
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -107,13 +125,23 @@ class LLGuidanceMatcher(Matcher):
         if not target.is_contiguous():
             raise ValueError("bitmask rows must be contiguous")
         self._inner.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * target.element_size())
+        self._masked_here = True
 
     def is_terminated(self) -> bool:
         return bool(self._ends) or self._inner.is_stopped()
 
+    def is_dead_end(self) -> bool:
+        # llguidance stops a matcher that can go no further (when it computes the mask there) and then
+        # allows only the end tokens
+        if self._ends:
+            return False
+        if not self._masked_here:
+            self.fill_bitmask(allocate_bitmask(1, self._vocab_size), 0)
+        return self._inner.is_stopped() and not self._inner.is_accepting()
+
     def fork(self) -> "LLGuidanceMatcher":
-        return LLGuidanceMatcher(self._inner.deep_copy(), self._end_tokens, self._vocab_size, self._consumed,
-                                 self._ends)
+        return LLGuidanceMatcher(self._inner.deep_copy(), self._end_tokens, self._vocab_size, self._template,
+                                 self._consumed, self._ends, list(self._tokens))
 
     @property
     def num_tokens(self) -> int:
@@ -139,7 +167,7 @@ class LLGuidanceGrammar(Grammar):
         self._end_tokens = end_tokens
 
     def matcher(self) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(self._template.deep_copy(), self._end_tokens, self.vocab_size)
+        return LLGuidanceMatcher(self._template.deep_copy(), self._end_tokens, self.vocab_size, self._template)
 
 
 class LLGuidanceBackend(GrammarBackend):
@@ -185,7 +213,7 @@ class LLGuidanceBackend(GrammarBackend):
         """A constraint that admits no text at all (a regex like `[^\\s\\S]`) is the user's mistake,
         found now rather than as a generation that can only end at once."""
         bitmask = allocate_bitmask(1, self.vocab_size)
-        LLGuidanceMatcher(template, self.end_tokens, self.vocab_size).fill_bitmask(bitmask, 0)
+        LLGuidanceMatcher(template, self.end_tokens, self.vocab_size, template).fill_bitmask(bitmask, 0)
         legal = set(allowed_tokens(bitmask[0], self.vocab_size))
         if not legal - self.end_tokens and not template.is_accepting():
             raise ConstraintError(f"this {constraint.kind.value} matches no text")

@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from duospec.structured.backend import Grammar, GrammarBackend, Matcher, allocate_bitmask
-from duospec.structured.constraint import Constraint, ConstraintError
+from duospec.structured.constraint import DEFAULT_COMPILE_TIMEOUT_S, Constraint, ConstraintError
 
-DEFAULT_COMPILE_TIMEOUT_S = 10.0
 DEFAULT_CACHE_ENTRIES = 256
 
 
@@ -127,6 +126,19 @@ class ItemMasks:
     """The masks of one verify item: ``bitmask[r]`` for its verify row r (k + 1 rows)."""
 
     bitmask: torch.Tensor  # [k + 1, ceil(V / 32)] int32
+    # rows where the grammar allows no token (a dead end; left all-allowed so the rule stays finite):
+    # a verdict that reaches one stops before it (Verdict.grammar_dead_end)
+    dead_rows: frozenset[int] = frozenset()
+
+    def cut_at_dead_end(self, path: Sequence[int]) -> int | None:
+        """How many nodes of an accepted `path` (root first) stand before the first dead row it
+        reaches (row 0: the item's first position; row 1 + i: after node i); None: it reaches none."""
+        if not self.dead_rows:
+            return None
+        for j, row in enumerate([0, *(node + 1 for node in path)]):
+            if row in self.dead_rows:
+                return j
+        return None
 
 
 class SequenceGrammars:
@@ -162,13 +174,15 @@ class SequenceGrammars:
         self._sync(state, start_pos, context)
         bitmask = allocate_bitmask(len(draft_tokens) + 1, state.vocab_size)
         state.matcher.fill_bitmask(bitmask, 0)
-        if not _any(bitmask[0]):
-            raise GrammarStateError("the constraint reached a dead end: no token is legal here")
-        parents = list(parents) if parents else list(range(-1, len(draft_tokens) - 1))
-        self._fill_draft_rows(state.matcher, [int(t) for t in draft_tokens], parents, bitmask)
+        if not _any(bitmask[0]) or state.matcher.is_dead_end():  # nothing to verify, the sequence ends
+            bitmask.fill_(-1)
+            dead = {0}
+        else:
+            parents = list(parents) if parents else list(range(-1, len(draft_tokens) - 1))
+            dead = self._fill_draft_rows(state.matcher, [int(t) for t in draft_tokens], parents, bitmask)
         self.mask_rows += len(draft_tokens) + 1
         self.mask_seconds += time.perf_counter() - started
-        return ItemMasks(bitmask)
+        return ItemMasks(bitmask, frozenset(dead))
 
     def commit(self, seq_id: int, position: int, tokens: Sequence[int]) -> None:
         """The verdict committed `tokens` at `position`, `position` + 1, ...: consume them."""
@@ -255,11 +269,14 @@ class SequenceGrammars:
             raise GrammarStateError(f"committed token {fresh[legal]} is not legal under the constraint")
 
     @staticmethod
-    def _fill_draft_rows(matcher: Matcher, tokens: list[int], parents: list[int], bitmask: torch.Tensor) -> None:
+    def _fill_draft_rows(matcher: Matcher, tokens: list[int], parents: list[int], bitmask: torch.Tensor) -> set[int]:
         """Row 1 + i: the mask after draft node i. A node whose token is illegal (or below such a
         node) leaves its row all-allowed: the verify rule rejects the illegal token at its own row
         (greedy: it is not the masked argmax; sampled: masked p gives it 0), so the rows under it
-        decide nothing. A sampled draft is never cut before the rule runs (DESIGN §4)."""
+        decide nothing. A sampled draft is never cut before the rule runs (DESIGN §4). Returns the
+        rows after legal nodes where nothing is legal (dead ends), left all-allowed: a verdict
+        whose path takes such a node stops there, as the target alone would."""
+        dead: set[int] = set()
         path: list[int] = []  # the nodes the matcher holds tentatively, root first
         legal = [False] * len(tokens)
         for node, token in enumerate(tokens):
@@ -280,9 +297,11 @@ class SequenceGrammars:
                 legal[node] = True
                 path.append(node)
                 matcher.fill_bitmask(bitmask, node + 1)
-                if not _any(bitmask[node + 1]):
-                    raise GrammarStateError("the constraint reaches a dead end after a legal draft token")
+                if not _any(bitmask[node + 1]) or matcher.is_dead_end():
+                    bitmask[node + 1].fill_(-1)
+                    dead.add(node + 1)
         matcher.rollback(len(path))
+        return dead
 
 
 def _ancestors(parents: list[int], node: int) -> list[int]:

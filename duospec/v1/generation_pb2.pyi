@@ -21,6 +21,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_EOS: _ClassVar[FinishReason]
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+    FINISH_REASON_GRAMMAR_DEAD_END: _ClassVar[FinishReason]
 
 class ReplicaState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -37,6 +38,7 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
+FINISH_REASON_GRAMMAR_DEAD_END: FinishReason
 REPLICA_STATE_UNSPECIFIED: ReplicaState
 REPLICA_STATE_SERVING: ReplicaState
 REPLICA_STATE_DEGRADED: ReplicaState

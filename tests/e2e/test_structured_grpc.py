@@ -133,6 +133,27 @@ async def test_a_bad_constraint_does_not_disturb_a_good_one_running_beside_it(ha
     jsonschema.validate(json.loads(text), SCHEMAS["flat"])
 
 
+async def test_a_compile_past_the_configured_limit_is_invalid_argument(tiny_pair, monkeypatch):
+    """server.grammar_compile_timeout_s bounds a compile; the request is refused naming the field."""
+    import time
+
+    from duospec.coordinator.config import ServerSettings
+    from duospec.structured.llguidance_backend import LLGuidanceBackend
+
+    real = LLGuidanceBackend.compile
+
+    def crawl(self, constraint):
+        time.sleep(0.5)
+        return real(self, constraint)
+
+    monkeypatch.setattr(LLGuidanceBackend, "compile", crawl)
+    settings = ServerSettings(host="127.0.0.1", port=0, metrics_port=0, http_port=0, grammar_compile_timeout_s=0.1)
+    async with running_server(server_coordinator(tiny_pair), settings) as h:
+        err = await rpc_error(h.stub, request("x", 8, constraint=pb.Constraint(regex="[ab]+")))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details() == "constraint.regex: did not compile within 0.1 s; simplify it", err.details()
+
+
 def _exact_output_distribution(target_path, prompt: str, regex: str, temperature: float) -> dict:
     """P(output tokens) of the masked target alone, by enumerating the finite language token by token
     (transformers' logits, the grammar's masks, then temperature)."""

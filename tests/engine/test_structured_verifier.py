@@ -25,6 +25,11 @@ GRAMMARS = {
     "braces": Constraint(ConstraintKind.REGEX, "\\{(a|bc?)*\\}"),
     "lark": Constraint(ConstraintKind.GRAMMAR, 'start: "{" item* "}"\nitem: "a" | "b" "c" | "x" start'),
 }
+# The toy vocabulary has no "z": once the target has taken "a" (here the masked argmax) nothing is legal
+DEAD_ENDS = {
+    "dead_after_one": Constraint(ConstraintKind.REGEX, "(a|b)z"),
+    "dead_after_two": Constraint(ConstraintKind.REGEX, "ab?z|b"),
+}
 COMPILER = GrammarCompiler(toy_backend())
 
 
@@ -47,11 +52,14 @@ def _replay(constraint, output):
 
 
 def reference(constraint, max_new: int) -> list[int]:
-    """Masked target-alone greedy decoding, written independently of the verifier."""
+    """Masked target-alone greedy decoding, written independently of the verifier. It stops at a dead
+    end (no legal token)."""
     matcher, out = COMPILER.compile(constraint).matcher(), []
     while len(out) < max_new:
         logits = fake_logits(PROMPT + out).clone()
         legal = _legal(matcher)
+        if not legal or matcher.is_dead_end():
+            break
         masked = torch.full_like(logits, float("-inf"))
         masked[legal] = logits[legal]
         token = int(masked.argmax())
@@ -77,6 +85,8 @@ def masked(constraint, output, k, rng):
     matcher, drafts = _replay(constraint, output), []
     for _ in range(k):
         legal = _legal(matcher)
+        if not legal or matcher.is_dead_end():  # nothing to propose
+            break
         logits = fake_logits([TOY_IDS["b"], *PROMPT, *output, *drafts])
         token = max(legal, key=lambda t: float(logits[t]))
         drafts.append(token)
@@ -99,6 +109,8 @@ def forced(constraint, output, k, rng):
     matcher, drafts = _replay(constraint, output), []
     for _ in range(k):
         token = matcher.forced_token(VOCAB)
+        if matcher.is_dead_end():  # nothing to propose
+            break
         token = token if token is not None else rng.choice(_legal(matcher))
         drafts.append(token)
         matcher.accept_tokens([token])
@@ -115,13 +127,14 @@ DRAFTERS = [unmasked, masked, adversarial, uniform_random, forced, oracle]
 
 
 def drive(verifier, constraint, drafter, rng, *, max_new: int, max_drafts: int = 4, seq_id: int = 1,
-          rewind: bool = True) -> tuple[list[int], list[int]]:
+          rewind: bool = True) -> tuple[list[int], list[int], bool]:
     """What the coordinator does for one sequence: items from the committed tokens, verdicts applied.
     max_drafts 0 is mode off; `rewind`: now and then re-send from an earlier position (as after an
     abort whose verdict was dropped), which rolls the target's slot and matcher back. Returns the
-    output as a client sees it (cut at max_new or the end token) and everything committed."""
-    committed, target_len, batch_id = list(PROMPT), 0, 0
-    while len(committed) - len(PROMPT) < max_new:
+    output as a client sees it (cut at max_new or the end token), everything committed, and whether
+    the grammar reached a dead end."""
+    committed, target_len, batch_id, dead_end = list(PROMPT), 0, 0, False
+    while len(committed) - len(PROMPT) < max_new and not dead_end:
         output = committed[len(PROMPT):]
         if EOS in output:
             break
@@ -135,6 +148,8 @@ def drive(verifier, constraint, drafter, rng, *, max_new: int, max_drafts: int =
         out = verifier.run(pb.VerifyBatch(batch_id=batch_id, items=[item]))
         assert not out.errors, out.errors[0].message
         verdict = out.verdicts[0]
+        dead_end = verdict.grammar_dead_end
+        assert not dead_end or verdict.kind == pb.NEXT_TOKEN_KIND_NONE  # nothing past a dead end
         committed += drafts[:verdict.n_accepted]
         if verdict.kind != pb.NEXT_TOKEN_KIND_NONE:
             committed.append(verdict.next_token)
@@ -142,7 +157,7 @@ def drive(verifier, constraint, drafter, rng, *, max_new: int, max_drafts: int =
         if rewind and rng.random() < 0.2 and target_len > len(PROMPT):
             target_len = rng.randint(len(PROMPT), target_len)
     output = committed[len(PROMPT):]
-    return (output[: output.index(EOS) + 1] if EOS in output else output[:max_new]), output
+    return (output[: output.index(EOS) + 1] if EOS in output else output[:max_new]), output, dead_end
 
 
 @pytest.mark.parametrize("name", sorted(GRAMMARS))
@@ -153,13 +168,30 @@ def test_greedy_output_is_the_masked_target_alone(name, drafter, max_drafts):
     want = reference(constraint, max_new)
     for seed in range(4):
         verifier = _verifier(batched=seed % 2 == 1)
-        got, committed = drive(verifier, constraint, drafter, random.Random(seed), max_new=max_new,
-                               max_drafts=max_drafts)
+        got, committed, _ = drive(verifier, constraint, drafter, random.Random(seed), max_new=max_new,
+                                  max_drafts=max_drafts)
         assert got == want, f"seed {seed}: {got} != masked target alone {want}"
         # the authoritative matcher holds exactly the committed output: no draft it rejected, and in
         # the state a fresh replay of those tokens gives
         assert verifier.grammars.consumed(1) == committed
         assert _legal(verifier.grammars.matcher(1)) == _legal(_replay(constraint, committed))
+
+
+@pytest.mark.parametrize("name", sorted(DEAD_ENDS))
+@pytest.mark.parametrize("drafter", DRAFTERS, ids=lambda d: d.__name__)
+@pytest.mark.parametrize("max_drafts", [0, 4], ids=["off", "four"])
+def test_a_dead_end_stops_where_the_target_alone_stops_and_says_so(name, drafter, max_drafts):
+    """A dead end reached at an item's first position or after an accepted draft: the verdict keeps
+    the tokens before it, has no next token and says grammar_dead_end; no error, no token past it."""
+    constraint = DEAD_ENDS[name]
+    want = reference(constraint, 16)
+    assert want and EOS not in want and _replay(constraint, want).is_dead_end()  # the scenario holds
+    for seed in range(4):
+        verifier = _verifier(batched=seed % 2 == 1)
+        got, committed, dead_end = drive(verifier, constraint, drafter, random.Random(seed), max_new=16,
+                                         max_drafts=max_drafts)
+        assert dead_end and got == committed == want, f"seed {seed}: {got} != masked target alone {want}"
+        assert verifier.grammars.consumed(1) == want
 
 
 def test_a_finished_grammar_allows_only_the_end_token():

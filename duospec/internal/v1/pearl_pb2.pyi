@@ -254,7 +254,7 @@ class VerifyBatch(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("seq_id", "epoch", "n_accepted", "kind", "next_token", "path", "logprobs", "features", "cached_tokens", "context_fed")
+    __slots__ = ("seq_id", "epoch", "n_accepted", "kind", "next_token", "path", "logprobs", "features", "cached_tokens", "context_fed", "grammar_dead_end")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     N_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +265,7 @@ class Verdict(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FED_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_DEAD_END_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     epoch: int
     n_accepted: int
@@ -275,7 +276,8 @@ class Verdict(_message.Message):
     features: Features
     cached_tokens: int
     context_fed: int
-    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., n_accepted: _Optional[int] = ..., kind: _Optional[_Union[NextTokenKind, str]] = ..., next_token: _Optional[int] = ..., path: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., context_fed: _Optional[int] = ...) -> None: ...
+    grammar_dead_end: bool
+    def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., n_accepted: _Optional[int] = ..., kind: _Optional[_Union[NextTokenKind, str]] = ..., next_token: _Optional[int] = ..., path: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., context_fed: _Optional[int] = ..., grammar_dead_end: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_ids", "top_logprobs")

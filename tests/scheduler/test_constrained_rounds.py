@@ -1,9 +1,14 @@
-"""Grammar-forced drafts (DraftChunk.forced, draft_worker/grammar_masks.py) in the scheduler: they ride
-along free — the draft cap counts the drafter's own drafts only, forced ones after the last counted
-draft go too — and the acceptance estimate that sizes the drafts counts only the drafter's own."""
+"""Constrained sequences' rounds in the scheduler. Grammar-forced drafts (DraftChunk.forced,
+draft_worker/grammar_masks.py) ride along free — the draft cap counts the drafter's own drafts only,
+forced ones after the last counted draft go too — and the acceptance estimate that sizes the drafts
+counts only the drafter's own. A verdict that stops at a dead end of the grammar ends its sequence
+with the tokens before it and a finish reason of its own."""
 
 from __future__ import annotations
 
+import pytest
+
+from duospec.coordinator.api import FinishEvent, FinishReason
 from duospec.internal.v1 import pearl_pb2 as pb
 from test_scheduler import _request, _scheduler, _verdict
 
@@ -69,3 +74,25 @@ def test_a_round_of_forced_drafts_only_leaves_the_estimate_alone():
     before = (tracker.accepted, tracker.rejected)
     _verdict(scheduler, target, seq, 1, pb.NEXT_TOKEN_KIND_BONUS, 7)
     assert (tracker.accepted, tracker.rejected) == before
+
+
+def test_a_verdict_at_a_dead_end_ends_the_sequence_with_its_tokens():
+    scheduler, target, seq = _under_verification()
+    batch = target.sent[-1]
+    scheduler.on_verdict_batch(pb.VerdictBatch(batch_id=batch.batch_id, verdicts=[pb.Verdict(
+        seq_id=seq.seq_id, epoch=seq.epoch, n_accepted=1, kind=pb.NEXT_TOKEN_KIND_NONE, grammar_dead_end=True)]))
+    events = []
+    while not seq.events.empty():
+        events.append(seq.events.get_nowait())
+    finish = events[-1]
+    assert isinstance(finish, FinishEvent) and finish.finish_reason is FinishReason.GRAMMAR_DEAD_END
+    assert seq.committed[3:] == [10] and finish.completion_tokens == 1
+    assert seq.seq_id not in scheduler.sequences  # released on both workers
+
+
+@pytest.mark.parametrize("reason", list(FinishReason))
+def test_every_finish_reason_has_a_name_on_both_fronts(reason):
+    from duospec.coordinator.serving.openai_protocol import finish_reason
+    from duospec.coordinator.serving.service import _FINISH_TO_PB
+
+    assert finish_reason(reason) and _FINISH_TO_PB[reason]
