@@ -138,6 +138,10 @@ class DraftGrammars:
         self.cut_tokens += len(tokens) - n
         return n
 
+    def work(self) -> tuple[float, int, int]:
+        """Cumulative (mask seconds, mask rows, forced tokens): what the loop reports (GrammarWork)."""
+        return self.matchers.mask_seconds, self.matchers.mask_rows, self.forced_tokens
+
     def stats(self) -> dict:
         return {"grammar_forced_tokens": self.forced_tokens, "grammar_cut_tokens": self.cut_tokens,
                 "grammar_unmasked_steps": self.unmasked_steps,

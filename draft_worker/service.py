@@ -19,6 +19,7 @@ import grpc
 from duospec.draft_worker.drafter import Drafter
 from duospec.draft_worker.proposer import DraftDeclined
 from duospec.engine import SlotsExhausted
+from duospec.internal.constraint_wire import GrammarWorkReport
 from duospec.internal.kv_wire import kv_usage_to_proto
 from duospec.internal.v1 import pearl_pb2 as pb
 from duospec.internal.v1 import pearl_pb2_grpc as pb_grpc
@@ -35,6 +36,7 @@ class DraftLoop:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.busy_s = 0.0
         self.idle_s = 0.0
+        self._grammar_work = GrammarWorkReport(drafter.grammars.work)
         self._thread = threading.Thread(target=self._run, name="duospec-draft-loop", daemon=True)
 
     def start(self) -> "DraftLoop":
@@ -111,7 +113,8 @@ class DraftLoop:
                 self.busy_s += busy
                 self.idle_s += idle
                 self.emit(pb.DraftChunkBatch(chunks=chunks, busy_seconds=busy, idle_seconds=idle, failed_seq_ids=failed,
-                                             kv=kv_usage_to_proto(self.drafter.proposer.cache_stats())))
+                                             kv=kv_usage_to_proto(self.drafter.proposer.cache_stats()),
+                                             grammar=self._grammar_work.take()))
                 busy = idle = 0.0
 
 
@@ -133,6 +136,10 @@ def merge_batches(batches: list[pb.DraftChunkBatch],
         merged.busy_seconds += batch.busy_seconds
         merged.idle_seconds += batch.idle_seconds
         merged.failed_seq_ids.extend(batch.failed_seq_ids)
+        if batch.HasField("grammar"):
+            merged.grammar.mask_seconds += batch.grammar.mask_seconds
+            merged.grammar.mask_rows += batch.grammar.mask_rows
+            merged.grammar.forced_tokens += batch.grammar.forced_tokens
         if batch.HasField("kv"):  # the latest state of the pool
             merged.kv.CopyFrom(batch.kv)
         for chunk in batch.chunks:

@@ -45,7 +45,7 @@ import time
 import torch
 
 from duospec.engine import BlocksExhausted, ModelRunner, SlotChunk, SlotsExhausted
-from duospec.internal.constraint_wire import constraint_from_proto
+from duospec.internal.constraint_wire import GrammarWorkReport, constraint_from_proto
 from duospec.internal.features_wire import features_to_proto
 from duospec.internal.kv_wire import kv_usage_to_proto
 from duospec.internal.sampling_wire import sampling_from_proto
@@ -78,6 +78,7 @@ class Verifier:
         self.runner = runner
         self.grammars = SequenceGrammars()
         self.compilers = WorkerCompilers(tokenizer_path, grammar_compilers)
+        self._grammar_work = GrammarWorkReport(lambda: (self.grammars.mask_seconds, self.grammars.mask_rows, 0))
         self._decide = verify_batch if (runner.device.type != "cpu" if batched is None else batched) else verify_each
         self.slots: dict[int, int] = {}  # seq_id -> slot
         self.forwards = 0
@@ -183,6 +184,8 @@ class Verifier:
                     out.errors.append(_error(item, pb.VERIFY_ERROR_KIND_BAD_REQUEST, f"verify failed: {exc}"))
                 self.tokens_verified += len(item.draft_tokens)
         out.forward_seconds = time.perf_counter() - started
+        if (work := self._grammar_work.take()) is not None:
+            out.grammar.CopyFrom(work)
         if (kv := kv_usage_to_proto(self.runner.cache_stats())) is not None:
             out.kv.CopyFrom(kv)
         return out

@@ -26,6 +26,19 @@ class WorkerTimes:
     busy_s: float = 0.0
     idle_s: float = 0.0
     messages: int = 0
+    # constrained sequences' grammar masks (pearl.proto GrammarWork, summed)
+    grammar_mask_s: float = 0.0
+    grammar_mask_rows: int = 0
+    grammar_forced_tokens: int = 0
+
+    def add_grammar(self, work) -> None:
+        self.grammar_mask_s += work.mask_seconds
+        self.grammar_mask_rows += work.mask_rows
+        self.grammar_forced_tokens += work.forced_tokens
+
+    def grammar_report(self) -> dict:
+        return {"grammar_mask_seconds": self.grammar_mask_s, "grammar_mask_rows": self.grammar_mask_rows,
+                "grammar_forced_tokens": self.grammar_forced_tokens}
 
 
 @dataclass

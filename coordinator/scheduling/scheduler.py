@@ -179,6 +179,8 @@ class Scheduler:
             self.patience.draft_step_s.observe(batch.busy_seconds / longest)
         self.draft_times.busy_s += batch.busy_seconds
         self.draft_times.idle_s += batch.idle_seconds
+        if batch.HasField("grammar"):
+            self.draft_times.add_grammar(batch.grammar)
         self.draft_times.messages += 1
         self.kv.observe(batch, "draft")
         self._deferring = True
@@ -387,6 +389,8 @@ class Scheduler:
         self.inflight = None
         self.target_times.busy_s += batch.forward_seconds
         self.target_times.messages += 1
+        if batch.HasField("grammar"):
+            self.target_times.add_grammar(batch.grammar)
         self.kv.observe(batch, "target")
         self._idle_since = time.monotonic()
         if batch.verdicts and inflight.decode_only:
@@ -556,6 +560,7 @@ class Scheduler:
                 "verify_cost_s": dict(zip(("fixed", "per_token"), self.verify_cost.coefficients())),
                 "verdict_handling_s": self.verdict_handling_s,
                 **kv_usage_report(self.kv.target_kv),
+                **self.target_times.grammar_report(),
             },
             "pearl_draft_length": self.pearl_draft_length,
             "guard": self.guard.stats(),
@@ -569,6 +574,7 @@ class Scheduler:
                 "connected": self.drafter.up,
                 "restarts": self.supervisor.draft_restarts,
                 **kv_usage_report(self.kv.draft_kv),
+                **self.draft_times.grammar_report(),
             },
         }
 

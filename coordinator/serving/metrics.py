@@ -133,6 +133,15 @@ class ServerMetrics:
         # actor was lost (coordinator/remote.py)
         self.requests_continued = Counter("duospec:requests_continued",
                                           "Requests continued on another scheduler after theirs was lost", registry=r)
+        # Constrained requests on the workers: the target masks every verify row, the drafter its own
+        # proposals; seconds over rows is the mask time per token on each side.
+        self.grammar_mask_seconds = Counter("duospec:grammar_mask_seconds",
+                                            "Seconds the worker spent filling grammar masks", a, registry=r)
+        self.grammar_mask_rows = Counter("duospec:grammar_mask_rows",
+                                         "Token positions the worker masked by a grammar", a, registry=r)
+        self.grammar_forced_tokens = Counter("duospec:grammar_forced_draft_tokens",
+                                             "Draft tokens the grammar forced (drafted without a model step)", a,
+                                             registry=r)
         self.num_preemptions = Counter("duospec:num_preemptions",
                                        "Sequences preempted (KV freed, resumed later by recompute) when the "
                                        "target's KV cache ran out", m, registry=r)
@@ -230,8 +239,12 @@ class ServerMetrics:
                 value = _number(values.get(key))
                 if value is not None:
                     gauge.labels(model, replica, actor).set(value)
-            self._advance(self.prefix_cache_queries, values.get("prefix_cache_queries"), model, replica, actor)
-            self._advance(self.prefix_cache_hits, values.get("prefix_cache_hits"), model, replica, actor)
+            for key, counter in (("prefix_cache_queries", self.prefix_cache_queries),
+                                 ("prefix_cache_hits", self.prefix_cache_hits),
+                                 ("grammar_mask_seconds", self.grammar_mask_seconds),
+                                 ("grammar_mask_rows", self.grammar_mask_rows),
+                                 ("grammar_forced_tokens", self.grammar_forced_tokens)):
+                self._advance(counter, values.get(key), model, replica, actor)
 
     def _advance(self, counter: Counter, total: Any, *labels: str) -> None:
         """Moves `counter` on by what the sampled cumulative `total` grew (all of it after a restart)."""

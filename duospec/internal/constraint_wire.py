@@ -3,7 +3,7 @@ target compiles, so both read one constraint the same way."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from duospec.internal.v1 import pearl_pb2 as pb
 from duospec.structured.constraint import Constraint, ConstraintKind
@@ -27,3 +27,19 @@ def constraint_from_proto(msg: pb.GrammarConstraint) -> Constraint | None:
     if msg.kind == pb.CONSTRAINT_KIND_UNSPECIFIED:
         return None
     return Constraint(_FROM_PROTO[msg.kind], msg.text)
+
+
+class GrammarWorkReport:
+    """What a worker's grammar counters grew by since its previous message (pearl.proto GrammarWork).
+    `read` returns its cumulative (mask seconds, mask rows, forced tokens)."""
+
+    def __init__(self, read: Callable[[], tuple[float, int, int]]) -> None:
+        self._read = read
+        self._last = read()
+
+    def take(self) -> pb.GrammarWork | None:
+        """The growth since the last call; None when there was none (nothing constrained ran)."""
+        now = self._read()
+        seconds, rows, forced = (a - b for a, b in zip(now, self._last))
+        self._last = now
+        return pb.GrammarWork(mask_seconds=seconds, mask_rows=rows, forced_tokens=forced) if rows or forced else None

@@ -75,6 +75,21 @@ def test_kv_pools_and_preemptions_become_gauges_and_counters():
     assert get("duospec:prefix_cache_hits_total", {**one, "actor": "target"}) == 64 + 16
 
 
+def test_the_workers_grammar_costs_become_counters():
+    m = ServerMetrics()
+    get = m.registry.get_sample_value
+    for seconds, rows, forced in ((0.5, 1000, 40), (0.75, 1600, 70)):
+        m.update_from_coordinator({"tiny": {
+            "live_sequences": 1, "target": {"grammar_mask_seconds": seconds, "grammar_mask_rows": rows},
+            "draft": {"grammar_mask_seconds": seconds / 2, "grammar_mask_rows": rows // 2,
+                      "grammar_forced_tokens": forced}}})
+    target, draft = ({"model": "tiny", "replica": "0", "actor": a} for a in ("target", "draft"))
+    assert get("duospec:grammar_mask_seconds_total", target) == 0.75
+    assert get("duospec:grammar_mask_rows_total", target) == 1600
+    assert get("duospec:grammar_mask_seconds_total", draft) == 0.375
+    assert get("duospec:grammar_forced_draft_tokens_total", draft) == 70
+
+
 def test_preempted_requests_count_as_waiting_not_running():
     """vLLM's meaning: a request whose KV was freed by preemption waits (to resume), and so does one
     the target's full pool has not let start, though admission holds a slot for both; the split

@@ -133,6 +133,19 @@ async def test_a_bad_constraint_does_not_disturb_a_good_one_running_beside_it(ha
     jsonschema.validate(json.loads(text), SCHEMAS["flat"])
 
 
+async def test_the_workers_report_their_grammar_work_to_the_scheduler(harness):
+    """Each worker's messages carry its mask time and rows (the drafter's forced tokens too): the
+    scheduler's stats, and so /metrics, have them per worker."""
+    from duospec.coordinator.serving.metrics import per_model_stats
+
+    await _generate(harness, pb.Constraint(json_schema=json.dumps(SCHEMAS["nested"])))
+    [entry] = per_model_stats(await harness.coordinator.stats()).values()
+    target, draft = entry["target"], entry["draft"]
+    assert target["grammar_mask_rows"] > 0 and target["grammar_mask_seconds"] > 0
+    assert draft["grammar_mask_rows"] > 0 and draft["grammar_forced_tokens"] > 0  # '{"' at least is forced
+    assert target["grammar_mask_seconds"] < target["busy_s"]  # within the forwards it was part of
+
+
 async def test_a_compile_past_the_configured_limit_is_invalid_argument(tiny_pair, monkeypatch):
     """server.grammar_compile_timeout_s bounds a compile; the request is refused naming the field."""
     import time

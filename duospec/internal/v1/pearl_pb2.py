@@ -24,25 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x64uospec/internal/v1/pearl.proto\x12\x13\x64uospec.internal.v1\"K\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\xb1\x03\n\x0c\x44raftCommand\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\r\x12\x33\n\x04kind\x18\x03 \x01(\x0e\x32%.duospec.internal.v1.DraftCommandKind\x12\x11\n\tstart_pos\x18\x04 \x01(\r\x12\x0c\n\x04tail\x18\x05 \x03(\r\x12\x13\n\x0b\x64raft_until\x18\x06 \x01(\r\x12/\n\x08sampling\x18\x07 \x01(\x0b\x32\x1d.duospec.internal.v1.Sampling\x12\x0c\n\x04pool\x18\x08 \x01(\t\x12\x15\n\rcommitted_len\x18\t \x01(\r\x12\x12\n\nmax_hedges\x18\n \x01(\r\x12,\n\x05\x61\x64opt\x18\x0b \x01(\x0b\x32\x1d.duospec.internal.v1.HedgeKey\x12/\n\x08\x66\x65\x61tures\x18\x0c \x01(\x0b\x32\x1d.duospec.internal.v1.Features\x12\x12\n\ncache_salt\x18\r \x01(\t\x12:\n\nconstraint\x18\x0e \x01(\x0b\x32&.duospec.internal.v1.GrammarConstraint\"@\n\x08\x46\x65\x61tures\x12\x11\n\tstart_pos\x18\x01 \x01(\r\x12\x13\n\x0bhidden_size\x18\x02 \x01(\r\x12\x0c\n\x04\x66p16\x18\x03 \x01(\x0c\"&\n\x08HedgeKey\x12\x0b\n\x03pos\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\r\"C\n\x0c\x44raftControl\x12\x33\n\x08\x63ommands\x18\x01 \x03(\x0b\x32!.duospec.internal.v1.DraftCommand\"\xeb\x01\n\nDraftChunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\r\x12\x11\n\tstart_pos\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x03(\r\x12\x13\n\x0b\x64raft_probs\x18\x05 \x03(\x0c\x12\x32\n\x07outlook\x18\x06 \x01(\x0e\x32!.duospec.internal.v1.DraftOutlook\x12,\n\x05hedge\x18\x07 \x01(\x0b\x32\x1d.duospec.internal.v1.HedgeKey\x12\x14\n\x0c\x61lternatives\x18\x08 \x03(\x05\x12\x0e\n\x06\x66orced\x18\t \x01(\x08\"\xb0\x01\n\x0f\x44raftChunkBatch\x12/\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x1f.duospec.internal.v1.DraftChunk\x12\x14\n\x0c\x62usy_seconds\x18\x02 \x01(\x01\x12\x14\n\x0cidle_seconds\x18\x03 \x01(\x01\x12\x16\n\x0e\x66\x61iled_seq_ids\x18\x04 \x03(\x04\x12(\n\x02kv\x18\x05 \x01(\x0b\x32\x1c.duospec.internal.v1.KVUsage\"\x7f\n\x07KVUsage\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x03 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x04 \x01(\x04\x12\x12\n\nblock_size\x18\x05 \x01(\r\"\x92\x03\n\nVerifyItem\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\r\x12\x11\n\tstart_pos\x18\x03 \x01(\r\x12\x0f\n\x07\x63ontext\x18\x04 \x03(\r\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x03(\r\x12\x13\n\x0b\x64raft_probs\x18\x06 \x03(\x0c\x12/\n\x08sampling\x18\x07 \x01(\x0b\x32\x1d.duospec.internal.v1.Sampling\x12/\n\x05\x62onus\x18\x08 \x01(\x0e\x32 .duospec.internal.v1.BonusPolicy\x12\x15\n\rdraft_parents\x18\t \x03(\x05\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0b \x01(\r\x12\x10\n\x08\x66\x65\x61tures\x18\x0c \x01(\x08\x12\x12\n\ncache_salt\x18\r \x01(\t\x12\x13\n\x0bmax_compute\x18\x0e \x01(\r\x12:\n\nconstraint\x18\x0f \x01(\x0b\x32&.duospec.internal.v1.GrammarConstraint\"\x81\x01\n\x11GrammarConstraint\x12\x31\n\x04kind\x18\x01 \x01(\x0e\x32#.duospec.internal.v1.ConstraintKind\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x0coutput_start\x18\x03 \x01(\r\x12\x15\n\rend_token_ids\x18\x04 \x03(\r\"h\n\x0bVerifyBatch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12.\n\x05items\x18\x02 \x03(\x0b\x32\x1f.duospec.internal.v1.VerifyItem\x12\x17\n\x0frelease_seq_ids\x18\x03 \x03(\x04\"\xbc\x02\n\x07Verdict\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\r\x12\x12\n\nn_accepted\x18\x03 \x01(\r\x12\x30\n\x04kind\x18\x04 \x01(\x0e\x32\".duospec.internal.v1.NextTokenKind\x12\x12\n\nnext_token\x18\x05 \x01(\r\x12\x0c\n\x04path\x18\x06 \x03(\r\x12\x33\n\x08logprobs\x18\x07 \x03(\x0b\x32!.duospec.internal.v1.TokenLogprob\x12/\n\x08\x66\x65\x61tures\x18\x08 \x01(\x0b\x32\x1d.duospec.internal.v1.Features\x12\x15\n\rcached_tokens\x18\t \x01(\r\x12\x13\n\x0b\x63ontext_fed\x18\n \x01(\r\x12\x18\n\x10grammar_dead_end\x18\x0b \x01(\x08\"F\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"b\n\x0bVerifyError\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x32\n\x04kind\x18\x02 \x01(\x0e\x32$.duospec.internal.v1.VerifyErrorKind\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xc5\x01\n\x0cVerdictBatch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12.\n\x08verdicts\x18\x02 \x03(\x0b\x32\x1c.duospec.internal.v1.Verdict\x12\x30\n\x06\x65rrors\x18\x03 \x03(\x0b\x32 .duospec.internal.v1.VerifyError\x12\x17\n\x0f\x66orward_seconds\x18\x04 \x01(\x01\x12(\n\x02kv\x18\x05 \x01(\x0b\x32\x1c.duospec.internal.v1.KVUsage*\xd3\x01\n\x10\x44raftCommandKind\x12\"\n\x1e\x44RAFT_COMMAND_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x44RAFT_COMMAND_KIND_START\x10\x01\x12\x1c\n\x18\x44RAFT_COMMAND_KIND_RESET\x10\x02\x12\x1e\n\x1a\x44RAFT_COMMAND_KIND_ADVANCE\x10\x03\x12\x1e\n\x1a\x44RAFT_COMMAND_KIND_RELEASE\x10\x04\x12\x1f\n\x1b\x44RAFT_COMMAND_KIND_FEATURES\x10\x05*b\n\x0c\x44raftOutlook\x12\x1d\n\x19\x44RAFT_OUTLOOK_UNSPECIFIED\x10\x00\x12\x16\n\x12\x44RAFT_OUTLOOK_MORE\x10\x01\x12\x1b\n\x17\x44RAFT_OUTLOOK_EXHAUSTED\x10\x02*[\n\x0b\x42onusPolicy\x12\x1c\n\x18\x42ONUS_POLICY_UNSPECIFIED\x10\x00\x12\x17\n\x13\x42ONUS_POLICY_SAMPLE\x10\x01\x12\x15\n\x11\x42ONUS_POLICY_SKIP\x10\x02*\xab\x01\n\x0e\x43onstraintKind\x12\x1f\n\x1b\x43ONSTRAINT_KIND_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x43ONSTRAINT_KIND_JSON_SCHEMA\x10\x01\x12\x1f\n\x1b\x43ONSTRAINT_KIND_JSON_OBJECT\x10\x02\x12\x19\n\x15\x43ONSTRAINT_KIND_REGEX\x10\x03\x12\x1b\n\x17\x43ONSTRAINT_KIND_GRAMMAR\x10\x04*\x84\x01\n\rNextTokenKind\x12\x1f\n\x1bNEXT_TOKEN_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19NEXT_TOKEN_KIND_RECOVERED\x10\x01\x12\x19\n\x15NEXT_TOKEN_KIND_BONUS\x10\x02\x12\x18\n\x14NEXT_TOKEN_KIND_NONE\x10\x03*\xea\x01\n\x0fVerifyErrorKind\x12!\n\x1dVERIFY_ERROR_KIND_UNSPECIFIED\x10\x00\x12%\n!VERIFY_ERROR_KIND_SLOTS_EXHAUSTED\x10\x01\x12&\n\"VERIFY_ERROR_KIND_CONTEXT_OVERFLOW\x10\x02\x12!\n\x1dVERIFY_ERROR_KIND_BAD_REQUEST\x10\x03\x12#\n\x1fVERIFY_ERROR_KIND_KV_CACHE_FULL\x10\x04\x12\x1d\n\x19VERIFY_ERROR_KIND_GRAMMAR\x10\x05\x32\x64\n\x0c\x44raftService\x12T\n\x05\x44raft\x12!.duospec.internal.v1.DraftControl\x1a$.duospec.internal.v1.DraftChunkBatch(\x01\x30\x01\x32\x62\n\rTargetService\x12Q\n\x06Verify\x12 .duospec.internal.v1.VerifyBatch\x1a!.duospec.internal.v1.VerdictBatch(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x64uospec/internal/v1/pearl.proto\x12\x13\x64uospec.internal.v1\"K\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\xb1\x03\n\x0c\x44raftCommand\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\r\x12\x33\n\x04kind\x18\x03 \x01(\x0e\x32%.duospec.internal.v1.DraftCommandKind\x12\x11\n\tstart_pos\x18\x04 \x01(\r\x12\x0c\n\x04tail\x18\x05 \x03(\r\x12\x13\n\x0b\x64raft_until\x18\x06 \x01(\r\x12/\n\x08sampling\x18\x07 \x01(\x0b\x32\x1d.duospec.internal.v1.Sampling\x12\x0c\n\x04pool\x18\x08 \x01(\t\x12\x15\n\rcommitted_len\x18\t \x01(\r\x12\x12\n\nmax_hedges\x18\n \x01(\r\x12,\n\x05\x61\x64opt\x18\x0b \x01(\x0b\x32\x1d.duospec.internal.v1.HedgeKey\x12/\n\x08\x66\x65\x61tures\x18\x0c \x01(\x0b\x32\x1d.duospec.internal.v1.Features\x12\x12\n\ncache_salt\x18\r \x01(\t\x12:\n\nconstraint\x18\x0e \x01(\x0b\x32&.duospec.internal.v1.GrammarConstraint\"@\n\x08\x46\x65\x61tures\x12\x11\n\tstart_pos\x18\x01 \x01(\r\x12\x13\n\x0bhidden_size\x18\x02 \x01(\r\x12\x0c\n\x04\x66p16\x18\x03 \x01(\x0c\"&\n\x08HedgeKey\x12\x0b\n\x03pos\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\r\"C\n\x0c\x44raftControl\x12\x33\n\x08\x63ommands\x18\x01 \x03(\x0b\x32!.duospec.internal.v1.DraftCommand\"\xeb\x01\n\nDraftChunk\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\r\x12\x11\n\tstart_pos\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x03(\r\x12\x13\n\x0b\x64raft_probs\x18\x05 \x03(\x0c\x12\x32\n\x07outlook\x18\x06 \x01(\x0e\x32!.duospec.internal.v1.DraftOutlook\x12,\n\x05hedge\x18\x07 \x01(\x0b\x32\x1d.duospec.internal.v1.HedgeKey\x12\x14\n\x0c\x61lternatives\x18\x08 \x03(\x05\x12\x0e\n\x06\x66orced\x18\t \x01(\x08\"\xe3\x01\n\x0f\x44raftChunkBatch\x12/\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x1f.duospec.internal.v1.DraftChunk\x12\x14\n\x0c\x62usy_seconds\x18\x02 \x01(\x01\x12\x14\n\x0cidle_seconds\x18\x03 \x01(\x01\x12\x16\n\x0e\x66\x61iled_seq_ids\x18\x04 \x03(\x04\x12(\n\x02kv\x18\x05 \x01(\x0b\x32\x1c.duospec.internal.v1.KVUsage\x12\x31\n\x07grammar\x18\x06 \x01(\x0b\x32 .duospec.internal.v1.GrammarWork\"M\n\x0bGrammarWork\x12\x14\n\x0cmask_seconds\x18\x01 \x01(\x01\x12\x11\n\tmask_rows\x18\x02 \x01(\x04\x12\x15\n\rforced_tokens\x18\x03 \x01(\x04\"\x7f\n\x07KVUsage\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x03 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x04 \x01(\x04\x12\x12\n\nblock_size\x18\x05 \x01(\r\"\x92\x03\n\nVerifyItem\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\r\x12\x11\n\tstart_pos\x18\x03 \x01(\r\x12\x0f\n\x07\x63ontext\x18\x04 \x03(\r\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x03(\r\x12\x13\n\x0b\x64raft_probs\x18\x06 \x03(\x0c\x12/\n\x08sampling\x18\x07 \x01(\x0b\x32\x1d.duospec.internal.v1.Sampling\x12/\n\x05\x62onus\x18\x08 \x01(\x0e\x32 .duospec.internal.v1.BonusPolicy\x12\x15\n\rdraft_parents\x18\t \x03(\x05\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0b \x01(\r\x12\x10\n\x08\x66\x65\x61tures\x18\x0c \x01(\x08\x12\x12\n\ncache_salt\x18\r \x01(\t\x12\x13\n\x0bmax_compute\x18\x0e \x01(\r\x12:\n\nconstraint\x18\x0f \x01(\x0b\x32&.duospec.internal.v1.GrammarConstraint\"\x81\x01\n\x11GrammarConstraint\x12\x31\n\x04kind\x18\x01 \x01(\x0e\x32#.duospec.internal.v1.ConstraintKind\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x0coutput_start\x18\x03 \x01(\r\x12\x15\n\rend_token_ids\x18\x04 \x03(\r\"h\n\x0bVerifyBatch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12.\n\x05items\x18\x02 \x03(\x0b\x32\x1f.duospec.internal.v1.VerifyItem\x12\x17\n\x0frelease_seq_ids\x18\x03 \x03(\x04\"\xbc\x02\n\x07Verdict\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\r\x12\x12\n\nn_accepted\x18\x03 \x01(\r\x12\x30\n\x04kind\x18\x04 \x01(\x0e\x32\".duospec.internal.v1.NextTokenKind\x12\x12\n\nnext_token\x18\x05 \x01(\r\x12\x0c\n\x04path\x18\x06 \x03(\r\x12\x33\n\x08logprobs\x18\x07 \x03(\x0b\x32!.duospec.internal.v1.TokenLogprob\x12/\n\x08\x66\x65\x61tures\x18\x08 \x01(\x0b\x32\x1d.duospec.internal.v1.Features\x12\x15\n\rcached_tokens\x18\t \x01(\r\x12\x13\n\x0b\x63ontext_fed\x18\n \x01(\r\x12\x18\n\x10grammar_dead_end\x18\x0b \x01(\x08\"F\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"b\n\x0bVerifyError\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x32\n\x04kind\x18\x02 \x01(\x0e\x32$.duospec.internal.v1.VerifyErrorKind\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xf8\x01\n\x0cVerdictBatch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12.\n\x08verdicts\x18\x02 \x03(\x0b\x32\x1c.duospec.internal.v1.Verdict\x12\x30\n\x06\x65rrors\x18\x03 \x03(\x0b\x32 .duospec.internal.v1.VerifyError\x12\x17\n\x0f\x66orward_seconds\x18\x04 \x01(\x01\x12(\n\x02kv\x18\x05 \x01(\x0b\x32\x1c.duospec.internal.v1.KVUsage\x12\x31\n\x07grammar\x18\x06 \x01(\x0b\x32 .duospec.internal.v1.GrammarWork*\xd3\x01\n\x10\x44raftCommandKind\x12\"\n\x1e\x44RAFT_COMMAND_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x44RAFT_COMMAND_KIND_START\x10\x01\x12\x1c\n\x18\x44RAFT_COMMAND_KIND_RESET\x10\x02\x12\x1e\n\x1a\x44RAFT_COMMAND_KIND_ADVANCE\x10\x03\x12\x1e\n\x1a\x44RAFT_COMMAND_KIND_RELEASE\x10\x04\x12\x1f\n\x1b\x44RAFT_COMMAND_KIND_FEATURES\x10\x05*b\n\x0c\x44raftOutlook\x12\x1d\n\x19\x44RAFT_OUTLOOK_UNSPECIFIED\x10\x00\x12\x16\n\x12\x44RAFT_OUTLOOK_MORE\x10\x01\x12\x1b\n\x17\x44RAFT_OUTLOOK_EXHAUSTED\x10\x02*[\n\x0b\x42onusPolicy\x12\x1c\n\x18\x42ONUS_POLICY_UNSPECIFIED\x10\x00\x12\x17\n\x13\x42ONUS_POLICY_SAMPLE\x10\x01\x12\x15\n\x11\x42ONUS_POLICY_SKIP\x10\x02*\xab\x01\n\x0e\x43onstraintKind\x12\x1f\n\x1b\x43ONSTRAINT_KIND_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x43ONSTRAINT_KIND_JSON_SCHEMA\x10\x01\x12\x1f\n\x1b\x43ONSTRAINT_KIND_JSON_OBJECT\x10\x02\x12\x19\n\x15\x43ONSTRAINT_KIND_REGEX\x10\x03\x12\x1b\n\x17\x43ONSTRAINT_KIND_GRAMMAR\x10\x04*\x84\x01\n\rNextTokenKind\x12\x1f\n\x1bNEXT_TOKEN_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19NEXT_TOKEN_KIND_RECOVERED\x10\x01\x12\x19\n\x15NEXT_TOKEN_KIND_BONUS\x10\x02\x12\x18\n\x14NEXT_TOKEN_KIND_NONE\x10\x03*\xea\x01\n\x0fVerifyErrorKind\x12!\n\x1dVERIFY_ERROR_KIND_UNSPECIFIED\x10\x00\x12%\n!VERIFY_ERROR_KIND_SLOTS_EXHAUSTED\x10\x01\x12&\n\"VERIFY_ERROR_KIND_CONTEXT_OVERFLOW\x10\x02\x12!\n\x1dVERIFY_ERROR_KIND_BAD_REQUEST\x10\x03\x12#\n\x1fVERIFY_ERROR_KIND_KV_CACHE_FULL\x10\x04\x12\x1d\n\x19VERIFY_ERROR_KIND_GRAMMAR\x10\x05\x32\x64\n\x0c\x44raftService\x12T\n\x05\x44raft\x12!.duospec.internal.v1.DraftControl\x1a$.duospec.internal.v1.DraftChunkBatch(\x01\x30\x01\x32\x62\n\rTargetService\x12Q\n\x06Verify\x12 .duospec.internal.v1.VerifyBatch\x1a!.duospec.internal.v1.VerdictBatch(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'duospec.internal.v1.pearl_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DRAFTCOMMANDKIND']._serialized_start=2625
-  _globals['_DRAFTCOMMANDKIND']._serialized_end=2836
-  _globals['_DRAFTOUTLOOK']._serialized_start=2838
-  _globals['_DRAFTOUTLOOK']._serialized_end=2936
-  _globals['_BONUSPOLICY']._serialized_start=2938
-  _globals['_BONUSPOLICY']._serialized_end=3029
-  _globals['_CONSTRAINTKIND']._serialized_start=3032
-  _globals['_CONSTRAINTKIND']._serialized_end=3203
-  _globals['_NEXTTOKENKIND']._serialized_start=3206
-  _globals['_NEXTTOKENKIND']._serialized_end=3338
-  _globals['_VERIFYERRORKIND']._serialized_start=3341
-  _globals['_VERIFYERRORKIND']._serialized_end=3575
+  _globals['_DRAFTCOMMANDKIND']._serialized_start=2806
+  _globals['_DRAFTCOMMANDKIND']._serialized_end=3017
+  _globals['_DRAFTOUTLOOK']._serialized_start=3019
+  _globals['_DRAFTOUTLOOK']._serialized_end=3117
+  _globals['_BONUSPOLICY']._serialized_start=3119
+  _globals['_BONUSPOLICY']._serialized_end=3210
+  _globals['_CONSTRAINTKIND']._serialized_start=3213
+  _globals['_CONSTRAINTKIND']._serialized_end=3384
+  _globals['_NEXTTOKENKIND']._serialized_start=3387
+  _globals['_NEXTTOKENKIND']._serialized_end=3519
+  _globals['_VERIFYERRORKIND']._serialized_start=3522
+  _globals['_VERIFYERRORKIND']._serialized_end=3756
   _globals['_SAMPLING']._serialized_start=56
   _globals['_SAMPLING']._serialized_end=131
   _globals['_DRAFTCOMMAND']._serialized_start=134
@@ -56,25 +56,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTCHUNK']._serialized_start=745
   _globals['_DRAFTCHUNK']._serialized_end=980
   _globals['_DRAFTCHUNKBATCH']._serialized_start=983
-  _globals['_DRAFTCHUNKBATCH']._serialized_end=1159
-  _globals['_KVUSAGE']._serialized_start=1161
-  _globals['_KVUSAGE']._serialized_end=1288
-  _globals['_VERIFYITEM']._serialized_start=1291
-  _globals['_VERIFYITEM']._serialized_end=1693
-  _globals['_GRAMMARCONSTRAINT']._serialized_start=1696
-  _globals['_GRAMMARCONSTRAINT']._serialized_end=1825
-  _globals['_VERIFYBATCH']._serialized_start=1827
-  _globals['_VERIFYBATCH']._serialized_end=1931
-  _globals['_VERDICT']._serialized_start=1934
-  _globals['_VERDICT']._serialized_end=2250
-  _globals['_TOKENLOGPROB']._serialized_start=2252
-  _globals['_TOKENLOGPROB']._serialized_end=2322
-  _globals['_VERIFYERROR']._serialized_start=2324
-  _globals['_VERIFYERROR']._serialized_end=2422
-  _globals['_VERDICTBATCH']._serialized_start=2425
-  _globals['_VERDICTBATCH']._serialized_end=2622
-  _globals['_DRAFTSERVICE']._serialized_start=3577
-  _globals['_DRAFTSERVICE']._serialized_end=3677
-  _globals['_TARGETSERVICE']._serialized_start=3679
-  _globals['_TARGETSERVICE']._serialized_end=3777
+  _globals['_DRAFTCHUNKBATCH']._serialized_end=1210
+  _globals['_GRAMMARWORK']._serialized_start=1212
+  _globals['_GRAMMARWORK']._serialized_end=1289
+  _globals['_KVUSAGE']._serialized_start=1291
+  _globals['_KVUSAGE']._serialized_end=1418
+  _globals['_VERIFYITEM']._serialized_start=1421
+  _globals['_VERIFYITEM']._serialized_end=1823
+  _globals['_GRAMMARCONSTRAINT']._serialized_start=1826
+  _globals['_GRAMMARCONSTRAINT']._serialized_end=1955
+  _globals['_VERIFYBATCH']._serialized_start=1957
+  _globals['_VERIFYBATCH']._serialized_end=2061
+  _globals['_VERDICT']._serialized_start=2064
+  _globals['_VERDICT']._serialized_end=2380
+  _globals['_TOKENLOGPROB']._serialized_start=2382
+  _globals['_TOKENLOGPROB']._serialized_end=2452
+  _globals['_VERIFYERROR']._serialized_start=2454
+  _globals['_VERIFYERROR']._serialized_end=2552
+  _globals['_VERDICTBATCH']._serialized_start=2555
+  _globals['_VERDICTBATCH']._serialized_end=2803
+  _globals['_DRAFTSERVICE']._serialized_start=3758
+  _globals['_DRAFTSERVICE']._serialized_end=3858
+  _globals['_TARGETSERVICE']._serialized_start=3860
+  _globals['_TARGETSERVICE']._serialized_end=3958
 # @@protoc_insertion_point(module_scope)

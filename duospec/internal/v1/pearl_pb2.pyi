@@ -170,18 +170,30 @@ class DraftChunk(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., epoch: _Optional[int] = ..., start_pos: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[bytes]] = ..., outlook: _Optional[_Union[DraftOutlook, str]] = ..., hedge: _Optional[_Union[HedgeKey, _Mapping]] = ..., alternatives: _Optional[_Iterable[int]] = ..., forced: _Optional[bool] = ...) -> None: ...
 
 class DraftChunkBatch(_message.Message):
-    __slots__ = ("chunks", "busy_seconds", "idle_seconds", "failed_seq_ids", "kv")
+    __slots__ = ("chunks", "busy_seconds", "idle_seconds", "failed_seq_ids", "kv", "grammar")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FAILED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     chunks: _containers.RepeatedCompositeFieldContainer[DraftChunk]
     busy_seconds: float
     idle_seconds: float
     failed_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     kv: KVUsage
-    def __init__(self, chunks: _Optional[_Iterable[_Union[DraftChunk, _Mapping]]] = ..., busy_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., failed_seq_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ...) -> None: ...
+    grammar: GrammarWork
+    def __init__(self, chunks: _Optional[_Iterable[_Union[DraftChunk, _Mapping]]] = ..., busy_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., failed_seq_ids: _Optional[_Iterable[int]] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ..., grammar: _Optional[_Union[GrammarWork, _Mapping]] = ...) -> None: ...
+
+class GrammarWork(_message.Message):
+    __slots__ = ("mask_seconds", "mask_rows", "forced_tokens")
+    MASK_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MASK_ROWS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    mask_seconds: float
+    mask_rows: int
+    forced_tokens: int
+    def __init__(self, mask_seconds: _Optional[float] = ..., mask_rows: _Optional[int] = ..., forced_tokens: _Optional[int] = ...) -> None: ...
 
 class KVUsage(_message.Message):
     __slots__ = ("num_blocks", "free_blocks", "prefix_cache_queries", "prefix_cache_hits", "block_size")
@@ -300,15 +312,17 @@ class VerifyError(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., kind: _Optional[_Union[VerifyErrorKind, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class VerdictBatch(_message.Message):
-    __slots__ = ("batch_id", "verdicts", "errors", "forward_seconds", "kv")
+    __slots__ = ("batch_id", "verdicts", "errors", "forward_seconds", "kv", "grammar")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     VERDICTS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     verdicts: _containers.RepeatedCompositeFieldContainer[Verdict]
     errors: _containers.RepeatedCompositeFieldContainer[VerifyError]
     forward_seconds: float
     kv: KVUsage
-    def __init__(self, batch_id: _Optional[int] = ..., verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[VerifyError, _Mapping]]] = ..., forward_seconds: _Optional[float] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ...) -> None: ...
+    grammar: GrammarWork
+    def __init__(self, batch_id: _Optional[int] = ..., verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[VerifyError, _Mapping]]] = ..., forward_seconds: _Optional[float] = ..., kv: _Optional[_Union[KVUsage, _Mapping]] = ..., grammar: _Optional[_Union[GrammarWork, _Mapping]] = ...) -> None: ...
