@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/structured.py                       # deploy/examples/smollm2.yaml's pair
     .venv/bin/python benchmarks/structured.py --repeats 3 --max-tokens 160
     .venv/bin/python benchmarks/structured.py --no-drafter-masks    # pearl's drafter ignores the grammar
+    .venv/bin/python benchmarks/structured.py --concurrency 8       # 8 streams at once (schemas in turn)
 
 The five realistic schemas of duospec/bench/schemas.py (nested objects, arrays, enums, patterns; the
 slow test tests/e2e/test_structured_smollm2.py checks them for exactness), each asked in a chat prompt, greedy, modes interleaved request by request. Reported: tokens/s
@@ -12,6 +13,9 @@ masks), and the drafter's forced-token share (grammar-forced drafts over all dra
 backend behind the real server (one process; the drafter and the target each on one torch thread).
 `--no-drafter-masks` serves a drafter without the tokenizer, which drafts unmasked and forces nothing
 (the target still masks: the output is the same), to compare pearl with and without the drafter's side.
+`--concurrency N` sends N requests at once per mode (tokens/s is then the aggregate), and reports
+the target's grammar time per verify batch and its share of the target's verify time (all of it
+exposed on a CPU, where the forward does not run beside the masks).
 """
 
 from __future__ import annotations
@@ -49,18 +53,31 @@ async def _run(args) -> dict:
     server = DuospecServer(coordinator, ServerSettings(host="127.0.0.1", port=0, metrics_port=0, http_port=0))
     port = await server.start()
     await server.wait_ready(600)
-    rows = []
+    rows, groups = [], []
+    names = list(SCHEMAS)
+    # concurrency 1: each schema on its own, modes interleaved; N: N requests at once (schemas in turn)
+    batches = [[name] for name in names] if args.concurrency == 1 else [
+        [names[i % len(names)] for i in range(args.concurrency)]]
     try:
         async with AsyncClient(f"127.0.0.1:{port}", timeout=600) as client:
-            for name in list(SCHEMAS)[:1]:  # warm both modes (compiles, first forwards)
+            for name in names:  # warm both modes (compiles, first forwards)
                 for mode in ("off", "pearl"):
                     await _one(client, model.name, name, QUESTIONS[name], SCHEMAS[name], mode, 16)
             for repeat in range(args.repeats):
-                for name, schema in SCHEMAS.items():
+                for batch in batches:
                     for mode in ("off", "pearl"):
-                        rows.append({"repeat": repeat, "schema": name, "mode": mode,
-                                     **await _one(client, model.name, name, QUESTIONS[name], schema, mode,
-                                                  args.max_tokens)})
+                        before = _target_stats(await coordinator.stats())
+                        started = time.perf_counter()
+                        results = await asyncio.gather(*(
+                            _one(client, model.name, name, QUESTIONS[name], SCHEMAS[name], mode, args.max_tokens)
+                            for name in batch))
+                        seconds = time.perf_counter() - started
+                        after = _target_stats(await coordinator.stats())
+                        groups.append({"repeat": repeat, "mode": mode, "seconds": seconds,
+                                       "tokens": sum(len(r["tokens"]) for r in results),
+                                       **{k: after[k] - before[k] for k in after}})
+                        rows += [{"repeat": repeat, "schema": name, "slot": i, "mode": mode, **r}
+                                 for i, (name, r) in enumerate(zip(batch, results))]
         drafter = (await coordinator.worker_stats()).get(model.name, {}).get("draft", {})
     finally:
         await server.shutdown(grace_period_s=1.0)
@@ -70,7 +87,17 @@ async def _run(args) -> dict:
             row["valid"] = True
         except (ValueError, jsonschema.ValidationError):
             row["valid"] = False
-    return {"rows": rows, "drafter": drafter}
+    return {"rows": rows, "groups": groups, "drafter": drafter, "concurrency": args.concurrency}
+
+
+def _target_stats(stats) -> dict:
+    """The target's cumulative verify time, batches and grammar time, from the coordinator's stats."""
+    from duospec.coordinator.serving.metrics import per_model_stats
+
+    [entry] = per_model_stats(stats).values()
+    target = entry.get("target", {})
+    return {"busy_s": target.get("busy_s", 0.0), "batches": target.get("batches", 0),
+            "grammar_s": target.get("grammar_mask_seconds", 0.0)}
 
 
 async def _one(client, model, name, question, schema, mode, max_tokens) -> dict:
@@ -84,15 +111,20 @@ async def _one(client, model, name, question, schema, mode, max_tokens) -> dict:
 
 
 def report(result: dict) -> str:
-    rows = result["rows"]
+    rows, groups, concurrency = result["rows"], result.get("groups", []), result.get("concurrency", 1)
     by_mode = {m: [r for r in rows if r["mode"] == m] for m in ("off", "pearl")}
-    rate = {m: statistics.median(r["tokens_per_s"] for r in rs) for m, rs in by_mode.items()}
-    off_tokens = {(r["repeat"], r["schema"]): r["tokens"] for r in by_mode["off"]}
-    same = sum(r["tokens"] == off_tokens[(r["repeat"], r["schema"])] for r in by_mode["pearl"])
+    if concurrency == 1:
+        rate = {m: statistics.median(r["tokens_per_s"] for r in rs) for m, rs in by_mode.items()}
+    else:  # the aggregate: all the streams' tokens over the wall time, median over the repeats
+        rate = {m: statistics.median(g["tokens"] / g["seconds"] for g in groups if g["mode"] == m) for m in by_mode}
+    off_tokens = {(r["repeat"], r["schema"], r.get("slot", 0)): r["tokens"] for r in by_mode["off"]}
+    same = sum(r["tokens"] == off_tokens[(r["repeat"], r["schema"], r.get("slot", 0))] for r in by_mode["pearl"])
     drafter = result["drafter"]
     forced = drafter.get("grammar_forced_tokens")
     drafted = drafter.get("tokens_drafted") or drafter.get("drafted_tokens")
     lines = [
+        f"{concurrency} stream(s) at once" + ("" if concurrency == 1 else "; tokens/s: all streams together"),
+        "",
         "| mode | tokens/s (median) | × off | mean accepted length | valid |",
         "|---|---:|---:|---:|---:|",
         *(f"| {m} | {rate[m]:.1f} | {rate[m] / rate['off']:.2f} | "
@@ -103,6 +135,12 @@ def report(result: dict) -> str:
     ]
     if forced is not None and drafted:
         lines.append(f"drafter: {forced} grammar-forced draft tokens of {drafted} drafted ({forced / drafted:.0%})")
+    for mode in by_mode:
+        mine = [g for g in groups if g["mode"] == mode]
+        busy, batches, grammar = (sum(g[k] for g in mine) for k in ("busy_s", "batches", "grammar_s"))
+        if batches and busy:
+            lines.append(f"target, {mode}: grammar masks {1e3 * grammar / batches:.2f} ms per verify batch of "
+                         f"{1e3 * busy / batches:.1f} ms ({grammar / busy:.1%} of its verify time)")
     return "\n".join(lines)
 
 
@@ -112,6 +150,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--out", type=pathlib.Path, help="write the rows as JSON here")
+    parser.add_argument("--concurrency", type=int, default=1, help="requests at once per mode")
     parser.add_argument("--drafter-masks", action=argparse.BooleanOptionalAction, default=True,
                         help="the drafter masks its proposals and drafts forced tokens (default)")
     args = parser.parse_args(argv)
