@@ -158,13 +158,14 @@ class SchedulerActor:
     def load(self) -> dict:
         """What gateways route on: {state, serving, live, tokens_left, stats: the scheduler's stats}."""
         replica = self.entry.replicas.replicas[0]
-        status = replica.status()
+        stats = self.entry.replicas.stats()  # one replica: its scheduler's stats
+        status = replica.status(stats)
         return {"endpoint": self.endpoint if replica.scheduler is not None else "",
                 "state": status.state.value, "serving": replica.serving, "live": replica.live,
                 "tokens_left": replica.tokens_left, "target_restarts": status.target_restarts,
                 "draft_restarts": status.draft_restarts, "target_node_id": status.target_node_id,
                 "draft_node_id": status.draft_node_id, "started_at": self.started_at,
-                "stats": self.entry.replicas.stats()}
+                "stats": stats}
 
     async def close(self) -> None:
         await self.router.close()

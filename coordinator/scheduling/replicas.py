@@ -81,8 +81,10 @@ class Replica:
         """Not DOWN (read on every routing decision, so without building the stats `state` reads)."""
         return self.scheduler is None or self.scheduler.target_serving
 
-    def status(self) -> ReplicaStatus:
-        stats = self.scheduler.stats() if self.scheduler is not None else {}
+    def status(self, stats: dict | None = None) -> ReplicaStatus:
+        """`stats`: its scheduler's stats when the caller has them already (they are not cheap)."""
+        if stats is None:
+            stats = self.scheduler.stats() if self.scheduler is not None else {}
         target_node, draft_node = self.nodes() if self.nodes is not None else ("", "")
         return ReplicaStatus(self.index, self.state, self.live, self.tokens_left,
                              target_restarts=stats.get("target", {}).get("restarts", 0),
