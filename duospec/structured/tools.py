@@ -9,18 +9,26 @@ The format (Hermes / Qwen chat models, and duospec's documented default for othe
 one block per call, blocks separated by a newline. `calls_constraint` makes a Lark grammar whose
 every output is one or more such blocks for the given tools, each call's JSON valid under its tool's
 parameter schema (tool_choice required / named); `ToolCallParser` turns generated text, streamed or
-whole, into content and calls (tool_choice auto is parsed, not constrained).
+whole, into content and calls (tool_choice auto is parsed, not constrained). A call's arguments are
+the text as generated when the block reads `{"name": ..., "arguments": ...}` (the layout the
+constraint forces), so a stream can send them piece by piece and end with the same text.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from duospec.structured.constraint import Constraint, ConstraintKind
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# A block's opening up to its arguments: {"name": "<name>", "arguments": and any whitespace (complete once
+# the arguments' first character is there)
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
+# What may still be the block's own closing brace (and the whitespace around it): held back in a stream
+_TAIL = re.compile(r'\s*(\}\s*)?$')
 
 
 @dataclass(frozen=True)
@@ -68,12 +76,20 @@ class ToolCallParser:
     """Splits generated text into content and complete tool calls as it arrives. Text that may be the
     start of an opening tag is held back until it is known not to be one; a block's text is held
     until its closing tag. `feed` and `finish` return ("content", text) and ("call", ToolCall) events
-    in output order; a block that never closes (max_tokens), or whose JSON is not a call, is content."""
+    in output order; a block that never closes (max_tokens), or whose JSON is not a call, is content.
 
-    def __init__(self) -> None:
+    `incremental` (for output a constraint keeps to the format: every block is a call): a call goes
+    out as it is generated instead, ("call_start", name) once its name is complete, then ("arguments",
+    text) pieces whose concatenation is the call's `arguments`; a block cut at max_tokens ends with
+    the pieces sent so far."""
+
+    def __init__(self, incremental: bool = False) -> None:
         self._buffer = ""
         self._inside = False
         self.calls = 0
+        self._incremental = incremental
+        self._head: re.Match | None = None  # incremental: the open block's head, once complete
+        self._sent = 0  # ... and how much of its arguments went out
 
     def feed(self, text: str) -> list[tuple[str, object]]:
         self._buffer += text
@@ -82,9 +98,14 @@ class ToolCallParser:
             if self._inside:
                 end = self._buffer.find(CLOSE)
                 if end < 0:
+                    if self._incremental:
+                        self._stream_call(events, self._buffer[:len(self._buffer) - _partial_length(self._buffer, CLOSE)])
                     return events
                 body, self._buffer = self._buffer[:end], self._buffer[end + len(CLOSE):]
                 self._inside = False
+                if self._incremental:
+                    self._end_call(events, body)
+                    continue
                 call = _parse_call(body)
                 if call is None:
                     events.append(("content", OPEN + body + CLOSE))
@@ -97,17 +118,48 @@ class ToolCallParser:
                 self._content(events, self._buffer[:start])
                 self._buffer, self._inside = self._buffer[start + len(OPEN):], True
                 continue
-            keep = _partial_tag_length(self._buffer)
+            keep = _partial_length(self._buffer, OPEN)
             self._content(events, self._buffer[: len(self._buffer) - keep])
             self._buffer = self._buffer[len(self._buffer) - keep:]
             return events
 
     def finish(self) -> list[tuple[str, object]]:
+        if self._incremental and self._inside:  # cut at max_tokens: the call ends with what was sent
+            self._buffer, self._inside, self._head = "", False, None
+            return []
         rest = (OPEN if self._inside else "") + self._buffer
         self._buffer, self._inside = "", False
         events: list[tuple[str, object]] = []
         self._content(events, rest)
         return events
+
+    def _stream_call(self, events: list, body: str) -> None:
+        """An open block's text so far: its name once complete, then its arguments but what may be
+        the block's closing brace."""
+        if self._head is None:
+            self._head = _HEAD.match(body)
+            if self._head is None:
+                return
+            self.calls += 1
+            events.append(("call_start", json.loads(self._head.group(1))))
+        arguments = body[self._head.end():]
+        ready = arguments[: _TAIL.search(arguments).start()]
+        if len(ready) > self._sent:
+            events.append(("arguments", ready[self._sent:]))
+            self._sent = len(ready)
+
+    def _end_call(self, events: list, body: str) -> None:
+        """A closed block: the rest of its arguments (under the constraint every block is a call)."""
+        self._stream_call(events, body)
+        call = _parse_call(body)
+        if call is not None and self._head is None:  # a call in another layout: whole, at once
+            self.calls += 1
+            events += [("call_start", call.name), ("arguments", call.arguments)]
+        elif call is not None:
+            sent = body[self._head.end(): self._head.end() + self._sent]
+            if call.arguments.startswith(sent) and len(call.arguments) > len(sent):
+                events.append(("arguments", call.arguments[len(sent):]))
+        self._head, self._sent = None, 0
 
     def _content(self, events: list, text: str) -> None:
         # the newlines between and after blocks belong to the format, not to the content
@@ -116,19 +168,25 @@ class ToolCallParser:
 
 
 def _parse_call(body: str) -> ToolCall | None:
+    """The call a block's text holds; its arguments as generated where the block has the format's
+    layout (name, then arguments), else as json.dumps writes them."""
     try:
         obj = json.loads(body)
     except json.JSONDecodeError:
         return None
     if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and isinstance(obj.get("arguments"), dict)):
         return None
+    head = _HEAD.match(body)
+    if head is not None and list(obj) == ["name", "arguments"]:
+        raw = body[head.end(): body.rindex("}")].rstrip()
+        return ToolCall(obj["name"], raw)
     return ToolCall(obj["name"], json.dumps(obj["arguments"], ensure_ascii=False))
 
 
-def _partial_tag_length(text: str) -> int:
-    """The length of the longest suffix of `text` that is a proper prefix of the opening tag."""
-    for n in range(min(len(text), len(OPEN) - 1), 0, -1):
-        if OPEN.startswith(text[-n:]):
+def _partial_length(text: str, tag: str) -> int:
+    """The length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0
 

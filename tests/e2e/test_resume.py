@@ -123,10 +123,11 @@ async def test_the_async_client_resumes_too(breaking):
 
 async def test_a_constrained_stream_resumes_inside_its_grammar(breaking):
     h, gateway, broken, direct = breaking
+    gateway.after = 1  # a short JSON comes in few messages (the tokens the grammar forces go in bunches)
     kwargs = dict(max_new_tokens=60, json_schema=SCHEMA)
     unbroken = await asyncio.to_thread(sync_generate, direct, False, **kwargs)
     got = await asyncio.to_thread(sync_generate, [broken, direct], False, **kwargs)
-    assert h.coordinator.started[-1].resumed_tokens >= 3
+    assert gateway.breaks == 0 and 1 <= h.coordinator.started[-1].resumed_tokens < len(got.token_ids)
     assert got.token_ids == unbroken.token_ids and json.loads(got.text) == json.loads(unbroken.text)
 
 

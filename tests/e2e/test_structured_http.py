@@ -61,14 +61,16 @@ def _json_schema_format(schema=SCHEMA):
 
 
 async def _stream(h, **kwargs):
-    """(content, {index: {id, name, arguments}}, finish_reason) of a streamed chat completion."""
+    """(content, {index: {id, name, arguments, deltas}}, finish_reason) of a streamed chat completion."""
     content, calls, finish = "", {}, None
     stream = await client(h).chat.completions.create(model="tiny", messages=MESSAGES, stream=True, **kwargs)
     async for chunk in stream:
         choice = chunk.choices[0]
         content += choice.delta.content or ""
         for call in choice.delta.tool_calls or ():
-            entry = calls.setdefault(call.index, {"id": None, "name": "", "arguments": ""})
+            entry = calls.setdefault(call.index, {"id": None, "name": "", "arguments": "", "deltas": 0})
+            assert entry["id"] is None or call.id is None, "a call's id comes once, in its first delta"
+            entry["deltas"] += 1
             entry["id"] = entry["id"] or call.id
             entry["name"] += call.function.name or ""
             entry["arguments"] += call.function.arguments or ""
@@ -109,6 +111,7 @@ async def test_named_tool_choice_calls_that_tool_plain_and_streamed(harness):
     content, calls, finish = await _stream(harness, **kwargs)
     assert finish == "tool_calls" and content == "" and len(calls) == 1
     assert calls[0]["name"] == "get_weather" and calls[0]["arguments"] == call.function.arguments
+    assert calls[0]["deltas"] > 1  # the arguments streamed in pieces, as they were generated
 
 
 async def test_required_tool_choice_gives_valid_calls_of_the_offered_tools(harness):

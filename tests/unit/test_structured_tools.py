@@ -65,3 +65,33 @@ def test_streamed_pieces_of_any_size_give_the_same_events(size):
     calls = [v for kind, v in events if kind == "call"]
     assert content == "Hi <tool but not a tag> "
     assert calls == [ToolCall("ping", "{}"), ToolCall("get_weather", '{"city": "<tool_call>"}')]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 11, 1000])
+def test_a_constrained_stream_sends_each_call_as_it_is_generated(size):
+    """incremental: a call's name as soon as it is complete, then its arguments in pieces that add up
+    to the arguments a whole parse gives (the text as generated, braces inside strings included)."""
+    text = block("get_weather", {"city": "Os}lo", "n": {"a": [1, 2]}}) + "\n" + block("ping", {})
+    parser, events = ToolCallParser(incremental=True), []
+    for i in range(0, len(text), size):
+        events += parser.feed(text[i:i + size])
+    events += parser.finish()
+    calls = []
+    for kind, value in events:
+        assert kind in ("call_start", "arguments"), (kind, value)
+        if kind == "call_start":
+            calls.append([value, ""])
+        else:
+            calls[-1][1] += value
+    assert [ToolCall(n, a) for n, a in calls] == parse_tool_calls(text)[1]
+    assert json.loads(calls[0][1]) == {"city": "Os}lo", "n": {"a": [1, 2]}}
+    if size == 1:  # the name went out before the arguments were complete
+        first_arguments = next(i for i, (kind, _) in enumerate(events) if kind == "arguments")
+        assert events[0] == ("call_start", "get_weather") and first_arguments == 1
+        assert len([e for e in events if e[0] == "arguments"]) > 2
+
+
+def test_a_constrained_call_cut_at_max_tokens_ends_with_what_was_sent():
+    parser = ToolCallParser(incremental=True)
+    events = parser.feed(OPEN + '\n{"name": "ping", "arguments": {"x": "abc') + parser.finish()
+    assert events == [("call_start", "ping"), ("arguments", '{"x": "abc')]
