@@ -96,3 +96,24 @@ def test_every_finish_reason_has_a_name_on_both_fronts(reason):
     from duospec.coordinator.serving.service import _FINISH_TO_PB
 
     assert finish_reason(reason) and _FINISH_TO_PB[reason]
+
+
+async def test_vanilla_waits_for_a_chunk_of_its_own_drafts_and_takes_the_forced_ones_along():
+    from duospec.coordinator.api import SpeculationMode
+
+    scheduler, target, _, policy = _scheduler(SpeculationMode.VANILLA)  # γ = 4
+    seq = scheduler._add(_request(), policy)
+    _chunk(scheduler, seq, 3, [20, 21], forced=True)
+    _chunk(scheduler, seq, 5, [30, 31, 32])
+    assert not target.sent  # 3 of its own: not yet a chunk
+    _chunk(scheduler, seq, 8, [33])
+    assert list(target.sent[-1].items[0].draft_tokens) == [20, 21, 30, 31, 32, 33]
+
+
+async def test_vanilla_near_the_length_limit_goes_with_the_forced_drafts_it_has():
+    from duospec.coordinator.api import SpeculationMode
+
+    scheduler, target, _, policy = _scheduler(SpeculationMode.VANILLA)
+    seq = scheduler._add(_request(n=2), policy)  # two tokens at most, both forced
+    _chunk(scheduler, seq, 3, [20, 21], forced=True)
+    assert list(target.sent[-1].items[0].draft_tokens) == [20, 21]
