@@ -22,7 +22,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -100,22 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=192)
     args = parser.parse_args(argv)
 
-    from duospec.bench.inprocess import BenchPair, encode_prompts
-    from duospec.bench.prompts import load_prompts
-    from duospec.bench.simulate import build_replay_pair
-    from duospec.coordinator.config import SpeculationDefaults
-    from duospec.engine import load_tokenizer
-
-    models = scale_out.REPO / "models"
-    speculation = SpeculationDefaults()
-    prompts = encode_prompts(load_tokenizer(str(models / "target")), load_prompts(), 256)
-    folder = pathlib.Path(tempfile.mkdtemp(prefix="duospec-gateway-kill-"))
-    target, draft, _ = build_replay_pair(
-        folder, str(models / "target"), str(models / "draft"), [p.token_ids for p in prompts], scenario="devices",
-        max_new_tokens=args.max_new_tokens, max_draft_tokens=speculation.max_draft_tokens, gamma=speculation.gamma,
-        max_lookahead=speculation.max_lookahead, progress=False)
+    pair, prompts, speculation, _, folder = scale_out.simulated_pair("duospec-gateway-kill-", args.max_new_tokens)
     port = scale_out._free_port()
-    config = scale_out._write_config(folder, BenchPair(str(target), str(draft)), speculation, args.replicas, 2, port)
+    config = scale_out._write_config(folder, pair, speculation, args.replicas, 2, port)
     server = subprocess.Popen([sys.executable, "-m", "duospec", "serve", "--config", str(config)],
                               env={**os.environ, "DUOSPEC_TORCH_THREADS": "1"}, stdout=subprocess.DEVNULL,
                               stderr=open(folder / "serve.log", "w"))

@@ -155,6 +155,26 @@ def measure(pair, speculation, prompts, replicas: int, gateways: int, mode: str,
             "wall_s": wall, "shares": shares}
 
 
+def simulated_pair(prefix: str, max_new_tokens: int):
+    """The bundled pair replayed on SIMULATED devices in a new folder: (pair, prompts, speculation
+    defaults, what the simulation is, the folder)."""
+    from duospec.bench.inprocess import BenchPair, encode_prompts
+    from duospec.bench.prompts import load_prompts
+    from duospec.bench.simulate import build_replay_pair
+    from duospec.coordinator.config import SpeculationDefaults
+    from duospec.engine import load_tokenizer
+
+    models = REPO / "models"
+    speculation = SpeculationDefaults()
+    prompts = encode_prompts(load_tokenizer(str(models / "target")), load_prompts(), 256)
+    folder = pathlib.Path(tempfile.mkdtemp(prefix=prefix))
+    target, draft, simulation = build_replay_pair(
+        folder, str(models / "target"), str(models / "draft"), [p.token_ids for p in prompts], scenario="devices",
+        max_new_tokens=max_new_tokens, max_draft_tokens=speculation.max_draft_tokens, gamma=speculation.gamma,
+        max_lookahead=speculation.max_lookahead, progress=False)
+    return BenchPair(str(target), str(draft)), prompts, speculation, simulation, folder
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 4])
@@ -166,21 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="client streams per replica (1: the per-token latency of one stream)")
     args = parser.parse_args(argv)
 
-    from duospec.bench.inprocess import BenchPair, encode_prompts
-    from duospec.bench.prompts import load_prompts
-    from duospec.bench.simulate import build_replay_pair
-    from duospec.coordinator.config import SpeculationDefaults
-    from duospec.engine import load_tokenizer
-
-    models = REPO / "models"
-    speculation = SpeculationDefaults()
-    prompts = encode_prompts(load_tokenizer(str(models / "target")), load_prompts(), 256)
-    folder = pathlib.Path(tempfile.mkdtemp(prefix="duospec-scale-out-"))
-    target, draft, simulation = build_replay_pair(
-        folder, str(models / "target"), str(models / "draft"), [p.token_ids for p in prompts], scenario="devices",
-        max_new_tokens=args.max_new_tokens, max_draft_tokens=speculation.max_draft_tokens, gamma=speculation.gamma,
-        max_lookahead=speculation.max_lookahead, progress=False)
-    pair = BenchPair(str(target), str(draft))
+    pair, prompts, speculation, simulation, folder = simulated_pair("duospec-scale-out-", args.max_new_tokens)
     rows = [measure(pair, speculation, prompts, n, g, args.mode, args.max_new_tokens, args.requests, folder,
                     args.streams_per_replica) for g in args.gateways for n in args.replicas]
     print(f"SIMULATED devices ({simulation['what'][:90]}...), mode {args.mode}, {args.max_new_tokens} new tokens, "
