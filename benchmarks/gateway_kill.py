@@ -117,11 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         victim = gateway_pids(server.pid)[0]
         results, broke, killed_at = asyncio.run(_streams(address, prompts, args.max_new_tokens, victim))
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        scale_out.stop(server)
 
     print(f"SIMULATED devices, 2 gateways, {args.replicas} replicas, {STREAMS} seeded sampled pearl streams of "
           f"{args.max_new_tokens} tokens over {CHANNELS} connections; one gateway killed (SIGKILL) once every "

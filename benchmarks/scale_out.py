@@ -141,11 +141,7 @@ def measure(pair, speculation, prompts, replicas: int, gateways: int, mode: str,
         used = {pid: _cpu_seconds(pid) - before[pid] for pid in procs}
         client_cpu = time.process_time() - cpu_client
     finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop(server)
     shares: dict[str, list[float]] = {}
     for pid, kind in procs.items():
         shares.setdefault(kind, []).append(used[pid] / wall)
@@ -153,6 +149,15 @@ def measure(pair, speculation, prompts, replicas: int, gateways: int, mode: str,
     return {"replicas": replicas, "gateways": gateways, "streams": streams,
             "tokens_per_s": tokens / wall, "requests": streams * requests, "tokens": tokens,
             "wall_s": wall, "shares": shares}
+
+
+def stop(server: subprocess.Popen) -> None:
+    """SIGTERM (the server drains), then SIGKILL after a minute."""
+    server.terminate()
+    try:
+        server.wait(60)
+    except subprocess.TimeoutExpired:
+        server.kill()
 
 
 def simulated_pair(prefix: str, max_new_tokens: int):

@@ -19,7 +19,7 @@ import grpc
 from duospec.draft_worker.drafter import Drafter
 from duospec.draft_worker.proposer import DraftDeclined
 from duospec.engine import SlotsExhausted
-from duospec.internal.constraint_wire import GrammarWorkReport
+from duospec.internal.constraint_wire import GrammarWorkReport, add_grammar_work
 from duospec.internal.kv_wire import kv_usage_to_proto
 from duospec.internal.v1 import pearl_pb2 as pb
 from duospec.internal.v1 import pearl_pb2_grpc as pb_grpc
@@ -137,9 +137,7 @@ def merge_batches(batches: list[pb.DraftChunkBatch],
         merged.idle_seconds += batch.idle_seconds
         merged.failed_seq_ids.extend(batch.failed_seq_ids)
         if batch.HasField("grammar"):
-            merged.grammar.mask_seconds += batch.grammar.mask_seconds
-            merged.grammar.mask_rows += batch.grammar.mask_rows
-            merged.grammar.forced_tokens += batch.grammar.forced_tokens
+            add_grammar_work(merged.grammar, batch.grammar)
         if batch.HasField("kv"):  # the latest state of the pool
             merged.kv.CopyFrom(batch.kv)
         for chunk in batch.chunks:

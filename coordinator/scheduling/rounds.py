@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from duospec.coordinator.config import ModelConfig
+from duospec.internal.v1 import pearl_pb2 as pb
 
 
 @dataclass
@@ -26,19 +27,12 @@ class WorkerTimes:
     busy_s: float = 0.0
     idle_s: float = 0.0
     messages: int = 0
-    # constrained sequences' grammar masks (pearl.proto GrammarWork, summed)
-    grammar_mask_s: float = 0.0
-    grammar_mask_rows: int = 0
-    grammar_forced_tokens: int = 0
-
-    def add_grammar(self, work) -> None:
-        self.grammar_mask_s += work.mask_seconds
-        self.grammar_mask_rows += work.mask_rows
-        self.grammar_forced_tokens += work.forced_tokens
+    # constrained sequences' grammar masks, the worker's reports summed (add_grammar_work)
+    grammar: pb.GrammarWork = field(default_factory=pb.GrammarWork)
 
     def grammar_report(self) -> dict:
-        return {"grammar_mask_seconds": self.grammar_mask_s, "grammar_mask_rows": self.grammar_mask_rows,
-                "grammar_forced_tokens": self.grammar_forced_tokens}
+        return {"grammar_mask_seconds": self.grammar.mask_seconds, "grammar_mask_rows": self.grammar.mask_rows,
+                "grammar_forced_tokens": self.grammar.forced_tokens}
 
 
 @dataclass

@@ -43,6 +43,7 @@ from duospec.coordinator.scheduling.recovery import WorkerSupervisor, waits_for_
 from duospec.coordinator.scheduling.verify_items import VerifyBatchBuilder, fed_to, item_rows
 from duospec.coordinator.scheduling.policies import SpeculationPolicy, fair_share
 from duospec.coordinator.scheduling.sequence import Sequence
+from duospec.internal.constraint_wire import add_grammar_work
 from duospec.internal.kv_wire import kv_usage_report
 from duospec.internal.v1 import pearl_pb2 as pb
 
@@ -180,7 +181,7 @@ class Scheduler:
         self.draft_times.busy_s += batch.busy_seconds
         self.draft_times.idle_s += batch.idle_seconds
         if batch.HasField("grammar"):
-            self.draft_times.add_grammar(batch.grammar)
+            add_grammar_work(self.draft_times.grammar, batch.grammar)
         self.draft_times.messages += 1
         self.kv.observe(batch, "draft")
         self._deferring = True
@@ -390,7 +391,7 @@ class Scheduler:
         self.target_times.busy_s += batch.forward_seconds
         self.target_times.messages += 1
         if batch.HasField("grammar"):
-            self.target_times.add_grammar(batch.grammar)
+            add_grammar_work(self.target_times.grammar, batch.grammar)
         self.kv.observe(batch, "target")
         self._idle_since = time.monotonic()
         if batch.verdicts and inflight.decode_only:

@@ -60,7 +60,7 @@ class VerifyBatchBuilder:
                                  constraint=_item_constraint(seq))
         seq.verify_context_end = None
         # the cap counts the drafter's own drafts: grammar-forced ones ride along (Sequence.verify_span)
-        k = seq.verify_span(min(seq.policy.max_draft_tokens, self._draft_limit(seq))) if seq.uses_draft else 0
+        k = seq.verify_span(self._draft_limit(seq)) if seq.uses_draft else 0
         # Past an exhausted chunk no draft will come: the bonus is the only way on. Which positions
         # those are depends on the sequence's tokens alone (draft_worker/proposer.py), not on timing.
         drafting = seq.uses_draft and not (seq.draft_exhausted and k == len(seq.drafts))

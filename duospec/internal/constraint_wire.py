@@ -29,6 +29,13 @@ def constraint_from_proto(msg: pb.GrammarConstraint) -> Constraint | None:
     return Constraint(_FROM_PROTO[msg.kind], msg.text)
 
 
+def add_grammar_work(total: pb.GrammarWork, work: pb.GrammarWork) -> None:
+    """Adds one report's grammar work to a running total (merged messages, the scheduler's sums)."""
+    total.mask_seconds += work.mask_seconds
+    total.mask_rows += work.mask_rows
+    total.forced_tokens += work.forced_tokens
+
+
 class GrammarWorkReport:
     """What a worker's grammar counters grew by since its previous message (pearl.proto GrammarWork).
     `read` returns its cumulative (mask seconds, mask rows, forced tokens)."""
