@@ -112,22 +112,24 @@ def measure_eagle3_dir(tokenizer, head_dir: Path, target_dir: Path, kinds: dict,
 def main(argv=None) -> int:
     import torch
 
+    from duospec.engine.draft_vocab import read_draft_vocab
     from duospec.training.acceptance import decode_step_seconds, heldout_prompts, measure_pair
 
     args = _parse(argv)
     torch.set_num_threads(1)
-    step_s = {name: decode_step_seconds(path, repeats=args.repeats)
+    step_s = {name: decode_step_seconds(path, repeats=args.repeats, draft=name == "draft")
               for name, path in (("target", args.target), ("draft", args.draft))}
     ratio = step_s["target"] / step_s["draft"]
     print(f"decode step (1 thread, fp32, duospec engine): target {step_s['target'] * 1e3:.3f} ms, "
           f"draft {step_s['draft'] * 1e3:.3f} ms, ratio {ratio:.2f}x")
 
     target, draft, tokenizer = load_pair(args.target, args.draft)
+    draft_ids = read_draft_vocab(args.draft, draft.config.vocab_size)  # a trimmed draft guesses within it
     kinds = prompts_by_kind(tokenizer, args.prompts, args.prompt_tokens)
     by_kind = {}
     for kind, prompts in kinds.items():
         started = time.perf_counter()
-        by_kind[kind] = stats = measure_pair(target, draft, prompts, args.new_tokens, args.draft_len)
+        by_kind[kind] = stats = measure_pair(target, draft, prompts, args.new_tokens, args.draft_len, draft_ids)
         print(f"{kind}: greedy, draft length {args.draft_len}, {len(prompts)} held-out prompts x {args.new_tokens} "
               f"tokens: mean accepted length {stats.mean_accepted_length:.3f} (accepted + 1 per target forward), "
               f"per-token agreement {stats.agreement:.3f}  [{time.perf_counter() - started:.0f}s]")
@@ -135,7 +137,7 @@ def main(argv=None) -> int:
     if not args.no_regression:
         regression = measure_pair(target, draft, heldout_prompts(tokenizer, REGRESSION_SET["prompts"],
                                                                  REGRESSION_SET["prompt_tokens"]),
-                                  REGRESSION_SET["new_tokens"], REGRESSION_SET["draft_len"])
+                                  REGRESSION_SET["new_tokens"], REGRESSION_SET["draft_len"], draft_ids)
         print(f"regression set {REGRESSION_SET}: mean accepted length {regression.mean_accepted_length:.3f}")
     heads = {}
     for head_dir in args.heads:

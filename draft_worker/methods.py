@@ -53,4 +53,4 @@ def load_draft_runner(spec: DraftSpec, target_path: str, **kwargs):
         return load(spec.path, target_path, device=device, dtype=dtype, **kwargs)
     if spec.method is DraftMethod.LAYERS and spec.path is None:
         return load_model(target_path, num_layers=spec.layers, **kwargs)
-    return load_model(spec.checkpoint(target_path), **kwargs)
+    return load_model(spec.checkpoint(target_path), draft_vocab=True, **kwargs)

@@ -66,8 +66,8 @@ def _register_distill(subparsers) -> None:
     parser.add_argument("--draft-hidden", type=int, default=256, help="hidden size (default 256)")
     parser.add_argument("--draft-heads", type=int, default=4,
                         help="attention heads; hidden/heads must be even (default 4)")
-    parser.add_argument("--steps", type=int, default=2000,
-                        help="optimizer steps; raising it on a finished run extends it (default 2000)")
+    parser.add_argument("--steps", type=int,
+                        help="optimizer steps; raising it on a finished run extends it (default 2000 unless --minutes)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
@@ -84,6 +84,17 @@ def _register_distill(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0, help="draft init and batch order (default 0)")
     parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                         help="continue from OUT's checkpoint if it belongs to the same run (default)")
+    trimmed = parser.add_argument_group(
+        "trimmed vocabulary (the draft's LM head covers the N tokens the target emits most; trained on the "
+        "target's outputs cached once; --data: `duospec distill-data` folders and/or stdlib)")
+    trimmed.add_argument("--draft-vocab", type=int, metavar="N", help="draft vocabulary size, e.g. 8192")
+    trimmed.add_argument("--init", type=Path, metavar="DIR",
+                         help="start from this draft checkpoint (its shape and draft vocabulary): continue a shipped draft")
+    trimmed.add_argument("--minutes", type=float, help="minutes of training (with or instead of --steps)")
+    trimmed.add_argument("--stdlib-tokens", type=int, help="raw stdlib code tokens cached with --data stdlib "
+                                                           "(default 200000)")
+    trimmed.add_argument("--bf16", action="store_true", default=None,
+                         help="bf16 autocast on CPU too (fp32 master weights); always on with cuda")
     parser.set_defaults(func=_distill)
 
 

@@ -168,10 +168,9 @@ class Eagle3Runner(LeanLlamaRunner):
 
     def __init__(self, config, state_dict, *, fc: torch.Tensor, hidden_norm: torch.Tensor,
                  draft_ids: torch.Tensor, feature_layers: tuple[int, ...], **kwargs):
-        super().__init__(config, state_dict, **kwargs)
+        super().__init__(config, state_dict, draft_ids=draft_ids, **kwargs)  # draft id i is target token draft_ids[i]
         self.fc = fc.to(device=self.device, dtype=self.dtype)
         self.hidden_norm = hidden_norm.to(device=self.device, dtype=self.dtype)
-        self.draft_ids = draft_ids.to(self.device)  # [draft_vocab] target id of each draft id
         self.target_feature_layers = feature_layers  # what the target sends (its set_feature_layers)
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
@@ -187,11 +186,6 @@ class Eagle3Runner(LeanLlamaRunner):
         embeds, features = h.split(self.config.hidden_size, dim=-1)
         normed = torch.cat([self._norm(embeds, layer.input_norm), self._norm(features, self.hidden_norm)], -1)
         return super()._attention(layer, features, cos, sin, batch, normed=normed)
-
-    def _lm_head(self, h: torch.Tensor) -> torch.Tensor:
-        small = self.lm_head(h)  # [n, draft_vocab]
-        full = small.new_full((small.shape[0], self.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.draft_ids, small)
 
     def forward_eagle(self, chunks, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """As EagleRunner.forward_eagle: `features` [N, hidden] are already projected (`project`) or

@@ -186,9 +186,13 @@ class LeanLlamaRunner(ModelRunner):
     def __init__(self, config, state_dict: dict[str, torch.Tensor], *, device: torch.device,
                  dtype: torch.dtype, max_slots: int, max_context: int, kv_cache_memory_bytes: int | None = None,
                  gpu_memory_utilization: float | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                 prefix_caching: bool = True, tp: TensorParallel | None = None) -> None:
+                 prefix_caching: bool = True, tp: TensorParallel | None = None,
+                 draft_ids: torch.Tensor | None = None) -> None:
         """`max_slots`: sequences open at once (a slot costs nothing until it holds positions);
-        `max_context`: positions of one sequence; the pool's size: kv_memory.pool_blocks."""
+        `max_context`: positions of one sequence; the pool's size: kv_memory.pool_blocks.
+        `draft_ids`: a draft's output vocabulary (ascending target ids; duospec/engine/draft_vocab.py):
+        its LM head computes those rows only and every other token gets -inf, so q is zero outside
+        them and the target, verifying over its whole vocabulary, still produces any token."""
         super().__init__(max_slots, max_context)
         reason = lean_unsupported_reason(config)
         if reason is not None:
@@ -198,6 +202,9 @@ class LeanLlamaRunner(ModelRunner):
         self.device = torch.device(device)
         self.dtype = dtype
         self.vocab_size = config.vocab_size
+        if draft_ids is not None and tp is not None:
+            raise CheckpointError("a draft vocabulary runs on one device: set the drafter's tensor_parallel_size: 1")
+        self.draft_ids = None if draft_ids is None else draft_ids.to(self.device)
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = getattr(config, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
@@ -234,6 +241,8 @@ class LeanLlamaRunner(ModelRunner):
         self.embed_scale = torch.tensor(config.hidden_size ** 0.5).to(self.device, self.dtype) if gemma else None
         tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in sd
         head = self.embed if tied else take("lm_head.weight")
+        if self.draft_ids is not None and head.shape[0] == config.vocab_size:  # a whole-vocabulary head, cut
+            head = head[self.draft_ids]
         measure = self.device.type == "cpu" and self.dtype == torch.float32
         # What one forward multiplies by (float32 bytes): the layers' weights and the LM head, not the
         # embedding (a forward gathers a few of its rows) unless it is the head.
@@ -501,6 +510,9 @@ class LeanLlamaRunner(ModelRunner):
         logits = logits if self.tp is None else self.tp.gather_vocab(logits, self.vocab_size)
         if self.logit_softcap is not None:  # Gemma: c * tanh(logits / c), in the model dtype as transformers
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        if self.draft_ids is not None:  # [n, draft vocabulary] -> the target's vocabulary, -inf elsewhere
+            full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+            logits = full.index_copy_(1, self.draft_ids, logits)
         return logits
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from duospec.engine.draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
 from duospec.engine.errors import CheckpointError
 from duospec.engine.tensor_parallel import TensorParallel, check_tp_size, shard_config, shard_state_dict
 from duospec.engine.kv_memory import DEFAULT_BLOCK_SIZE
@@ -127,7 +128,7 @@ def _max_context(ref: str, config, max_context: int | None) -> int:
 def load_model(path: str | pathlib.Path, *, device: str | torch.device = "cpu", dtype: str | torch.dtype = "auto",
                max_slots: int = 16, max_context: int | None = None, backend: str = "auto",
                num_layers: int | None = None, kv: KVOptions | None = None,
-               tp: TensorParallel | None = None) -> ModelRunner:
+               tp: TensorParallel | None = None, draft_vocab: bool = False) -> ModelRunner:
     """Load a causal LM checkpoint into a ``ModelRunner``.
 
     backend: "lean" = duospec's paged-KV forward (Llama/Qwen2/Mistral/Qwen3/Gemma 3 text; error
@@ -139,6 +140,7 @@ def load_model(path: str | pathlib.Path, *, device: str | torch.device = "cpu", 
     shallow-layer draft of a target (only those layers' weights are loaded).
     A directory holding ``replay.json`` loads a ``ReplayRunner`` (benchmark simulation; see replay.py).
     tp: this process's rank in a tensor-parallel group (tensor_parallel.py): it loads its shard only.
+    draft_vocab: a drafter's load: honour the checkpoint's trimmed output vocabulary (draft_vocab.py).
     """
     if backend not in BACKENDS:
         raise CheckpointError(f"backend={backend!r} is not one of {BACKENDS}")
@@ -169,13 +171,17 @@ def load_model(path: str | pathlib.Path, *, device: str | torch.device = "cpu", 
         check_tp_size(config, tp.world, ref)  # before the weights are read
     if backend == "auto" and reason is not None:
         log.info("%s: using the transformers fallback backend (%s)", ref, reason)
+    draft_ids = read_draft_vocab(ref, config.vocab_size) if draft_vocab else None
+    if draft_ids is not None and not use_lean:
+        raise CheckpointError(f"{ref}: a draft vocabulary ({DRAFT_VOCAB_FILE}) needs duospec's own forward, which "
+                              f"cannot run this model ({reason or 'backend=hf'}); use backend: auto or lean")
     model = _load_hf_model(ref, torch_dtype, config if num_layers is not None else None)
     if use_lean:
         config, state = model.config, model.state_dict()
         if sharded:
             config, state = shard_config(config, tp.world), shard_state_dict(config, state, tp.rank, tp.world)
         runner: ModelRunner = LeanLlamaRunner(config, state, device=dev, dtype=torch_dtype, max_slots=max_slots,
-                                              max_context=context, tp=tp if sharded else None,
+                                              max_context=context, tp=tp if sharded else None, draft_ids=draft_ids,
                                               **(kv or KVOptions()).kwargs())
         del model
         return runner

@@ -63,21 +63,25 @@ def greedy_continuation(target, prompt_ids: list[int], new_tokens: int) -> list[
 
 
 @torch.no_grad()
-def measure_prompt(target, draft, prompt_ids: list[int], new_tokens: int, draft_len: int = 4) -> AcceptanceStats:
+def measure_prompt(target, draft, prompt_ids: list[int], new_tokens: int, draft_len: int = 4,
+                   draft_ids: torch.Tensor | None = None) -> AcceptanceStats:
+    """`draft_ids`: the draft's trimmed output vocabulary (duospec/engine/draft_vocab.py), if it has one."""
     continuation = greedy_continuation(target, prompt_ids, new_tokens)
     sequence = torch.tensor([prompt_ids + continuation])
     # Row j of the logits predicts token j+1; continuation token t sits at index len(prompt)+t.
     rows = slice(len(prompt_ids) - 1, len(prompt_ids) - 1 + len(continuation))
-    draft_guess = draft(input_ids=sequence).logits[0, rows].argmax(-1).tolist()
+    logits = draft(input_ids=sequence).logits[0, rows]
+    draft_guess = (logits.argmax(-1) if draft_ids is None else draft_ids[logits[:, draft_ids].argmax(-1)]).tolist()
     hits = [guess == token for guess, token in zip(draft_guess, continuation)]
     rounds, committed = simulate_rounds(hits, draft_len)
     return AcceptanceStats(rounds, committed, sum(hits), len(hits))
 
 
-def measure_pair(target, draft, prompts: list[list[int]], new_tokens: int, draft_len: int = 4) -> AcceptanceStats:
+def measure_pair(target, draft, prompts: list[list[int]], new_tokens: int, draft_len: int = 4,
+                 draft_ids: torch.Tensor | None = None) -> AcceptanceStats:
     total = AcceptanceStats(0, 0, 0, 0)
     for prompt in prompts:
-        total = total + measure_prompt(target, draft, prompt, new_tokens, draft_len)
+        total = total + measure_prompt(target, draft, prompt, new_tokens, draft_len, draft_ids)
     return total
 
 
@@ -129,12 +133,14 @@ def prompt_sets(tokenizer, data, heldout_tokens, count: int, prompt_tokens: int 
     return sets
 
 
-def decode_step_seconds(path, prompt_len: int = 64, repeats: int = 200) -> float:
+def decode_step_seconds(path, prompt_len: int = 64, repeats: int = 200, draft: bool = False) -> float:
     """Median seconds of one single-token decode step of the checkpoint at `path` on duospec's
-    engine (fp32, the current thread count), at position `prompt_len`."""
+    engine (fp32, the current thread count), at position `prompt_len`; `draft`: as a drafter loads it
+    (its trimmed vocabulary, if any)."""
     from duospec.engine import load_model
 
-    return runner_step_seconds(load_model(path, device="cpu", dtype=torch.float32, max_slots=1), prompt_len, repeats)
+    runner = load_model(path, device="cpu", dtype=torch.float32, max_slots=1, draft_vocab=draft)
+    return runner_step_seconds(runner, prompt_len, repeats)
 
 
 def runner_step_seconds(runner, prompt_len: int = 64, repeats: int = 200) -> float:

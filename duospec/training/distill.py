@@ -41,7 +41,7 @@ class DistillOptions:
     draft_layers: int = 2
     draft_hidden: int = 256
     draft_heads: int = 4
-    steps: int = 2000
+    steps: int | None = 2000  # None: --minutes alone
     batch_size: int = 8
     seq_len: int = 256
     lr: float = 1e-3
@@ -53,20 +53,45 @@ class DistillOptions:
     init_layers: int | None = None
     # held-out prompts per kind for the acceptance figure in the model card (0 = none measured)
     eval_prompts: int = 16
+    minutes: float | None = None  # a time budget (with or instead of steps; the first reached ends the run)
+    # N: the draft's LM head covers the N tokens the target emits most, trained on the target's cached
+    # outputs (duospec/training/distill_vocab.py; --data: distill-data folders and/or stdlib)
+    draft_vocab: int | None = None
+    init: Path | None = None  # --draft-vocab: start from this draft checkpoint (continue a shipped draft)
+    stdlib_tokens: int = 200_000  # --draft-vocab with --data stdlib: raw code tokens cached
+    bf16: bool = False  # bf16 autocast on CPU too (always on with cuda)
 
     @classmethod
     def from_args(cls, args) -> DistillOptions:
+        minutes = getattr(args, "minutes", None)
+        steps = args.steps if args.steps is not None else (None if minutes else cls.steps)
+        optional = {name: getattr(args, name) for name in ("eval_prompts", "draft_vocab", "stdlib_tokens", "bf16")
+                    if getattr(args, name, None) is not None}
+        init = getattr(args, "init", None)
         return cls(target=Path(args.target), data=tuple(Path(p) for p in args.data), out=Path(args.out),
                    draft_layers=args.draft_layers, draft_hidden=args.draft_hidden,
-                   draft_heads=args.draft_heads, steps=args.steps, batch_size=args.batch_size,
+                   draft_heads=args.draft_heads, steps=steps, batch_size=args.batch_size,
                    seq_len=args.seq_len, lr=args.lr, device=args.device, seed=args.seed,
-                   resume=args.resume, init_layers=getattr(args, "init_layers", None),
-                   **({} if getattr(args, "eval_prompts", None) is None else {"eval_prompts": args.eval_prompts}))
+                   resume=args.resume, init_layers=getattr(args, "init_layers", None), minutes=minutes,
+                   init=None if init is None else Path(init), **optional)
 
     def validate(self) -> None:
-        for name in ("draft_layers", "draft_hidden", "draft_heads", "steps", "batch_size", "seq_len"):
-            if getattr(self, name) < 1:
-                raise DistillError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("draft_layers", "draft_hidden", "draft_heads", "steps", "batch_size", "seq_len", "draft_vocab"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise DistillError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.steps is None and not self.minutes:
+            raise DistillError("give a budget: --steps N and/or --minutes M")
+        if self.minutes is not None and self.minutes <= 0:
+            raise DistillError(f"--minutes must be positive, got {self.minutes}")
+        if self.minutes is not None and self.draft_vocab is None:
+            raise DistillError("--minutes needs --draft-vocab (the time-budgeted run on the target's cached "
+                               "outputs); without it give --steps")
+        if self.init is not None and self.draft_vocab is None:
+            raise DistillError("--init needs --draft-vocab; to start from the target's own layers use --init-layers")
+        if self.draft_vocab is not None and self.init_layers is not None:
+            raise DistillError("--draft-vocab and --init-layers do not combine: a shallow copy of the target keeps "
+                               "its whole LM head; pass one of them")
         if self.eval_prompts < 0:
             raise DistillError(f"--eval-prompts must be >= 0, got {self.eval_prompts}")
         if self.init_layers is not None and self.init_layers < 1:
@@ -225,6 +250,10 @@ def _token_sources(options: DistillOptions, files: list[Path], tokenizer, vocab_
 
 def distill(options: DistillOptions) -> Path:
     """Validate everything, then train (or resume) the draft and write it to `options.out`."""
+    if options.draft_vocab is not None:
+        from duospec.training.distill_vocab import distill_trimmed
+
+        return distill_trimmed(options)
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -276,16 +305,20 @@ def distill(options: DistillOptions) -> Path:
     export_checkpoint(draft, tokenizer, options.out)
 
     # 5. The model card, with the held-out acceptance the draft will show when serving.
-    card = model_card(options, target, draft, tokenizer, heldout, state, count_parameters(draft))
+    write_card(options, model_card(options, target, draft, tokenizer, heldout, state, count_parameters(draft)), log)
+    return options.out
+
+
+def write_card(options: DistillOptions, card: dict, log) -> None:
     (options.out / CARD_FILE).write_text(json.dumps(card, indent=2) + "\n")
     for kind, figure in card["heldout_acceptance"].items():
         log(f"held-out {kind}: mean accepted length {figure['mean_accepted_length']:.3f} (greedy, draft length "
             f"{ACCEPTANCE_DRAFT_LEN}, {figure['prompts']} prompts), agreement {figure['agreement']:.3f}")
-    log(f"draft written to {options.out} after {state.step} steps")
-    return options.out
+    log(f"draft written to {options.out} after {card['steps']} steps")
 
 
-def model_card(options: DistillOptions, target, draft, tokenizer, heldout, state, params: int) -> dict:
+def model_card(options: DistillOptions, target, draft, tokenizer, heldout, state, params: int,
+               draft_ids=None) -> dict:
     """What the draft is and how it was trained, and its greedy acceptance on held-out prompts of each
     kind the data covers (duospec/training/acceptance.py: exact simulation against the target)."""
     import numpy as np
@@ -297,7 +330,7 @@ def model_card(options: DistillOptions, target, draft, tokenizer, heldout, state
     figures = {}
     if options.eval_prompts:
         for kind, prompts in prompt_sets(tokenizer, options.data, tail, options.eval_prompts).items():
-            stats = measure_pair(target, draft, prompts, ACCEPTANCE_NEW_TOKENS, ACCEPTANCE_DRAFT_LEN)
+            stats = measure_pair(target, draft, prompts, ACCEPTANCE_NEW_TOKENS, ACCEPTANCE_DRAFT_LEN, draft_ids)
             figures[kind] = {"mean_accepted_length": round(stats.mean_accepted_length, 3),
                              "agreement": round(stats.agreement, 3), "prompts": len(prompts)}
     return {

@@ -26,22 +26,6 @@ import torch
 from duospec.training.data import STDLIB
 
 
-def _sources(options) -> tuple[list[Path], int]:
-    answers, stdlib = [], 0
-    for item in options.data:
-        if item == STDLIB:
-            stdlib = options.stdlib_tokens
-            continue
-        path = Path(item)
-        if not (path / "answers.jsonl").is_file():
-            from duospec.training.head_options import HeadTrainingError
-
-            raise HeadTrainingError(f"--data {item}: eagle3 trains on folders written by `duospec distill-data` "
-                                    "(with answers.jsonl) and/or 'stdlib'")
-        answers.append(path)
-    return answers, stdlib
-
-
 @torch.no_grad()
 def measure_eagle3(target_runner, head_runner, prompts: list[list[int]], new_tokens: int,
                    draft_len: int = 4) -> tuple[float, int]:
@@ -132,7 +116,7 @@ def _train(options) -> Path:
     from duospec.engine.heads import WEIGHTS_FILE, eagle_layer_config, read_target_io, write_head
     from duospec.training.distill import _load_tokenizer, _resolve_device
     from duospec.training.eagle3 import CacheBatches, Eagle3Objective, Eagle3TrainHead, choose_draft_vocab, coverage
-    from duospec.training.features import build_feature_cache, training_sequences
+    from duospec.training.features import build_feature_cache, cache_sources, training_sequences
     from duospec.training.head_options import HeadTrainingError
     from duospec.training.heads import STATE_DIR
     from duospec.training.loop import Logger, LoopConfig, run_loop
@@ -140,7 +124,7 @@ def _train(options) -> Path:
     io = read_target_io(options.target)
     tokenizer = _load_tokenizer(options.target)
     device = _resolve_device(options.device)
-    answers, stdlib = _sources(options)
+    answers, stdlib = cache_sources(options.data, options.stdlib_tokens)
     layers = default_feature_layers(io.config.num_hidden_layers)
     identity = {"method": "eagle3", "target_fingerprint": io.fingerprint, "data": list(options.data),
                 "seq_len": options.seq_len, "batch_size": options.batch_size, "lr": options.lr, "seed": options.seed,

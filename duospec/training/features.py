@@ -12,6 +12,7 @@ Layout of the cache folder (all arrays row-aligned by token, numpy memmaps):
 
 - ``tokens.i32``    [N] token ids, the sequences one after another
 - ``taps.f16``      [N, 3 * hidden] the residual stream entering each feature layer, concatenated
+                    (absent when no layers were asked for: a draft model learns from ``final`` alone)
 - ``final.f16``     [N, hidden] the final norm's output (the target's LM head turns it into p)
 - ``index.json``    the sequences (start, length, loss_from, kind, held_out), the feature layers,
                     the target's fingerprint; written last, so a cache without it is incomplete
@@ -48,6 +49,23 @@ class CachedSequence:
 
 def _held_out(key: str) -> bool:
     return int(hashlib.sha1(key.encode()).hexdigest(), 16) % HELDOUT_MODULUS == 0
+
+
+def cache_sources(data, stdlib_tokens: int) -> tuple[list[Path], int]:
+    """(answer folders, stdlib tokens) from `--data`: folders written by `duospec distill-data` and/or
+    'stdlib'; ValueError naming the item otherwise."""
+    from duospec.training.data import STDLIB
+
+    answers, stdlib = [], 0
+    for item in data:
+        if str(item) == STDLIB:
+            stdlib = stdlib_tokens
+        elif (Path(item) / "answers.jsonl").is_file():
+            answers.append(Path(item))
+        else:
+            raise ValueError(f"--data {item}: training on the target's cached outputs reads folders written by "
+                             "`duospec distill-data` (with answers.jsonl) and/or 'stdlib'")
+    return answers, stdlib
 
 
 def training_sequences(tokenizer, answers_dirs: list[Path], stdlib_tokens: int, max_len: int) -> list[tuple[str, str, list[int], int]]:
@@ -97,7 +115,8 @@ class FeatureCache:
         self.sequences = [CachedSequence(**s) for s in self.index["sequences"]]
         total, width, hidden = self.index["tokens"], self.index["tap_width"], self.index["hidden_size"]
         self.tokens = np.memmap(self.folder / "tokens.i32", dtype=np.int32, mode="r", shape=(total,))
-        self.taps = np.memmap(self.folder / "taps.f16", dtype=np.float16, mode="r", shape=(total, width))
+        self.taps = np.memmap(self.folder / "taps.f16", dtype=np.float16, mode="r", shape=(total, width)) \
+            if width else np.zeros((total, 0), dtype=np.float16)  # a view of nothing: no memory
         self.final = np.memmap(self.folder / "final.f16", dtype=np.float16, mode="r", shape=(total, hidden))
 
     @property
@@ -133,17 +152,20 @@ class FeatureCache:
 @torch.no_grad()
 def build_feature_cache(target_dir: Path, out: Path, sequences, feature_layers: tuple[int, ...], *,
                         fingerprint: str, batch_tokens: int = 4096, log=print) -> FeatureCache:
-    """Run the target over `sequences` (training_sequences) once and write the cache; resumes."""
+    """Run the target over `sequences` (training_sequences) once and write the cache; resumes.
+    `feature_layers` None: the caller reads tokens and final states only, so an existing cache with
+    any layers will do, and a new one is built without taps."""
     from transformers import AutoModelForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
     if (out / INDEX).is_file():
         cache = FeatureCache(out)
-        if cache.index.get("fingerprint") == fingerprint and cache.feature_layers == tuple(feature_layers) \
-                and len(cache.sequences) == len(sequences):
+        if cache.index.get("fingerprint") == fingerprint and len(cache.sequences) == len(sequences) \
+                and (feature_layers is None or cache.feature_layers == tuple(feature_layers)):
             return cache
         raise ValueError(f"{out}: holds a feature cache of another target, layers or data; pass a new folder")
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    feature_layers = tuple(feature_layers or ())
     hidden = model.config.hidden_size
     width = hidden * len(feature_layers)
     total = sum(len(ids) for _, _, ids, _ in sequences)
@@ -151,7 +173,7 @@ def build_feature_cache(target_dir: Path, out: Path, sequences, feature_layers: 
     done = json.loads(progress_file.read_text())["done"] if progress_file.is_file() else 0
     mode = "r+" if done else "w+"
     tokens = np.memmap(out / "tokens.i32", dtype=np.int32, mode=mode, shape=(total,))
-    taps = np.memmap(out / "taps.f16", dtype=np.float16, mode=mode, shape=(total, width))
+    taps = np.memmap(out / "taps.f16", dtype=np.float16, mode=mode, shape=(total, width)) if width else None
     final = np.memmap(out / "final.f16", dtype=np.float16, mode=mode, shape=(total, hidden))
     starts = np.cumsum([0] + [len(ids) for _, _, ids, _ in sequences])
     started, fresh_tokens = time.perf_counter(), 0
@@ -168,17 +190,19 @@ def build_feature_cache(target_dir: Path, out: Path, sequences, feature_layers: 
             seq = sequences[j][2]
             ids[row, : len(seq)] = torch.tensor(seq)
             attention[row, : len(seq)] = 1
-        result = model.model(input_ids=ids, attention_mask=attention, output_hidden_states=True, use_cache=False)
-        fused = torch.cat([result.hidden_states[layer] for layer in feature_layers], dim=-1)
+        result = model.model(input_ids=ids, attention_mask=attention, output_hidden_states=bool(width), use_cache=False)
+        fused = torch.cat([result.hidden_states[layer] for layer in feature_layers], dim=-1) if width else None
         for row, j in enumerate(group):
             n, s = len(sequences[j][2]), int(starts[j])
             tokens[s: s + n] = np.asarray(sequences[j][2], dtype=np.int32)
-            taps[s: s + n] = fused[row, :n].to(torch.float16).numpy()
+            if taps is not None:
+                taps[s: s + n] = fused[row, :n].to(torch.float16).numpy()
             final[s: s + n] = result.last_hidden_state[row, :n].to(torch.float16).numpy()
             fresh_tokens += n
         i = group[-1] + 1
         for array in (tokens, taps, final):
-            array.flush()
+            if array is not None:
+                array.flush()
         progress_file.write_text(json.dumps({"done": i}))
         rate = fresh_tokens / (time.perf_counter() - started)
         log(f"features: {i}/{len(sequences)} sequences, {int(starts[i])}/{total} tokens, {rate:.0f} tokens/s")

@@ -174,14 +174,17 @@ def run_loop(objective, source, heldout_batches, cfg: LoopConfig, checkpoint_pat
 
 @torch.no_grad()
 def mean_metrics(objective, batches) -> dict:
-    """An objective's metrics averaged over held-out batches, its head in eval mode meanwhile."""
-    objective.head.eval()
+    """An objective's metrics averaged over held-out batches, its trained models in eval mode meanwhile."""
+    models = list(objective.trainable().values())
+    for model in models:
+        model.eval()
     sums: dict[str, float] = {}
     for batch in batches:
         _, metrics = objective.loss(batch)
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + v
-    objective.head.train()
+    for model in models:
+        model.train()
     return {k: v / max(len(batches), 1) for k, v in sums.items()}
 
 

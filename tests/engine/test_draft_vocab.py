@@ -1,0 +1,140 @@
+"""A draft model with a trimmed output vocabulary (duospec/engine/draft_vocab.py, `duospec distill
+--draft-vocab N`): trained on the target's cached outputs, resumable to the step, served as a plain
+`model` drafter whose q is zero outside its vocabulary, and exact: greedy output equals the target
+alone, tokens outside the draft vocabulary included (the target's corrections)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from duospec.cli.train import main as train_main
+from duospec.engine import CheckpointError, SlotChunk, load_model
+from duospec.engine.draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
+from tiny_models import make_tiny_checkpoint
+
+VOCAB = 40  # of the tiny target's vocabulary, the draft keeps this many
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("dv") / "target", "llama", hidden_size=32, num_layers=2,
+                                num_heads=2, num_kv_heads=2, intermediate_size=64)
+
+
+def _distill(target_dir, out, *extra: str) -> int:
+    torch.set_num_threads(1)
+    return train_main(["distill", "--target", str(target_dir), "--data", "stdlib", "--stdlib-tokens", "3000",
+                       "--out", str(out), "--draft-vocab", str(VOCAB), "--draft-layers", "1", "--draft-hidden", "32",
+                       "--draft-heads", "2", "--batch-size", "2", "--seq-len", "32", "--eval-prompts", "2",
+                       "--device", "cpu", *extra])
+
+
+@pytest.fixture(scope="module")
+def trained(target_dir, tmp_path_factory):
+    """(one run of 4 steps, the same run split 2 + 2), both written."""
+    root = tmp_path_factory.mktemp("dv-runs")
+    assert _distill(target_dir, root / "straight", "--steps", "4") == 0
+    assert _distill(target_dir, root / "split", "--steps", "2") == 0
+    assert _distill(target_dir, root / "split", "--steps", "4") == 0
+    return root / "straight", root / "split"
+
+
+def test_distill_writes_a_trimmed_draft_and_resumes_on_the_same_curve(target_dir, trained):
+    straight, split = trained
+    cards = [json.loads((d / "model_card.json").read_text()) for d in trained]
+    assert cards[0]["steps"] == cards[1]["steps"] == 4
+    assert cards[1]["last_eval"] == pytest.approx(cards[0]["last_eval"], rel=1e-4)  # the same curve
+    assert cards[0]["draft_vocab"] == VOCAB and set(cards[0]["heldout_acceptance"]) == {"code"}
+    assert "resumed from" in (split / ".distill" / "log.txt").read_text()
+    ids = read_draft_vocab(straight, 10_000)
+    assert ids is not None and len(ids) == VOCAB and bool((ids[1:] > ids[:-1]).all())
+    assert AutoModelForCausalLM.from_pretrained(str(straight)).config.vocab_size > VOCAB  # still a whole checkpoint
+
+
+def test_the_engine_computes_the_draft_vocabulary_only(target_dir, trained):
+    draft_dir = trained[0]
+    ids = read_draft_vocab(draft_dir, 10_000)
+    hf = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
+    runner = load_model(draft_dir, device="cpu", dtype="float32", max_slots=1, draft_vocab=True)
+    assert runner.lm_head.shape[0] == VOCAB  # the step's LM head is the trimmed one
+    tokens = [3, 9, 4, 11, 2, 8]
+    logits = runner.forward([SlotChunk(runner.allocate_slot(), 0, tokens)])[0]
+    with torch.no_grad():
+        reference = hf(input_ids=torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(logits[:, ids], reference[:, ids], atol=1e-4, rtol=1e-4)
+    outside = torch.ones(logits.shape[1], dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isneginf(logits[:, outside]).all()
+    # A target (or any load that is not a drafter's) keeps its whole head.
+    assert load_model(draft_dir, device="cpu", dtype="float32", max_slots=1).lm_head.shape[0] > VOCAB
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "pearl"])
+def test_greedy_output_is_the_targets_with_tokens_outside_the_draft_vocabulary(target_dir, trained, mode):
+    from duospec.decoding import autoregressive, decode
+    from duospec.draft_worker.methods import build_proposer
+    from duospec.draft_worker.proposer import DraftMethod, DraftSpec
+    from duospec.engine import load_checkpoint
+
+    ids = set(read_draft_vocab(trained[0], 10_000).tolist())
+    ckpt = load_checkpoint(target_dir, device="cpu", dtype="float32", max_slots=2)
+    spec = DraftSpec(DraftMethod.MODEL, path=str(trained[0]))
+    outside = drafted = 0
+    for prompt in ([5, 6, 7, 8], [40, 41, 2, 9, 17], [100, 3, 3, 7]):
+        result = decode(ckpt, build_proposer(spec, str(target_dir), device="cpu", max_slots=2), prompt,
+                        max_new_tokens=24, mode=mode, ignore_eos=True)
+        assert result.token_ids == autoregressive(ckpt, prompt, max_new_tokens=24, ignore_eos=True).token_ids
+        outside += sum(t not in ids for t in result.token_ids)
+        drafted += result.stats.drafted_tokens
+    assert drafted > 0
+    assert outside > 0  # the random target emits tokens the draft cannot propose: they came as corrections
+
+
+def test_init_continues_a_draft_keeping_its_vocabulary(target_dir, trained, tmp_path, capsys):
+    assert _distill(target_dir, tmp_path / "more", "--steps", "1", "--init", str(trained[0])) == 0
+    assert torch.equal(read_draft_vocab(tmp_path / "more", 10_000), read_draft_vocab(trained[0], 10_000))
+    assert "kept from" in (tmp_path / "more" / ".distill" / "log.txt").read_text()
+    assert train_main(["distill", "--target", str(target_dir), "--data", "stdlib", "--stdlib-tokens", "3000",
+                       "--out", str(tmp_path / "other"), "--draft-vocab", "50", "--steps", "1", "--batch-size", "2",
+                       "--seq-len", "32", "--init", str(trained[0])]) == 2
+    assert f"pass --draft-vocab {VOCAB}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["minutes_without_vocab", "init_without_vocab", "vocab_with_init_layers",
+                                  "text_files_with_vocab"])
+def test_bad_options_are_refused_before_training(case, target_dir, tmp_path, capsys):
+    base = ["distill", "--target", str(target_dir), "--out", str(tmp_path / "out"), "--batch-size", "2",
+            "--seq-len", "32", "--device", "cpu"]
+    extra, expected = {
+        "minutes_without_vocab": (["--data", "stdlib", "--minutes", "1"], "--minutes needs --draft-vocab"),
+        "init_without_vocab": (["--data", "stdlib", "--steps", "1", "--init", str(tmp_path)], "--init needs --draft-vocab"),
+        "vocab_with_init_layers": (["--data", "stdlib", "--steps", "1", "--draft-vocab", "8", "--init-layers", "1"],
+                                   "do not combine"),
+        "text_files_with_vocab": (["--data", str(tmp_path), "--steps", "1", "--draft-vocab", "8"],
+                                  "folders written by `duospec distill-data`"),
+    }[case]
+    assert train_main(base + extra) == 2
+    assert expected in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["missing_field", "out_of_range", "unsorted", "not_integers"])
+def test_a_malformed_draft_vocabulary_is_refused_naming_the_file_and_field(target_dir, trained, tmp_path, case):
+    import shutil
+
+    draft = tmp_path / "draft"
+    shutil.copytree(trained[0], draft, ignore=shutil.ignore_patterns(".distill"))
+    tensors, expected = {
+        "missing_field": ({"ids": torch.arange(4)}, "no 'token_ids' tensor"),
+        "out_of_range": ({"token_ids": torch.tensor([1, 2, 10_000_000])}, "outside the model's vocabulary"),
+        "unsorted": ({"token_ids": torch.tensor([5, 2, 9])}, "ascending and unique"),
+        "not_integers": ({"token_ids": torch.tensor([1.0, 2.0])}, "1-D integer tensor"),
+    }[case]
+    save_file(tensors, str(draft / DRAFT_VOCAB_FILE))
+    with pytest.raises(CheckpointError, match=expected) as err:
+        load_model(draft, device="cpu", dtype="float32", max_slots=1, draft_vocab=True)
+    assert DRAFT_VOCAB_FILE in str(err.value)
