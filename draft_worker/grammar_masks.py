@@ -27,7 +27,7 @@ from duospec.internal.constraint_wire import constraint_from_proto
 from duospec.internal.v1 import pearl_pb2 as pb
 from duospec.structured import ConstraintError, SequenceGrammars
 from duospec.structured.backend import allocate_bitmask, allowed_tokens
-from duospec.structured.manager import WorkerCompilers
+from duospec.structured.manager import INLINE_COMPILE_S, WorkerCompilers
 
 log = logging.getLogger("duospec.draft")
 
@@ -39,16 +39,23 @@ class DraftGrammars:
         self._vocab: dict[int, int] = {}  # seq_id -> its grammar's mask width
         self._stable: dict[int, int] = {}  # seq_id -> positions before this are what its matcher followed
         self._ends: dict[int, frozenset[int]] = {}
+        self._pending: dict[int, pb.GrammarConstraint] = {}  # seq_id -> its constraint, compiling meanwhile
         self.forced_tokens = 0  # drafted without a model step
         self.cut_tokens = 0  # greedy proposals' tokens dropped as illegal
         self.unmasked_steps = 0  # steps a constrained sequence drafted unmasked (its tokens left the grammar)
 
-    def open(self, seq: DraftState, constraint: pb.GrammarConstraint) -> None:
+    def open(self, seq: DraftState, constraint: pb.GrammarConstraint, wait_s: float = INLINE_COMPILE_S) -> None:
+        """Follow `seq` under `constraint`; until its compile is done (awaited `wait_s` at most), the
+        sequence drafts unmasked."""
         parsed = constraint_from_proto(constraint)
         if parsed is None:
             return
         try:
-            grammar = self.compilers.get(constraint.end_token_ids).compile(parsed)
+            compiler = self.compilers.get(constraint.end_token_ids)
+            if compiler.prepare(parsed, wait_s) is not None:  # compiling in the background: unmasked drafts meanwhile
+                self._pending[seq.seq_id] = constraint
+                return
+            grammar = compiler.compile(parsed)
         except ConstraintError as exc:  # the coordinator compiled it; here it only costs acceptance
             log.warning("seq %d: drafting without the constraint's mask: %s", seq.seq_id, exc)
             return
@@ -59,7 +66,7 @@ class DraftGrammars:
 
     def release(self, seq_id: int) -> None:
         self.matchers.release(seq_id)
-        for table in (self._vocab, self._stable, self._ends):
+        for table in (self._vocab, self._stable, self._ends, self._pending):
             table.pop(seq_id, None)
 
     def changed(self, seq_id: int, from_pos: int) -> None:
@@ -71,7 +78,10 @@ class DraftGrammars:
         """Bring the matcher to the end of `seq.tokens`; False where it cannot. That happens when a RESET
         keeps drafts of a hedge (hedges draft unmasked) that the grammar forbids: the matcher then
         holds the legal part, the sequence drafts unmasked (the target rejects the illegal token and
-        corrects), and the RESET that removes the token lets it follow again."""
+        corrects), and the RESET that removes the token lets it follow again. A grammar still compiling
+        opens here once it is ready, and follows the tokens drafted meanwhile."""
+        if seq.seq_id in self._pending:
+            self.open(seq, self._pending.pop(seq.seq_id), wait_s=0.0)
         if seq.seq_id not in self._stable:
             return False
         if not self.matchers.follow(seq.seq_id, seq.tokens, self._stable[seq.seq_id]):

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from concurrent import futures
 
 import torch
 
@@ -54,9 +55,15 @@ from duospec.target_worker.hidden_cache import HiddenRowCache
 from duospec.qcodec import DraftProbs
 from duospec.sampling import logprobs_from_logits
 from duospec.structured import ConstraintError, GrammarStateError, ItemMasks, SequenceGrammars, apply_bitmask
-from duospec.structured.manager import WorkerCompilers
+from duospec.structured.manager import INLINE_COMPILE_S, WorkerCompilers
 from duospec.verify import NextTokenKind, TreeVerdict, Verdict
 from duospec.verify.batch import VerifyTask, verify_batch, verify_each
+
+# A new constraint's compile is awaited INLINE_COMPILE_S per batch at most; a slower one goes on in the
+# background, its sequence left out of the batches until it is ready. A batch whose every item waits
+# returns after COMPILE_POLL_S at most (or the first compile's end): the coordinator resends them, so
+# it must not spin on empty rounds meanwhile.
+COMPILE_POLL_S = 0.05
 
 _KIND_TO_PROTO = {
     NextTokenKind.RECOVERED: pb.NEXT_TOKEN_KIND_RECOVERED,
@@ -110,9 +117,16 @@ class Verifier:
         for seq_id in batch.release_seq_ids:
             self.release(seq_id)
         out = pb.VerdictBatch(batch_id=batch.batch_id)
-        items, chunks, tasks, cached = [], [], [], []
+        items, chunks, tasks, cached, compiling = [], [], [], [], []
         first_row = 0  # where the next item's verify rows start in the forward's logits
         for item in batch.items:
+            try:
+                if (future := self._grammar_compiling(item, started + INLINE_COMPILE_S)) is not None:
+                    compiling.append(future)  # unanswered: the coordinator sends it again next round
+                    continue
+            except ConstraintError as exc:
+                out.errors.append(_error(item, pb.VERIFY_ERROR_KIND_GRAMMAR, f"constraint: {exc}"))
+                continue
             error = self._check(item)
             if error is not None:
                 out.errors.append(error)
@@ -137,6 +151,8 @@ class Verifier:
             cached.append(skip)
             chunks.append(SlotChunk(self.slots[item.seq_id], item.start_pos + skip,
                                     [*item.context[skip:], *item.draft_tokens], _chunk_parents(item, skip)))
+        if compiling and not chunks:  # nothing else to run: wait a little for a compile, not a spin of empty rounds
+            futures.wait(compiling, timeout=COMPILE_POLL_S, return_when=futures.FIRST_COMPLETED)
         if chunks:
             want_hidden = any(item.features for item in items) and self.runner.supports_hidden
             masks, grammar_failed = {}, {}
@@ -189,6 +205,16 @@ class Verifier:
         if (kv := kv_usage_to_proto(self.runner.cache_stats())) is not None:
             out.kv.CopyFrom(kv)
         return out
+
+    def _grammar_compiling(self, item: pb.VerifyItem, deadline: float):
+        """The compile future of a sequence starting with a constraint not compiled here yet (None when
+        there is none, or it is ready; awaited until `deadline` at most): the item waits, unanswered and
+        untouched, while the batch's other sequences go on. A grammar that takes seconds to compile
+        stalls nobody but its own."""
+        if item.start_pos != 0 or (constraint := constraint_from_proto(item.constraint)) is None:
+            return None
+        wait_s = max(0.0, deadline - time.perf_counter())
+        return self.compilers.get(item.constraint.end_token_ids).prepare(constraint, wait_s)
 
     def _open_grammar(self, item: pb.VerifyItem) -> None:
         """An item at position 0 (re)starts its sequence: with a constraint, at the grammar's start."""

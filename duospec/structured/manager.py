@@ -16,7 +16,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +25,9 @@ from duospec.structured.backend import Grammar, GrammarBackend, Matcher, allocat
 from duospec.structured.constraint import DEFAULT_COMPILE_TIMEOUT_S, Constraint, ConstraintError
 
 DEFAULT_CACHE_ENTRIES = 256
+# How long a worker waits for a new constraint's compile in its loop: a usual schema compiles within
+# it; a slower one goes on in the background while the worker serves its other sequences.
+INLINE_COMPILE_S = 0.02
 
 
 class GrammarCompiler:
@@ -38,6 +41,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[Constraint, str], Grammar] = OrderedDict()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="grammar-compile")
+        self._pending: dict[tuple[Constraint, str], Future] = {}  # compiles `prepare` started
         self.compiles = 0  # cache misses compiled (a metric and what the cache tests count)
         self.compile_seconds = 0.0
 
@@ -58,6 +62,38 @@ class GrammarCompiler:
             while len(self._cache) > self._max_entries:
                 self._cache.popitem(last=False)
         return grammar
+
+    def prepare(self, constraint: Constraint, wait_s: float = 0.0) -> Future | None:
+        """None once `constraint` is compiled (cached, or its compile is done: `compile` then returns it
+        at once); ConstraintError if that compile failed; else the future of its compile on the pool,
+        started by the first call and awaited up to `wait_s` here. A worker defers a sequence whose
+        grammar is not ready instead of stalling the batch it shares with others."""
+        key = (constraint, self.backend.key)
+        with self._lock:
+            if key in self._cache:
+                return None
+            future = self._pending.get(key)
+            if future is None:
+                future = self._pending[key] = self._pool.submit(self._compile_or_error, constraint)
+        if wait_s > 0:
+            wait([future], timeout=wait_s)  # outside the lock: the compile takes it to store its result
+        if not future.done():
+            return future
+        with self._lock:
+            self._pending.pop(key, None)
+        error = future.result()
+        if error is not None:
+            raise error
+        return None
+
+    def _compile_or_error(self, constraint: Constraint) -> ConstraintError | None:
+        try:
+            self.compile(constraint)
+        except ConstraintError as exc:
+            return exc
+        except Exception as exc:  # a backend's own failure: the sequence ends with it, the worker goes on
+            return ConstraintError(f"did not compile: {exc}")
+        return None
 
     async def compile_async(self, constraint: Constraint, timeout_s: float | None = None) -> Grammar:
         """`compile` on the compile pool, given up after the time limit with a ConstraintError. The

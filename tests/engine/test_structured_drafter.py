@@ -201,3 +201,35 @@ def test_hedges_of_the_speculation_cache_draft_legal_tokens_too():
     assert hedges and any(c.HasField("hedge") and c.tokens for c in chunks)
     for hedge in hedges:  # key tokens are masked runners-up, and what the hedge drafted after them is masked
         _legal_after(hedge.tokens[len(PROMPT):])
+
+
+def test_a_grammar_still_compiling_drafts_unmasked_meanwhile_then_masked():
+    """A constraint that compiles slowly holds up no draft: the sequence drafts unmasked meanwhile, and
+    once compiled its matcher follows what was drafted and masks from there (or, where an unmasked
+    draft left the grammar, waits for the RESET that removes it, as any illegal token)."""
+    import threading
+
+    gate = threading.Event()
+
+    class Gated:
+        inner = toy_backend()
+        key = inner.key
+
+        def compile(self, constraint):
+            assert gate.wait(30)
+            return self.inner.compile(constraint)
+
+    compiler = GrammarCompiler(Gated())
+    drafter = Drafter(ModelProposer(FakeRunner()), grammar_compilers=lambda ends: compiler)
+    _start(drafter, lookahead=4)
+    _drain(drafter)
+    assert len(_drafted(drafter)) == 4 and drafter.grammars.forced_tokens == 0  # drafted, unmasked
+    with pytest.raises(AssertionError, match="leave the grammar"):
+        _legal_after(_drafted(drafter))  # the fake model's own choice: illegal here
+    gate.set()
+    compiler.prepare(BRACES, wait_s=30)  # the compile is done
+    drafter.apply(pb.DraftCommand(seq_id=1, epoch=1, kind=pb.DRAFT_COMMAND_KIND_RESET, start_pos=len(PROMPT),
+                                  tail=[], draft_until=len(PROMPT) + 4, committed_len=len(PROMPT)))
+    _drain(drafter)
+    assert drafter.grammars.forced_tokens >= 1  # "{" forced: the matcher is open now
+    _legal_after(_drafted(drafter))

@@ -223,6 +223,68 @@ def test_a_constraint_the_target_cannot_compile_fails_only_its_own_item():
     assert [v.seq_id for v in out.verdicts] == [2] and 1 not in verifier.slots
 
 
+class _GatedBackend:
+    """The toy backend whose compile of `slow` waits for `gate`: a grammar that takes as long as a test
+    wants to compile (a pathological schema, within the gateway's time limit)."""
+
+    def __init__(self, slow: Constraint):
+        import threading
+
+        self.inner, self.slow, self.gate = toy_backend(), slow, threading.Event()
+        self.key = self.inner.key
+
+    def compile(self, constraint):
+        if constraint == self.slow:
+            assert self.gate.wait(30), "the test never opened the gate"
+        return self.inner.compile(constraint)
+
+
+def test_a_grammar_still_compiling_stalls_none_of_the_other_sequences_in_its_batch():
+    """Its item is left unanswered and untouched (the coordinator sends it again), the others are
+    verified as usual, round after round; once compiled it is verified like any other."""
+    constraint = GRAMMARS["braces"]
+    backend = _GatedBackend(constraint)
+    compiler = GrammarCompiler(backend)
+    verifier = Verifier(FakeRunner(), grammar_compilers=lambda ends: compiler)
+    slow = pb.VerifyItem(seq_id=1, start_pos=0, context=PROMPT, draft_tokens=[TOY_IDS["{"]],
+                         constraint=constraint_to_proto(constraint, len(PROMPT), [EOS]))
+    free, committed = pb.VerifyItem(seq_id=2, start_pos=0, context=PROMPT), list(PROMPT)
+    for batch_id in range(1, 4):  # three rounds while the grammar compiles: the free sequence goes on
+        out = verifier.run(pb.VerifyBatch(batch_id=batch_id, items=[slow, free]))
+        assert not out.errors and [v.seq_id for v in out.verdicts] == [2]
+        committed.append(out.verdicts[0].next_token)
+        free = pb.VerifyItem(seq_id=2, start_pos=len(committed) - 1, context=committed[-1:])
+        assert 1 not in verifier.slots and 1 not in verifier.grammars  # nothing of it changed
+    assert committed[len(PROMPT):] == [int(fake_logits(committed[:i]).argmax())
+                                       for i in range(len(PROMPT), len(committed))]
+    backend.gate.set()
+    answered = []
+    for batch_id in range(4, 400):  # resent until its compile is done (the pool's thread finishes it)
+        answered = verifier.run(pb.VerifyBatch(batch_id=batch_id, items=[slow])).verdicts
+        if answered:
+            break
+    assert answered and answered[0].n_accepted == 1  # "{" is the grammar's only first token
+    assert verifier.grammars.consumed(1) == [TOY_IDS["{"], answered[0].next_token]
+
+
+def test_a_grammar_that_fails_to_compile_in_the_background_ends_only_its_own_sequence():
+    bad = Constraint(ConstraintKind.REGEX, "(")
+    backend = _GatedBackend(bad)
+    verifier = Verifier(FakeRunner(), grammar_compilers=lambda ends: GrammarCompiler(backend))
+    item = pb.VerifyItem(seq_id=1, start_pos=0, context=PROMPT, constraint=pb.GrammarConstraint(
+        kind=pb.CONSTRAINT_KIND_REGEX, text="(", output_start=len(PROMPT), end_token_ids=[EOS]))
+    assert not verifier.run(pb.VerifyBatch(batch_id=1, items=[item])).errors  # still compiling
+    backend.gate.set()
+    for batch_id in range(2, 400):
+        out = verifier.run(pb.VerifyBatch(batch_id=batch_id, items=[item, pb.VerifyItem(seq_id=2, start_pos=0,
+                                                                                         context=PROMPT)]))
+        assert [v.seq_id for v in out.verdicts] == [2]
+        verifier.release(2)
+        if out.errors:
+            break
+    assert [e.seq_id for e in out.errors] == [1] and out.errors[0].kind == pb.VERIFY_ERROR_KIND_GRAMMAR
+
+
 @pytest.mark.parametrize("batched", [False, True], ids=["reference", "batched"])
 def test_a_sampled_sequence_commits_only_legal_tokens(batched):
     verifier = _verifier(batched)

@@ -117,3 +117,18 @@ async def test_vanilla_near_the_length_limit_goes_with_the_forced_drafts_it_has(
     seq = scheduler._add(_request(n=2), policy)  # two tokens at most, both forced
     _chunk(scheduler, seq, 3, [20, 21], forced=True)
     assert list(target.sent[-1].items[0].draft_tokens) == [20, 21]
+
+
+def test_an_item_the_target_left_unanswered_is_sent_again():
+    """The target leaves out an item whose constraint still compiles (target_worker/verifier.py): no
+    verdict, no error. The sequence loses nothing and goes out again in the next round."""
+    scheduler, target, _, policy = _scheduler()
+    seq = scheduler._add(_request(), policy)
+    first = target.sent[-1]
+    assert [(i.seq_id, i.start_pos, list(i.context)) for i in first.items] == [(seq.seq_id, 0, [1, 2, 3])]
+    scheduler.on_verdict_batch(pb.VerdictBatch(batch_id=first.batch_id))  # left out
+    again = target.sent[-1]
+    assert again.batch_id != first.batch_id and seq.finish_reason is None
+    assert [(i.seq_id, i.start_pos, list(i.context)) for i in again.items] == [(seq.seq_id, 0, [1, 2, 3])]
+    _verdict(scheduler, target, seq, 0, pb.NEXT_TOKEN_KIND_BONUS, 7)
+    assert seq.committed[-1] == 7
