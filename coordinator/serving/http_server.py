@@ -128,7 +128,7 @@ def create_app(gateway: Gateway, is_serving: Callable[[], bool]):
         created = int(time.time())
         shape = _LogprobShape(gateway.tokenizers[model], chat) if req.HasField("logprobs") else None
         if stream:
-            calls = oai_tools.StreamedCalls(tools) if tools is not None else None
+            calls = oai_tools.StreamedCalls() if tools is not None else None
             return _ClosingStream(_events(deltas, first, rid, model, created, chat, include_usage, naming, shape, calls),
                                   media_type="text/event-stream", headers={"cache-control": "no-cache"})
         try:

@@ -154,13 +154,12 @@ def finish_with_calls(finish: str | None, n_calls: int) -> str | None:
 
 
 class StreamedCalls:
-    """A chat stream's text turned into content deltas and tool-call deltas (index counts the calls).
-    With tool_choice required or named the constraint keeps every block a call, so a call goes out as
-    it is generated, as OpenAI streams one: its id, type and name first, then its arguments in pieces;
-    with auto each call goes out whole once its block closes (a block may turn out not to be a call)."""
+    """A chat stream's text turned into content deltas and tool-call deltas (index counts the calls): a
+    call goes out as it is generated, as OpenAI streams one: its id, type and name first, then its
+    arguments in pieces (ToolCallParser)."""
 
-    def __init__(self, tools: ToolRequest) -> None:
-        self._parser = ToolCallParser(incremental=tools.choice != "auto")
+    def __init__(self) -> None:
+        self._parser = ToolCallParser()
         self.calls = 0
 
     def feed(self, text: str, *, last: bool) -> tuple[str, list[dict]]:
@@ -172,12 +171,8 @@ class StreamedCalls:
             elif kind == "call_start":
                 calls.append(tool_call_json(ToolCall(value, ""), self.calls))
                 self.calls += 1
-            elif kind == "arguments":  # one delta per call and chunk, as OpenAI sends them
-                if calls and calls[-1]["index"] == self.calls - 1:
-                    calls[-1]["function"]["arguments"] += value
-                else:
-                    calls.append({"index": self.calls - 1, "function": {"arguments": value}})
+            elif calls and calls[-1]["index"] == self.calls - 1:  # arguments: one delta per call and chunk
+                calls[-1]["function"]["arguments"] += value
             else:
-                calls.append(tool_call_json(value, self.calls))
-                self.calls += 1
+                calls.append({"index": self.calls - 1, "function": {"arguments": value}})
         return content, calls

@@ -73,22 +73,21 @@ def default_tool_prompt(tools: Sequence[Tool]) -> str:
 
 
 class ToolCallParser:
-    """Splits generated text into content and complete tool calls as it arrives. Text that may be the
-    start of an opening tag is held back until it is known not to be one; a block's text is held
-    until its closing tag. `feed` and `finish` return ("content", text) and ("call", ToolCall) events
-    in output order; a block that never closes (max_tokens), or whose JSON is not a call, is content.
+    """Splits generated text into content and tool calls as it arrives, as OpenAI streams them. Text that
+    may be the start of an opening tag is held back until it is known not to be one. A block goes out
+    as it is generated once it opens as a call does (`{"name": "...", "arguments": `): ("call_start",
+    name), then ("arguments", text) pieces whose concatenation is the call's `arguments` (as generated;
+    the block's closing brace held back until the block closes). A block cut at max_tokens, or whose
+    JSON breaks after that opening, ends with the pieces sent so far. A block that never opens as a
+    call is content, unless its JSON turns out to be a call in another layout (then it goes out whole
+    at its close). `feed` and `finish` return ("content", text), ("call_start", name) and ("arguments",
+    text) events in output order."""
 
-    `incremental` (for output a constraint keeps to the format: every block is a call): a call goes
-    out as it is generated instead, ("call_start", name) once its name is complete, then ("arguments",
-    text) pieces whose concatenation is the call's `arguments`; a block cut at max_tokens ends with
-    the pieces sent so far."""
-
-    def __init__(self, incremental: bool = False) -> None:
+    def __init__(self) -> None:
         self._buffer = ""
         self._inside = False
         self.calls = 0
-        self._incremental = incremental
-        self._head: re.Match | None = None  # incremental: the open block's head, once complete
+        self._head: re.Match | None = None  # the open block's opening, once complete
         self._sent = 0  # ... and how much of its arguments went out
 
     def feed(self, text: str) -> list[tuple[str, object]]:
@@ -98,20 +97,11 @@ class ToolCallParser:
             if self._inside:
                 end = self._buffer.find(CLOSE)
                 if end < 0:
-                    if self._incremental:
-                        self._stream_call(events, self._buffer[:len(self._buffer) - _partial_length(self._buffer, CLOSE)])
+                    self._stream_call(events, self._buffer[:len(self._buffer) - _partial_length(self._buffer, CLOSE)])
                     return events
                 body, self._buffer = self._buffer[:end], self._buffer[end + len(CLOSE):]
                 self._inside = False
-                if self._incremental:
-                    self._end_call(events, body)
-                    continue
-                call = _parse_call(body)
-                if call is None:
-                    events.append(("content", OPEN + body + CLOSE))
-                else:
-                    self.calls += 1
-                    events.append(("call", call))
+                self._end_call(events, body)
                 continue
             start = self._buffer.find(OPEN)
             if start >= 0:
@@ -124,8 +114,8 @@ class ToolCallParser:
             return events
 
     def finish(self) -> list[tuple[str, object]]:
-        if self._incremental and self._inside:  # cut at max_tokens: the call ends with what was sent
-            self._buffer, self._inside, self._head = "", False, None
+        if self._inside and self._head is not None:  # cut at max_tokens: the call ends with what was sent
+            self._buffer, self._inside, self._head, self._sent = "", False, None, 0
             return []
         rest = (OPEN if self._inside else "") + self._buffer
         self._buffer, self._inside = "", False
@@ -149,10 +139,13 @@ class ToolCallParser:
             self._sent = len(ready)
 
     def _end_call(self, events: list, body: str) -> None:
-        """A closed block: the rest of its arguments (under the constraint every block is a call)."""
+        """A closed block: the rest of its arguments; or, if it never opened as a call, content or a
+        call in another layout, whole."""
         self._stream_call(events, body)
         call = _parse_call(body)
-        if call is not None and self._head is None:  # a call in another layout: whole, at once
+        if self._head is None and call is None:
+            events.append(("content", OPEN + body + CLOSE))
+        elif self._head is None:
             self.calls += 1
             events += [("call_start", call.name), ("arguments", call.arguments)]
         elif call is not None:
@@ -192,8 +185,14 @@ def _partial_length(text: str, tag: str) -> int:
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """A whole output: (its content, the calls in it)."""
+    """A whole output: (its content, the calls in it), as the stream of it gives them."""
     parser = ToolCallParser()
-    events = parser.feed(text) + parser.finish()
-    content = "".join(v for kind, v in events if kind == "content")
-    return content, [v for kind, v in events if kind == "call"]
+    content, calls = "", []
+    for kind, value in parser.feed(text) + parser.finish():
+        if kind == "content":
+            content += value
+        elif kind == "call_start":
+            calls.append(ToolCall(value, ""))
+        else:
+            calls[-1] = ToolCall(calls[-1].name, calls[-1].arguments + value)
+    return content, calls

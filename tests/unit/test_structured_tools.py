@@ -49,9 +49,13 @@ def test_parsing_a_whole_output():
     content, calls = parse_tool_calls(text)
     assert content == "Let me check.\n"
     assert calls == [ToolCall("get_weather", '{"city": "Oslo"}'), ToolCall("ping", "{}")]
-    # an unclosed block (cut at max_tokens) and a block that is not a call stay content
+    # a block that never opened as a call stays content, closed or cut at max_tokens
     assert parse_tool_calls("a " + OPEN + '\n{"name": "x"') == ("a " + OPEN + '\n{"name": "x"', [])
     assert parse_tool_calls(OPEN + "[1]" + CLOSE) == (OPEN + "[1]" + CLOSE, [])
+    # one that opened as a call is a call, whatever follows: as a stream of it has already said
+    assert parse_tool_calls(OPEN + '{"name": "x", "arguments": {"a": 1' + CLOSE) == ("", [ToolCall("x", '{"a": 1')])
+    # a call in another layout goes out whole at its close
+    assert parse_tool_calls(OPEN + '{"arguments": {"a": 1}, "name": "x"}' + CLOSE)[1] == [ToolCall("x", '{"a": 1}')]
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 11, 1000])
@@ -62,17 +66,17 @@ def test_streamed_pieces_of_any_size_give_the_same_events(size):
         events += parser.feed(text[i:i + size])
     events += parser.finish()
     content = "".join(v for kind, v in events if kind == "content")
-    calls = [v for kind, v in events if kind == "call"]
-    assert content == "Hi <tool but not a tag> "
-    assert calls == [ToolCall("ping", "{}"), ToolCall("get_weather", '{"city": "<tool_call>"}')]
+    names = [v for kind, v in events if kind == "call_start"]
+    assert content == "Hi <tool but not a tag> " and names == ["ping", "get_weather"]
+    assert parse_tool_calls(text) == (content, [ToolCall("ping", "{}"), ToolCall("get_weather", '{"city": "<tool_call>"}')])
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 11, 1000])
-def test_a_constrained_stream_sends_each_call_as_it_is_generated(size):
-    """incremental: a call's name as soon as it is complete, then its arguments in pieces that add up
+def test_a_stream_sends_each_call_as_it_is_generated(size):
+    """A call's name as soon as it is complete, then its arguments in pieces that add up
     to the arguments a whole parse gives (the text as generated, braces inside strings included)."""
     text = block("get_weather", {"city": "Os}lo", "n": {"a": [1, 2]}}) + "\n" + block("ping", {})
-    parser, events = ToolCallParser(incremental=True), []
+    parser, events = ToolCallParser(), []
     for i in range(0, len(text), size):
         events += parser.feed(text[i:i + size])
     events += parser.finish()
@@ -91,7 +95,7 @@ def test_a_constrained_stream_sends_each_call_as_it_is_generated(size):
         assert len([e for e in events if e[0] == "arguments"]) > 2
 
 
-def test_a_constrained_call_cut_at_max_tokens_ends_with_what_was_sent():
-    parser = ToolCallParser(incremental=True)
+def test_a_call_cut_at_max_tokens_ends_with_what_was_sent():
+    parser = ToolCallParser()
     events = parser.feed(OPEN + '\n{"name": "ping", "arguments": {"x": "abc') + parser.finish()
     assert events == [("call_start", "ping"), ("arguments", '{"x": "abc')]
