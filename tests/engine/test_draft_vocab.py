@@ -138,3 +138,32 @@ def test_a_malformed_draft_vocabulary_is_refused_naming_the_file_and_field(targe
     with pytest.raises(CheckpointError, match=expected) as err:
         load_model(draft, device="cpu", dtype="float32", max_slots=1, draft_vocab=True)
     assert DRAFT_VOCAB_FILE in str(err.value)
+
+
+def test_sampled_output_follows_the_target_distribution(target_dir, trained):
+    """q is zero outside the draft vocabulary; the target's rule still gives its own distribution."""
+    import collections
+
+    from duospec.decoding import _request, stream_events
+    from duospec.draft_worker.methods import build_proposer
+    from duospec.draft_worker.proposer import DraftMethod, DraftSpec
+    from duospec.engine import load_checkpoint
+    from duospec.sampling import SamplingParams
+    from exactness import chi_square_pvalue
+    from test_decoding import _exact_two_token_distribution
+
+    hf_target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    prompt = [5, 17, 42]
+    joint = _exact_two_token_distribution(hf_target, prompt, SamplingParams(temperature=1.0, top_k=4, seed=0))
+    n = 1200
+    requests = [_request(prompt, 2, "pearl", SamplingParams(temperature=1.0, top_k=4, seed=700 + i), 2, True)
+                for i in range(n)]
+    target = load_checkpoint(target_dir, device="cpu", dtype="float32", max_slots=32)
+    proposer = build_proposer(DraftSpec(DraftMethod.MODEL, path=str(trained[0])), str(target_dir), device="cpu",
+                              dtype="float32", max_slots=32)
+    results = stream_events(target, proposer, requests, gamma=2, max_batch_size=16)
+    assert sum(results[r.request_id][-1].stats.drafted_tokens for r in requests) >= n
+    counts = collections.Counter(tuple(t for e in results[r.request_id][:-1] for t in e.token_ids) for r in requests)
+    assert set(counts) <= set(joint)
+    p_value = chi_square_pvalue(joint, counts, n)
+    assert p_value > 1e-3, f"sampled output with a trimmed draft does not follow p (p={p_value:.2e})"
