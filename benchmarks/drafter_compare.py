@@ -2,7 +2,11 @@
 
     .venv/bin/python benchmarks/drafter_compare.py --limit-prompts 6 --repeats 3
     .venv/bin/python benchmarks/drafter_compare.py --skip-server          # in-process only (no Ray)
-    .venv/bin/python benchmarks/drafter_compare.py --drafters model eagle --skip-in-process   # server only
+    .venv/bin/python benchmarks/drafter_compare.py --drafter model=model:models/draft \
+        --drafter eagle=eagle:models/eagle --skip-in-process                                    # server only
+    .venv/bin/python benchmarks/drafter_compare.py --target ~/.cache/duospec/models/smollm2-135m-instruct \
+        --drafter new=model:models/smollm2/draft --drafter old=model:OLD_DRAFT \
+        --drafter eagle3=eagle3:models/smollm2/eagle3 --limit-prompts 4 --repeats 2     # any drafters, labelled
 
 For each drafter a coordinator (in-process) or a model of one Ray pipeline + gRPC server (server
 path: each drafter is its own model there, with its own target actor) is open for the whole run, so
@@ -22,16 +26,23 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-DRAFTERS = {"model": ("model", REPO / "models" / "draft"), "eagle": ("eagle", REPO / "models" / "eagle"),
-            "medusa": ("medusa", REPO / "models" / "medusa")}  # name -> (--draft-method, default directory)
+DEFAULT_DRAFTERS = [f"model=model:{REPO / 'models' / 'draft'}", f"eagle=eagle:{REPO / 'models' / 'eagle'}",
+                    f"medusa=medusa:{REPO / 'models' / 'medusa'}"]  # LABEL=METHOD:DIR, the bundled pair's
+
+
+def _drafter(spec: str) -> tuple[str, tuple[str, Path]]:
+    label, sep, rest = spec.partition("=")
+    method, sep2, path = rest.partition(":")
+    if not (sep and sep2 and label and method and path):
+        raise argparse.ArgumentTypeError(f"{spec!r}: write LABEL=METHOD:DIR, e.g. new=model:models/smollm2/draft")
+    return label, (method, Path(path).expanduser())
 
 
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, default=REPO / "models" / "target")
-    parser.add_argument("--drafters", nargs="+", choices=list(DRAFTERS), default=list(DRAFTERS))
-    for name, (_, default) in DRAFTERS.items():
-        parser.add_argument(f"--{name}", type=Path, default=default, help=f"the {name} drafter's directory")
+    parser.add_argument("--drafter", action="append", type=_drafter, metavar="LABEL=METHOD:DIR",
+                        help="a drafter to compare (repeat it); default: the bundled draft model, EAGLE and Medusa heads")
     parser.add_argument("--limit-prompts", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
@@ -39,7 +50,9 @@ def _parse(argv):
     parser.add_argument("--modes", nargs="+", default=["vanilla", "pearl"], choices=["vanilla", "pearl"])
     parser.add_argument("--skip-server", action="store_true")
     parser.add_argument("--skip-in-process", action="store_true")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.drafters = dict(args.drafter or [_drafter(d) for d in DEFAULT_DRAFTERS])  # label -> (method, dir)
+    return args
 
 
 def _summary(runs) -> tuple[float, float, list[list[int]]]:
@@ -62,7 +75,8 @@ async def _measure(path: str, args, prompts) -> dict:
                                       max_lookahead=2 * args.gamma + 1)
 
     def pair(name):
-        return BenchPair(str(args.target), str(getattr(args, name)), "cpu", DRAFTERS[name][0])
+        method, directory = args.drafters[name]
+        return BenchPair(str(args.target), str(directory), "cpu", method)
 
     async def run(handle, mode, subset, tokens):
         if path == "in-process":
@@ -101,9 +115,9 @@ def main(argv=None) -> int:
     from duospec.engine import load_tokenizer
 
     args = _parse(argv)
-    for name in args.drafters:
-        if not getattr(args, name).exists():
-            print(f"{name}: {getattr(args, name)} does not exist", file=sys.stderr)
+    for name, (_, directory) in args.drafters.items():
+        if not directory.exists():
+            print(f"{name}: {directory} does not exist", file=sys.stderr)
             return 2
     torch.set_num_threads(1)
     prompts = encode_prompts(load_tokenizer(str(args.target)), load_prompts(DEFAULT_PROMPTS, args.limit_prompts), 256)
