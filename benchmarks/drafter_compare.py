@@ -48,6 +48,8 @@ def _parse(argv):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--modes", nargs="+", default=["vanilla", "pearl"], choices=["vanilla", "pearl"])
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30,
+                        help="each worker's KV pool (default 1 GiB: several pipelines share the machine's memory)")
     parser.add_argument("--skip-server", action="store_true")
     parser.add_argument("--skip-in-process", action="store_true")
     args = parser.parse_args(argv)
@@ -76,7 +78,8 @@ async def _measure(path: str, args, prompts) -> dict:
 
     def pair(name):
         method, directory = args.drafters[name]
-        return BenchPair(str(args.target), str(directory), "cpu", method)
+        return BenchPair(str(args.target), str(directory), "cpu", method,
+                         kv_cache_memory_bytes=args.kv_cache_memory_bytes)
 
     async def run(handle, mode, subset, tokens):
         if path == "in-process":

@@ -25,6 +25,7 @@ class BenchPair:
     draft_method: str = "model"  # --draft-method: model | ngram | layers:K
     placement: str = "auto"  # --placement: auto | separate | colocated (the server runs)
     tensor_parallel_size: int = 1  # the target's (benchmarks/tensor_parallel.py)
+    kv_cache_memory_bytes: int | None = None  # each worker's KV pool (None: every slot at full length)
 
     def draft_spec(self):
         from duospec.coordinator.config import draft_from_flag
@@ -45,7 +46,7 @@ def model_config(pair: BenchPair, speculation, name: str = MODEL_NAME):
 
     return ModelConfig(name=name, target=pair.target, draft=pair.draft_spec(), device=pair.device,
                        placement=pair.placement, speculation=speculation,
-                       tensor_parallel_size=pair.tensor_parallel_size)
+                       tensor_parallel_size=pair.tensor_parallel_size, kv_cache_memory_bytes=pair.kv_cache_memory_bytes)
 
 
 def request_for(prompt: EncodedPrompt, mode: str, max_new_tokens: int, tag: str):

@@ -148,10 +148,13 @@ def runner_step_seconds(runner, prompt_len: int = 64, repeats: int = 200) -> flo
     from duospec.engine import SlotChunk
 
     slot = runner.allocate_slot()
-    runner.forward_last([SlotChunk(slot, 0, list(range(3, 3 + prompt_len)))])
-    timings = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        runner.forward_last([SlotChunk(slot, prompt_len, [7])])  # same position: the slot rolls back
-        timings.append(time.perf_counter() - start)
+    try:
+        runner.forward_last([SlotChunk(slot, 0, list(range(3, 3 + prompt_len)))])
+        timings = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            runner.forward_last([SlotChunk(slot, prompt_len, [7])])  # same position: the slot rolls back
+            timings.append(time.perf_counter() - start)
+    finally:
+        runner.free_slot(slot)
     return statistics.median(timings)
