@@ -103,7 +103,12 @@ def _distill(args: argparse.Namespace) -> int:
 
     try:
         options = DistillOptions.from_args(args)
-        result = distill(options)
+        if options.draft_vocab is not None:  # the draft model over the target's cached outputs
+            from duospec.training.distill_vocab import distill_trimmed
+
+            result = distill_trimmed(options)
+        else:
+            result = distill(options)
     except DistillError as err:
         print(f"duospec distill: {err}", file=sys.stderr)
         return 2

@@ -71,6 +71,7 @@ class GrammarCompiler:
         key = (constraint, self.backend.key)
         with self._lock:
             if key in self._cache:
+                self._pending.pop(key, None)  # a compile no one asked about again since it ended
                 return None
             future = self._pending.get(key)
             if future is None:

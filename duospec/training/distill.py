@@ -249,11 +249,10 @@ def _token_sources(options: DistillOptions, files: list[Path], tokenizer, vocab_
 
 
 def distill(options: DistillOptions) -> Path:
-    """Validate everything, then train (or resume) the draft and write it to `options.out`."""
+    """Validate everything, then train (or resume) the draft and write it to `options.out`. (With
+    `draft_vocab` set the run is duospec/training/distill_vocab.py's `distill_trimmed`.)"""
     if options.draft_vocab is not None:
-        from duospec.training.distill_vocab import distill_trimmed
-
-        return distill_trimmed(options)
+        raise DistillError("--draft-vocab runs train on the target's cached outputs: call distill_trimmed")
     import torch
     from transformers import AutoModelForCausalLM
 
