@@ -98,7 +98,7 @@ def _distill(options) -> Path:
     from duospec.engine.heads import read_target_io
     from duospec.training.distill import (STATE_DIR, DistillError, _load_tokenizer, _resolve_device, check_out_dir,
                                           load_target_config, model_card, run_identity, write_card)
-    from duospec.training.eagle3 import CacheBatches, choose_draft_vocab, coverage
+    from duospec.training.eagle3 import CacheBatches, choose_draft_vocab, coverage, end_tokens
     from duospec.training.export import export_checkpoint
     from duospec.training.features import build_feature_cache, cache_sources, training_sequences
     from duospec.training.loop import Logger, LoopConfig, run_loop
@@ -129,9 +129,8 @@ def _distill(options) -> Path:
     if kept is not None and len(kept) != options.draft_vocab:
         raise DistillError(f"--init {options.init}: its draft vocabulary has {len(kept)} tokens, --draft-vocab asks "
                            f"for {options.draft_vocab}; pass --draft-vocab {len(kept)}")
-    ends = [t for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
-            if isinstance(t, int) and 0 <= t < target_config.vocab_size]
-    draft_ids = kept if kept is not None else choose_draft_vocab(counts, options.draft_vocab, ends)
+    draft_ids = kept if kept is not None else choose_draft_vocab(counts, options.draft_vocab,
+                                                                 end_tokens(tokenizer, target_config.vocab_size))
     log(f"draft vocabulary: {len(draft_ids)} tokens cover {coverage(counts, draft_ids):.1%} of the training tokens"
         + (f"; kept from {options.init}" if kept is not None else ""))
 

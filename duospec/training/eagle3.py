@@ -231,6 +231,12 @@ def collate(windows):
     return tokens, taps, final, mask
 
 
+def end_tokens(tokenizer, vocab_size: int) -> list[int]:
+    """The tokens that end a turn (EOS, `<|im_end|>`): a draft vocabulary always keeps them."""
+    return [t for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"))
+            if isinstance(t, int) and 0 <= t < vocab_size]
+
+
 def choose_draft_vocab(counts, size: int, always: list[int]) -> torch.Tensor:
     """The `size` tokens the target emits most (plus `always`: its end tokens), ascending ids."""
     counts = torch.as_tensor(counts, dtype=torch.float64).clone()

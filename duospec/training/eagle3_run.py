@@ -115,7 +115,8 @@ def _train(options) -> Path:
     from duospec.engine.eagle3 import default_feature_layers, write_published
     from duospec.engine.heads import WEIGHTS_FILE, eagle_layer_config, read_target_io, write_head
     from duospec.training.distill import _load_tokenizer, _resolve_device
-    from duospec.training.eagle3 import CacheBatches, Eagle3Objective, Eagle3TrainHead, choose_draft_vocab, coverage
+    from duospec.training.eagle3 import (CacheBatches, Eagle3Objective, Eagle3TrainHead, choose_draft_vocab, coverage,
+                                         end_tokens)
     from duospec.training.features import build_feature_cache, cache_sources, training_sequences
     from duospec.training.head_options import HeadTrainingError
     from duospec.training.heads import STATE_DIR
@@ -146,8 +147,7 @@ def _train(options) -> Path:
     cache = build_feature_cache(options.target, state_dir / "features", sequences, layers,
                                 fingerprint=io.fingerprint, log=log)
     counts = cache.emitted_token_weights(io.config.vocab_size)
-    ends = [t for t in (tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")) if isinstance(t, int)
-            and 0 <= t < io.config.vocab_size]
+    ends = end_tokens(tokenizer, io.config.vocab_size)
     init_weights = None
     if options.init is not None:  # continuing a head keeps its draft vocabulary, whatever the data now
         from duospec.engine.eagle3 import load_eagle3_weights, read_eagle3
