@@ -198,6 +198,9 @@ def _register_answers(subparsers) -> None:
                         help="longest answer in tokens")
     parser.add_argument("--batch-size", type=int, default=AnswerOptions.batch_size,
                         help="answers generated together")
+    parser.add_argument("--kinds", default=",".join(AnswerOptions.kinds),
+                        help="which prompts, comma-separated (code: write a function; explain: explain one; chat: "
+                             "questions on fixed subjects; open: broader everyday requests); default all, in that order")
     parser.set_defaults(func=_distill_data)
 
 
@@ -205,7 +208,8 @@ def _distill_data(args: argparse.Namespace) -> int:
     from duospec.engine import CheckpointError
     from duospec.training.answers import AnswerOptions, generate_answers
 
-    options = AnswerOptions(count=args.count, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    options = AnswerOptions(count=args.count, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                            kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()))
     try:
         options.validate()
         total = generate_answers(args.target, args.out, options,

@@ -117,8 +117,9 @@ def tail_prompts(heldout_tokens, count: int, prompt_tokens: int = 64) -> list[li
 
 def prompt_sets(tokenizer, data, heldout_tokens, count: int, prompt_tokens: int = 64) -> dict[str, list[list[int]]]:
     """Held-out prompts for a draft's acceptance figure, by kind: `code` (held-out stdlib files) when
-    the data includes the stdlib, `chat` (held-out instruction prompts through the chat template,
-    duospec/training/answers.py) when the tokenizer has one, else `heldout` (the data's held-out tail)."""
+    the data includes the stdlib, `chat` (held-out instruction prompts through the chat template: the
+    coding requests and fixed-subject questions of duospec/training/answers.py) and `open` (its held-out
+    everyday requests) when the tokenizer has one, else `heldout` (the data's held-out tail)."""
     from duospec.training.data import STDLIB
 
     sets = {}
@@ -127,7 +128,8 @@ def prompt_sets(tokenizer, data, heldout_tokens, count: int, prompt_tokens: int 
     if getattr(tokenizer, "chat_template", None):
         from duospec.training.answers import chat_prompt_ids, heldout_prompts as heldout_instructions
 
-        sets["chat"] = [chat_prompt_ids(tokenizer, p) for p in heldout_instructions(count)]
+        sets["chat"] = [chat_prompt_ids(tokenizer, p) for p in heldout_instructions(count, ("code", "explain", "chat"))]
+        sets["open"] = [chat_prompt_ids(tokenizer, p) for p in heldout_instructions(count, ("open",))]
     if not sets and len(heldout_tokens) > prompt_tokens:
         sets["heldout"] = tail_prompts(heldout_tokens, count, prompt_tokens)
     return sets

@@ -8,7 +8,8 @@ here, deterministically, with no download:
 - code: "Write a Python function `name(args)` that <first sentence of its docstring>" and "Explain
   what this Python function does" over public functions of the standard library's training split
   (duospec/training/corpus.py);
-- chat: templates over a fixed list of everyday and technical subjects.
+- chat: templates over a fixed list of everyday and technical subjects;
+- open: everyday requests, broader (duospec/training/open_prompts.py), after the others in the order.
 
 Held-out rule (the corpus's, on the prompt text): `int(sha1(text), 16) % 20 == 0` keeps a prompt out
 of the generated data; `heldout_prompts()` returns those for the acceptance figure.
@@ -30,9 +31,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from duospec.demo import CHAT_QUESTIONS
+from duospec.training.open_prompts import open_prompt_texts
+
 ANSWERS_FILE = "answers.jsonl"
 CONVERSATIONS_FILE = "conversations.txt"
 HELDOUT_MODULUS = 20
+KINDS = ("code", "explain", "chat", "open")  # open: everyday requests (duospec/training/open_prompts.py)
+MEASURING = frozenset(CHAT_QUESTIONS)  # the demo's questions are never answered for training
 
 _SUBJECTS = (
     "photosynthesis", "the water cycle", "black holes", "the French Revolution", "compound interest",
@@ -62,8 +68,12 @@ class AnswerOptions:
     count: int = 300  # prompts answered in all (a few hundred fit a CPU in well under an hour)
     max_new_tokens: int = 160
     batch_size: int = 8
+    kinds: tuple[str, ...] = KINDS  # which prompts: the first `count` of these kinds
 
     def validate(self) -> None:
+        unknown = sorted(set(self.kinds) - set(KINDS))
+        if unknown or not self.kinds:
+            raise ValueError(f"--kinds {','.join(self.kinds)}: use a comma-separated subset of {','.join(KINDS)}")
         for name in ("count", "max_new_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -134,11 +144,12 @@ def instruction_prompts() -> tuple[InstructionPrompt, ...]:
     random.Random(0).shuffle(prompts)
     methods = _code_prompts(methods=True)
     random.Random(1).shuffle(methods)
-    return tuple(prompts + methods)
+    everyday = [InstructionPrompt(f"open:{i}", "open", text) for i, text in enumerate(open_prompt_texts(MEASURING))]
+    return tuple(prompts + methods + everyday)
 
 
-def heldout_prompts(count: int) -> list[InstructionPrompt]:
-    return [p for p in instruction_prompts() if p.heldout][:count]
+def heldout_prompts(count: int, kinds: tuple[str, ...] = KINDS) -> list[InstructionPrompt]:
+    return [p for p in instruction_prompts() if p.heldout and p.kind in kinds][:count]
 
 
 def chat_prompt_ids(tokenizer, prompt: InstructionPrompt) -> list[int]:
@@ -178,7 +189,7 @@ def generate_answers(target_dir: Path, out_dir: Path, options: AnswerOptions, lo
 
     records = read_records(out_dir / ANSWERS_FILE)
     done = {r["id"] for r in records}
-    todo = [p for p in instruction_prompts() if not p.heldout][:options.count]
+    todo = [p for p in instruction_prompts() if not p.heldout and p.kind in options.kinds][:options.count]
     todo = [p for p in todo if p.id not in done]
     log(f"{len(done)} answers present, {len(todo)} to generate")
     target = load_checkpoint(target_dir, device="cpu", dtype="float32", max_slots=options.batch_size)

@@ -34,9 +34,26 @@ def test_prompts_are_fixed_mixed_and_split():
     heldout = A.heldout_prompts(1000)
     assert heldout and all(p.heldout for p in heldout)
     assert 0.02 < len(heldout) / len(prompts) < 0.1  # about 1 in 20
-    # Methods' prompts come after every function's and chat prompt, so adding them kept the first part.
-    kinds = ["method" if "of the class" in p.text or "of a class" in p.text else "first" for p in prompts]
-    assert "method" in kinds and kinds.index("method") == kinds.count("first")
+    # Methods' prompts come after every function's and chat prompt, and the everyday requests after
+    # those, so adding each kept the part before it (and the held-out sets measured on it).
+    order = ["open" if p.kind == "open" else "method" if "of the class" in p.text or "of a class" in p.text
+             else "first" for p in prompts]
+    assert order == sorted(order, key=["first", "method", "open"].index)
+    assert order.count("open") > 1000 and order.count("method") > 100
+
+
+def test_everyday_requests_leave_out_the_demo_questions_and_are_picked_by_kind(chat_target, tmp_path):
+    from duospec.demo import CHAT_QUESTIONS
+
+    texts = {p.text for p in A.instruction_prompts() if p.kind == "open"}
+    assert not texts & set(CHAT_QUESTIONS)
+    assert {t.split()[0] for t in texts} >= {"What", "Write", "Give", "Plan", "Explain", "How"}  # varied requests
+    heldout = A.heldout_prompts(5, ("open",))
+    assert len(heldout) == 5 and all(p.kind == "open" and p.heldout for p in heldout)
+    options = A.AnswerOptions(count=2, max_new_tokens=3, batch_size=2, kinds=("open",))
+    assert A.generate_answers(chat_target, tmp_path, options, log=lambda _: None) == 2
+    records = A.read_records(tmp_path / A.ANSWERS_FILE)
+    assert [r["id"] for r in records] == [p.id for p in A.instruction_prompts() if p.kind == "open" and not p.heldout][:2]
 
 
 def _transformers_reply(target: Path, prompt: A.InstructionPrompt, max_new_tokens: int) -> str:
@@ -97,6 +114,8 @@ def test_cli_rejects_bad_counts_without_a_traceback(capsys):
 
     assert main(["distill-data", "--target", "models/target", "--out", "unused", "--count", "0"]) == 2
     assert "--count must be >= 1" in capsys.readouterr().err
+    assert main(["distill-data", "--target", "models/target", "--out", "unused", "--kinds", "open,poems"]) == 2
+    assert "--kinds open,poems: use a comma-separated subset of code,explain,chat,open" in capsys.readouterr().err
     assert not Path("unused").exists()
 
 
@@ -109,7 +128,7 @@ def test_acceptance_prompt_sets_follow_the_data_and_the_template(chat_target):
 
     tok = AutoTokenizer.from_pretrained(str(chat_target))
     sets = prompt_sets(tok, ["stdlib", "notes.txt"], np.zeros(0, np.int64), 3)
-    assert set(sets) == {"code", "chat"} and all(len(p) == 3 for p in sets.values())
+    assert set(sets) == {"code", "chat", "open"} and all(len(p) == 3 for p in sets.values())
     assert tok.decode(sets["chat"][0]).startswith("user: ") and all(len(p) == 64 for p in sets["code"])
     tok.chat_template = None
     tail = np.arange(1000) % 300
