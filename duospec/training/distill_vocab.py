@@ -107,7 +107,7 @@ def _distill(options) -> Path:
     options.validate()
     target_config = load_target_config(options.target)
     tokenizer = _load_tokenizer(options.target)
-    answers, stdlib = cache_sources(options.data, options.stdlib_tokens)
+    sources = cache_sources(options.data, options.stdlib_tokens)
     draft_config, draft = _draft_model(options, target_config)
     identity = {**run_identity(options, target_config, draft_config), "draft_vocab": options.draft_vocab,
                 "data": [str(d) for d in options.data], "init": str(options.init or "")}
@@ -119,7 +119,7 @@ def _distill(options) -> Path:
     state_dir.mkdir(parents=True, exist_ok=True)
     (state_dir / "run.json").write_text(json.dumps(identity, indent=2))
     log = Logger(state_dir / "log.txt")
-    sequences = training_sequences(tokenizer, answers, stdlib, options.seq_len)
+    sequences = training_sequences(tokenizer, sources, options.stdlib_tokens, options.seq_len)
     log(f"data: {len(sequences)} sequences, {sum(len(s[2]) for s in sequences)} tokens; caching the target's "
         "final hidden states")
     cache = build_feature_cache(options.target, state_dir / "features", sequences, None,

@@ -125,7 +125,7 @@ def _train(options) -> Path:
     io = read_target_io(options.target)
     tokenizer = _load_tokenizer(options.target)
     device = _resolve_device(options.device)
-    answers, stdlib = cache_sources(options.data, options.stdlib_tokens)
+    sources = cache_sources(options.data, options.stdlib_tokens)
     layers = default_feature_layers(io.config.num_hidden_layers)
     identity = {"method": "eagle3", "target_fingerprint": io.fingerprint, "data": list(options.data),
                 "seq_len": options.seq_len, "batch_size": options.batch_size, "lr": options.lr, "seed": options.seed,
@@ -141,7 +141,7 @@ def _train(options) -> Path:
     run_json.write_text(json.dumps(identity, indent=2))
     log = Logger(state_dir / "log.txt")
 
-    sequences = training_sequences(tokenizer, answers, stdlib, options.seq_len)
+    sequences = training_sequences(tokenizer, sources, options.stdlib_tokens, options.seq_len)
     log(f"data: {len(sequences)} sequences, {sum(len(s[2]) for s in sequences)} tokens; caching the target's "
         f"features at layers {list(layers)}")
     cache = build_feature_cache(options.target, state_dir / "features", sequences, layers,

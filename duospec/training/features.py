@@ -18,7 +18,8 @@ Layout of the cache folder (all arrays row-aligned by token, numpy memmaps):
                     the target's fingerprint; written last, so a cache without it is incomplete
 
 Building resumes: sequences are appended in a fixed order and ``progress.json`` records how many
-are done.
+are done. A built cache whose sequences are the first of a longer list (data added at the end of
+`--data`) is extended: only the new ones are run.
 """
 
 from __future__ import annotations
@@ -51,55 +52,65 @@ def _held_out(key: str) -> bool:
     return int(hashlib.sha1(key.encode()).hexdigest(), 16) % HELDOUT_MODULUS == 0
 
 
-def cache_sources(data, stdlib_tokens: int) -> tuple[list[Path], int]:
-    """(answer folders, stdlib tokens) from `--data`: folders written by `duospec distill-data` and/or
-    'stdlib'; ValueError naming the item otherwise."""
+def cache_sources(data, stdlib_tokens: int) -> list:
+    """The sources of `--data` in its order: answer folders written by `duospec distill-data` (Paths) and
+    'stdlib' (the string); ValueError naming the item otherwise. The order is the cache's: data added
+    at the end extends a built cache instead of rebuilding it (build_feature_cache)."""
     from duospec.training.data import STDLIB
 
-    answers, stdlib = [], 0
+    sources = []
     for item in data:
         if str(item) == STDLIB:
-            stdlib = stdlib_tokens
+            if stdlib_tokens > 0:
+                sources.append(STDLIB)
         elif (Path(item) / "answers.jsonl").is_file():
-            answers.append(Path(item))
+            sources.append(Path(item))
         else:
             raise ValueError(f"--data {item}: training on the target's cached outputs reads folders written by "
                              "`duospec distill-data` (with answers.jsonl) and/or 'stdlib'")
-    return answers, stdlib
+    return sources
 
 
-def training_sequences(tokenizer, answers_dirs: list[Path], stdlib_tokens: int, max_len: int) -> list[tuple[str, str, list[int], int]]:
-    """(key, kind, token ids, loss_from) of every sequence to cache, in a fixed order."""
+def training_sequences(tokenizer, sources, stdlib_tokens: int, max_len: int) -> list[tuple[str, str, list[int], int]]:
+    """(key, kind, token ids, loss_from) of every sequence to cache, source after source (cache_sources)."""
+    out = []
+    for source in sources:
+        out += _stdlib_sequences(tokenizer, stdlib_tokens, max_len) if isinstance(source, str) \
+            else _answer_sequences(tokenizer, Path(source), max_len)
+    return out
+
+
+def _answer_sequences(tokenizer, folder: Path, max_len: int) -> list[tuple[str, str, list[int], int]]:
     from duospec.training.answers import ANSWERS_FILE, conversation_text, read_records
 
     out = []
-    for folder in answers_dirs:
-        for record in read_records(Path(folder) / ANSWERS_FILE):
-            text = conversation_text(tokenizer, record)
-            prompt = tokenizer.apply_chat_template([{"role": "user", "content": record["prompt"]}],
-                                                   add_generation_prompt=True, tokenize=False)
-            ids = tokenizer.encode(text, add_special_tokens=False)[:max_len]
-            loss_from = len(tokenizer.encode(prompt, add_special_tokens=False))
-            if loss_from < len(ids) - 1:
-                out.append((record["id"], record["kind"], ids, loss_from))
-    if stdlib_tokens > 0:
-        from duospec.training import corpus
+    for record in read_records(folder / ANSWERS_FILE):
+        text = conversation_text(tokenizer, record)
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": record["prompt"]}],
+                                               add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)[:max_len]
+        loss_from = len(tokenizer.encode(prompt, add_special_tokens=False))
+        if loss_from < len(ids) - 1:
+            out.append((record["id"], record["kind"], ids, loss_from))
+    return out
 
-        train, _ = corpus.split_files(corpus.stdlib_files())
-        taken = 0
-        for file in train:
-            text = corpus.read_text(file.path)
-            if not text:
-                continue
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            for first in range(0, len(ids) - 32, max_len):
-                window = ids[first: first + max_len]
-                out.append((f"stdlib:{file.relative_path}:{first}", "stdlib", window, 1))
-                taken += len(window)
-                if taken >= stdlib_tokens:
-                    break
+
+def _stdlib_sequences(tokenizer, stdlib_tokens: int, max_len: int) -> list[tuple[str, str, list[int], int]]:
+    from duospec.training import corpus
+
+    train, _ = corpus.split_files(corpus.stdlib_files())
+    out, taken = [], 0
+    for file in train:
+        text = corpus.read_text(file.path)
+        if not text:
+            continue
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        for first in range(0, len(ids) - 32, max_len):
+            window = ids[first: first + max_len]
+            out.append((f"stdlib:{file.relative_path}:{first}", "stdlib", window, 1))
+            taken += len(window)
             if taken >= stdlib_tokens:
-                break
+                return out
     return out
 
 
@@ -149,6 +160,14 @@ class FeatureCache:
                 torch.from_numpy(np.array(self.final[lo:hi])), mask)
 
 
+def _holds_prefix(cache: FeatureCache, sequences) -> bool:
+    """Whether the cache's sequences are the first of `sequences`, token for token."""
+    if len(cache.sequences) > len(sequences):
+        return False
+    return all(seq.length == len(ids) and np.array_equal(cache.tokens[seq.start: seq.start + seq.length], ids)
+               for seq, (_, _, ids, _) in zip(cache.sequences, sequences))
+
+
 @torch.no_grad()
 def build_feature_cache(target_dir: Path, out: Path, sequences, feature_layers: tuple[int, ...], *,
                         fingerprint: str, batch_tokens: int = 4096, log=print) -> FeatureCache:
@@ -158,20 +177,30 @@ def build_feature_cache(target_dir: Path, out: Path, sequences, feature_layers: 
     from transformers import AutoModelForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
+    progress_file = out / PROGRESS
     if (out / INDEX).is_file():
         cache = FeatureCache(out)
-        if cache.index.get("fingerprint") == fingerprint and len(cache.sequences) == len(sequences) \
-                and (feature_layers is None or cache.feature_layers == tuple(feature_layers)):
+        if cache.index.get("fingerprint") != fingerprint or not _holds_prefix(cache, sequences) \
+                or (feature_layers is not None and cache.feature_layers != tuple(feature_layers)):
+            raise ValueError(f"{out}: holds a feature cache of another target, layers or data; pass a new folder")
+        if len(cache.sequences) == len(sequences):
             return cache
-        raise ValueError(f"{out}: holds a feature cache of another target, layers or data; pass a new folder")
+        # Data added after what the cache holds: only the new sequences are run, at the cache's layers.
+        log(f"features: extending the cache's {len(cache.sequences)} sequences to {len(sequences)}")
+        feature_layers = cache.feature_layers
+        progress_file.write_text(json.dumps({"done": len(cache.sequences)}))
+        (out / INDEX).unlink()  # incomplete until the new index is written
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     feature_layers = tuple(feature_layers or ())
     hidden = model.config.hidden_size
     width = hidden * len(feature_layers)
     total = sum(len(ids) for _, _, ids, _ in sequences)
-    progress_file = out / PROGRESS
     done = json.loads(progress_file.read_text())["done"] if progress_file.is_file() else 0
     mode = "r+" if done else "w+"
+    if done:  # an extended cache's files grow to the new length (a no-op when resuming at that length)
+        for name, row in (("tokens.i32", 4), ("taps.f16", 2 * width), ("final.f16", 2 * hidden)):
+            if row and (out / name).stat().st_size < total * row:
+                os.truncate(out / name, total * row)
     tokens = np.memmap(out / "tokens.i32", dtype=np.int32, mode=mode, shape=(total,))
     taps = np.memmap(out / "taps.f16", dtype=np.float16, mode=mode, shape=(total, width)) if width else None
     final = np.memmap(out / "final.f16", dtype=np.float16, mode=mode, shape=(total, hidden))

@@ -226,8 +226,13 @@ def test_feature_cache_equals_a_fresh_forward(target_dir, hf_target, tmp_path):
 
     sequences = [(f"s{i}", "stdlib", p + [7, 8, 9], 2) for i, p in enumerate(_prompts(6, seed=4))]
     layers = default_feature_layers(LAYERS)
-    cache = build_feature_cache(target_dir, tmp_path / "cache", sequences, layers, fingerprint="x", batch_tokens=40,
-                                log=lambda _: None)
+    build_feature_cache(target_dir, tmp_path / "cache", sequences[:4], layers, fingerprint="x", batch_tokens=40,
+                        log=lambda _: None)
+    # Data added at the end extends the cache (at its layers, whatever the caller asks: None = any).
+    lines = []
+    cache = build_feature_cache(target_dir, tmp_path / "cache", sequences, None, fingerprint="x", batch_tokens=40,
+                                log=lines.append)
+    assert "extending the cache's 4 sequences to 6" in lines[0] and sum("features: " in x for x in lines) == 2
     again = FeatureCache(tmp_path / "cache")
     assert len(again.sequences) == 6 and again.feature_layers == layers
     for seq, (_, _, ids, _) in zip(cache.sequences, sequences):
@@ -238,8 +243,9 @@ def test_feature_cache_equals_a_fresh_forward(target_dir, hf_target, tmp_path):
             fresh = hf_target.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
         assert torch.allclose(final.float(), fresh, atol=2e-3)
         assert mask.tolist() == [j >= 1 for j in range(len(ids) - 1)] + [False]
-    with pytest.raises(ValueError, match="another target"):
-        build_feature_cache(target_dir, tmp_path / "cache", sequences[:3], layers, fingerprint="x", log=lambda _: None)
+    for other in (sequences[:3], sequences[1:] + sequences[:1]):  # fewer sequences, or other data first
+        with pytest.raises(ValueError, match="another target"):
+            build_feature_cache(target_dir, tmp_path / "cache", other, layers, fingerprint="x", log=lambda _: None)
 
 
 def test_train_eagle3_writes_a_servable_head_and_resumes_on_the_same_curve(target_dir, tmp_path, capsys):
