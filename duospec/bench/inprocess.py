@@ -130,6 +130,8 @@ class HFGenerate:
                 kwargs["config"] = shallow_config(pair.target, AutoConfig.from_pretrained(pair.target), spec.layers)
             source = spec.checkpoint(pair.target)
             self.draft = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, **kwargs).to(self.device).eval()
+            _keep_draft_vocab(self.draft, source)
+
 
     def _config(self, max_new_tokens: int, gamma: int | None):
         from transformers import GenerationConfig
@@ -165,6 +167,22 @@ class HFGenerate:
             records.append(self.generate(p, max_new_tokens, use_gamma))
             tick()
         return Run(mode, "in-process", time.perf_counter() - started, records)
+
+
+def _keep_draft_vocab(draft, checkpoint) -> None:
+    """A draft trained with a trimmed output vocabulary (duospec/engine/draft_vocab.py) proposes only those
+    tokens in our engine; transformers would read its whole head, whose other rows were never trained.
+    Its LM head gets -inf outside them here too, so `hf-assisted` runs the draft the way it was trained."""
+    import torch
+
+    from duospec.engine.draft_vocab import read_draft_vocab
+
+    ids = read_draft_vocab(checkpoint, draft.config.vocab_size)
+    if ids is None:
+        return
+    outside = torch.full((draft.config.vocab_size,), float("-inf"), device=draft.device)
+    outside[torch.as_tensor(ids, device=draft.device)] = 0.0
+    draft.get_output_embeddings().register_forward_hook(lambda module, args, logits: logits + outside)
 
 
 def encode_prompts(tokenizer, prompts, max_prompt_tokens: int) -> list[EncodedPrompt]:

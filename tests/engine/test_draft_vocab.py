@@ -95,6 +95,22 @@ def test_greedy_output_is_the_targets_with_tokens_outside_the_draft_vocabulary(t
     assert outside > 0  # the random target emits tokens the draft cannot propose: they came as corrections
 
 
+def test_transformers_assisted_generation_runs_the_draft_with_its_vocabulary(target_dir, trained):
+    """`duospec bench`'s hf-assisted baseline: the assistant's untrained rows are never proposed, and the
+    output is still the target's."""
+    from duospec.bench.inprocess import BenchPair, EncodedPrompt, HFGenerate
+
+    hf = HFGenerate(BenchPair(target=str(target_dir), draft=str(trained[0])))
+    ids = read_draft_vocab(trained[0], 10_000)
+    with torch.no_grad():
+        logits = hf.draft(input_ids=torch.tensor([[5, 6, 7, 8]])).logits[0]
+    kept = torch.zeros(logits.shape[1], dtype=torch.bool)
+    kept[ids] = True
+    assert torch.isneginf(logits[:, ~kept]).all() and torch.isfinite(logits[:, kept]).all()
+    prompt = EncodedPrompt("p", (5, 6, 7, 8))
+    assert hf.generate(prompt, 16, gamma=3).token_ids == hf.generate(prompt, 16, gamma=None).token_ids
+
+
 def test_init_continues_a_draft_keeping_its_vocabulary(target_dir, trained, tmp_path, capsys):
     assert _distill(target_dir, tmp_path / "more", "--steps", "1", "--init", str(trained[0])) == 0
     assert torch.equal(read_draft_vocab(tmp_path / "more", 10_000), read_draft_vocab(trained[0], 10_000))
