@@ -4,8 +4,8 @@ questions, each template over its own list of slots. duospec/training/answers.py
 next to its code and chat prompts, so a draft learns how the target talks when asked something that is
 not about the standard library.
 
-The demo's questions (duospec/demo.py) are measuring prompts: their subjects are left out of these lists
-and `open_prompts()` drops any prompt equal to one of them.
+The demo's questions (duospec/demo.py) are measuring prompts: their subjects are left out of these lists,
+and answers.py passes them to `open_prompt_texts` as `excluded`, so none is ever answered for training.
 """
 
 from __future__ import annotations
