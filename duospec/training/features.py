@@ -44,7 +44,7 @@ class CachedSequence:
     start: int
     length: int
     loss_from: int  # positions >= loss_from - 1 predict a token the loss counts
-    kind: str  # "chat" | "code" | "explain" | "stdlib"
+    kind: str  # "chat" | "code" | "explain" | "open" | "stdlib"
     held_out: bool
 
 
