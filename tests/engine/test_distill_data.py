@@ -45,8 +45,12 @@ def test_prompts_are_fixed_mixed_and_split():
 def test_everyday_requests_leave_out_the_demo_questions_and_are_picked_by_kind(chat_target, tmp_path):
     from duospec.demo import CHAT_QUESTIONS
 
+    from duospec.training.open_prompts import open_prompt_texts
+
     texts = {p.text for p in A.instruction_prompts() if p.kind == "open"}
     assert not texts & set(CHAT_QUESTIONS)
+    some = open_prompt_texts()[:3]  # what the exclusion does, on texts the templates do produce
+    assert open_prompt_texts(frozenset(some)) == open_prompt_texts()[3:]
     assert {t.split()[0] for t in texts} >= {"What", "Write", "Give", "Plan", "Explain", "How"}  # varied requests
     heldout = A.heldout_prompts(5, ("open",))
     assert len(heldout) == 5 and all(p.kind == "open" and p.heldout for p in heldout)
