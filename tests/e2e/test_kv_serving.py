@@ -123,9 +123,10 @@ async def test_a_cached_prompt_longer_than_a_prefill_chunk_is_read_in_one_round(
         second = await collect(h.stub, greedy_request(system + [7, 8], 6, pb.SPECULATION_MODE_OFF))
         assert second[-1].usage.cached_prompt_tokens == 144
         assert tokens(second) == hf_greedy(pair[0], system + [7, 8], 6)
-        # one prefill round (the cache and the rest of the prompt), one per token, and maybe the batch
-        # that released the first request (chunk by chunk, the prefill alone would take five)
-        assert scheduler.target_times.messages - rounds <= 1 + 6 + 1
+        # one prefill round (the cache and the rest of the prompt), one per token, and maybe a batch
+        # that released a request: the first one's, or this one's, when it went out before the count is
+        # read (chunk by chunk, the prefill alone would take five: 11 at least)
+        assert scheduler.target_times.messages - rounds <= 1 + 6 + 2
 
 
 @pytest.mark.slow
