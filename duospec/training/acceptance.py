@@ -126,9 +126,10 @@ def prompt_sets(tokenizer, data, heldout_tokens, count: int, prompt_tokens: int 
     if STDLIB in [str(d) for d in data]:
         sets["code"] = heldout_prompts(tokenizer, count, prompt_tokens)
     if getattr(tokenizer, "chat_template", None):
-        from duospec.training.answers import chat_prompt_ids, heldout_prompts as heldout_instructions
+        from duospec.training.answers import KINDS, chat_prompt_ids, heldout_prompts as heldout_instructions
 
-        sets["chat"] = [chat_prompt_ids(tokenizer, p) for p in heldout_instructions(count, ("code", "explain", "chat"))]
+        templated = tuple(kind for kind in KINDS if kind != "open")
+        sets["chat"] = [chat_prompt_ids(tokenizer, p) for p in heldout_instructions(count, templated)]
         sets["open"] = [chat_prompt_ids(tokenizer, p) for p in heldout_instructions(count, ("open",))]
     if not sets and len(heldout_tokens) > prompt_tokens:
         sets["heldout"] = tail_prompts(heldout_tokens, count, prompt_tokens)

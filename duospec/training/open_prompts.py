@@ -61,7 +61,7 @@ _PYTHON = (
     "the `with` statement", "type hints", "a module", "recursion", "a while loop", "the `zip` function",
     "the `enumerate` function", "string formatting", "reading a file", "a dataclass", "async and await",
 )
-_WRITING = (  # (what, "to" or "about", whom or what)
+_WRITING = (  # (what, "to" / "for" / "about", whom or what)
     ("a thank-you note", "to", "a friend who helped me move"), ("a short email", "to", "my manager asking for a day off"),
     ("a birthday message", "to", "my grandmother"), ("a product description", "for", "a reusable water bottle"),
     ("a short speech", "for", "a friend's wedding"), ("a cover letter opening", "for", "a junior designer job"),
@@ -71,36 +71,34 @@ _WRITING = (  # (what, "to" or "about", whom or what)
     ("a motivational message", "to", "students before exams"), ("a recipe introduction", "for", "an apple pie"),
 )
 
-_TEMPLATES = {
-    "subject": (
+_REQUESTS = {  # kind: (its slots, its templates)
+    "subject": (_SUBJECTS, (
         "What is {x}?", "Explain {x} in two sentences.", "Why is {x} important?", "Tell me a fun fact about {x}.",
         "What are common misconceptions about {x}?", "How does {x} work?", "Write a short poem about {x}.",
         "What should a beginner know about {x}?", "Describe {x} to someone who has never heard of it.",
         "What is the history of {x} in a nutshell?",
-    ),
-    "skill": (
+    )),
+    "skill": (_SKILLS, (
         "Give three tips for {x}.", "How do I get better at {x}?", "What are common mistakes when {x}?",
         "Write a step-by-step guide to {x}.", "I want to start {x}. Where should I begin?",
         "What are the benefits of {x}?",
-    ),
-    "country": (
+    )),
+    "country": (_COUNTRIES, (
         "What is the capital of {x}?", "What is {x} famous for?", "What food is {x} known for?",
         "Plan a one-week trip to {x}.", "Tell me about the history of {x} in a few sentences.",
-    ),
-    "city": ("What should I see in {x} in one day?", "What is {x} known for?", "Describe {x} in a short paragraph."),
-    "python": (
+    )),
+    "city": (_CITIES, ("What should I see in {x} in one day?", "What is {x} known for?", "Describe {x} in a short paragraph.")),
+    "python": (_PYTHON, (
         "Explain what {x} is in Python.", "Show a short Python example that uses {x}.",
         "When should I use {x} in Python?", "What are common mistakes with {x} in Python?",
-    ),
-    "writing": ("Write {x[0]} {x[1]} {x[2]}.", "Please write {x[0]} {x[1]} {x[2]}, in a friendly tone."),
+    )),
+    "writing": (_WRITING, ("Write {x[0]} {x[1]} {x[2]}.", "Please write {x[0]} {x[1]} {x[2]}, in a friendly tone.")),
 }
-_SLOTS = {"subject": _SUBJECTS, "skill": _SKILLS, "country": _COUNTRIES, "city": _CITIES, "python": _PYTHON,
-          "writing": _WRITING}
 
 
 def open_prompt_texts(excluded: frozenset[str] = frozenset()) -> list[str]:
     """Every request but `excluded`, in one fixed shuffled order (kinds interleaved, so any prefix is a mix)."""
-    texts = [template.format(x=slot) for kind, templates in _TEMPLATES.items()
-             for slot in _SLOTS[kind] for template in templates]
+    texts = [template.format(x=slot) for slots, templates in _REQUESTS.values()
+             for slot in slots for template in templates]
     random.Random(2).shuffle(texts)
     return [t for t in texts if t not in excluded]
