@@ -96,9 +96,135 @@ _REQUESTS = {  # kind: (its slots, its templates)
 }
 
 
+# A second group, answered after the first: computing concepts, comparisons, animals, food, jobs, people,
+# personal advice, lists and arithmetic. Shuffled apart, so adding it left the first group's order (and
+# the data prefixes answered from it) as it was.
+_CONCEPTS = (
+    "an API", "a database index", "version control", "a Git branch", "a REST API", "JSON", "HTML", "CSS",
+    "a compiler", "an operating system", "cloud computing", "encryption", "a hash function", "machine learning",
+    "a neural network", "open source software", "unit testing", "code review", "a linked list", "binary search",
+    "big O notation", "a stack", "a queue", "a hash table", "caching", "multithreading", "SQL", "a web server",
+    "DNS", "HTTP", "a firewall", "containers", "the command line", "regular expressions",
+    "object-oriented programming", "functional programming", "design patterns", "technical debt",
+    "a memory leak", "a race condition", "an algorithm", "a variable", "a loop", "an array", "a pointer",
+)
+_PAIRS = (
+    ("a virus", "a bacterium"), ("weather", "climate"), ("a lake", "a sea"), ("a crocodile", "an alligator"),
+    ("RAM", "storage"), ("a CPU", "a GPU"), ("Python", "JavaScript"), ("a list", "a tuple"), ("SQL", "NoSQL"),
+    ("TCP", "UDP"), ("a compiler", "an interpreter"), ("a process", "a thread"), ("Git", "GitHub"),
+    ("speed", "velocity"), ("mass", "weight"), ("an atom", "a molecule"), ("a star", "a planet"),
+    ("a comet", "an asteroid"), ("a democracy", "a monarchy"), ("a loan", "a grant"), ("saving", "investing"),
+    ("a stock", "a bond"), ("a debit card", "a credit card"), ("baking soda", "baking powder"),
+    ("a fruit", "a vegetable"), ("tea", "coffee"), ("a novel", "a short story"), ("a poem", "a song"),
+    ("a violin", "a viola"), ("a cold", "the flu"), ("aerobic exercise", "strength training"),
+    ("a frog", "a toad"), ("a rabbit", "a hare"), ("a dolphin", "a shark"), ("an ocean", "a sea"),
+    ("a hurricane", "a tornado"), ("a city", "a town"), ("an email", "a letter"), ("a laptop", "a tablet"),
+    ("a manager", "a leader"), ("a goal", "a habit"), ("empathy", "sympathy"), ("confidence", "arrogance"),
+)
+_ANIMALS = (
+    "elephants", "penguins", "octopuses", "wolves", "owls", "dolphins", "honeybees", "ants", "whales",
+    "giraffes", "koalas", "tigers", "lions", "parrots", "frogs", "turtles", "sharks", "horses", "cats",
+    "dogs", "butterflies", "bats", "camels", "polar bears", "kangaroos", "foxes", "crows", "squirrels",
+    "hedgehogs", "jellyfish", "snakes", "eagles", "zebras", "gorillas", "pandas", "seahorses", "otters",
+)
+_FOODS = (
+    "pancakes", "pizza", "sushi", "tacos", "lasagna", "guacamole", "hummus", "banana bread", "fried rice",
+    "tomato soup", "a smoothie", "scrambled eggs", "curry", "pad thai", "lemonade", "bread", "pasta",
+    "a salad", "chili", "dumplings", "a sandwich", "oatmeal", "popcorn", "muffins", "ice cream",
+)
+_JOBS = (
+    "nurse", "software engineer", "teacher", "architect", "pilot", "chef", "data scientist", "lawyer",
+    "electrician", "firefighter", "journalist", "pharmacist", "accountant", "veterinarian", "librarian",
+    "graphic designer", "project manager", "dentist", "plumber", "marine biologist", "translator",
+    "carpenter", "police officer", "farmer", "web developer", "physiotherapist", "photographer",
+)
+_PEOPLE = (
+    "Albert Einstein", "Marie Curie", "Isaac Newton", "Leonardo da Vinci", "Ada Lovelace", "Alan Turing",
+    "Cleopatra", "Julius Caesar", "Mahatma Gandhi", "Nelson Mandela", "Martin Luther King Jr.",
+    "Abraham Lincoln", "Charles Darwin", "Galileo Galilei", "William Shakespeare", "Mozart", "Beethoven",
+    "Frida Kahlo", "Vincent van Gogh", "Pablo Picasso", "Nikola Tesla", "Thomas Edison", "Rosa Parks",
+    "Genghis Khan", "Confucius", "Socrates", "Aristotle", "Jane Austen", "Mark Twain", "Amelia Earhart",
+    "the Wright brothers", "Florence Nightingale", "Queen Victoria", "Alexander the Great", "Steve Jobs",
+)
+_TROUBLES = (
+    "feel tired all the time", "can't decide what to study", "procrastinate on everything",
+    "feel nervous before presentations", "have trouble sleeping", "keep forgetting things",
+    "spend too much money online", "feel lonely after moving to a new city", "can't stay focused at work",
+    "have too many emails", "argue with my roommate about chores", "want to change careers",
+    "feel stuck learning to code", "get distracted by my phone", "have a job interview tomorrow",
+    "don't have time to exercise", "want to eat healthier on a budget", "find it hard to say no",
+    "am bored on weekends", "feel overwhelmed by my to-do list", "want to learn a new language quickly",
+    "have a messy desk", "am starting a new job next week", "lost motivation for my hobby",
+)
+_THINGS = (
+    "programming languages", "board games", "classic novels", "healthy snacks", "indoor hobbies",
+    "famous paintings", "national parks", "inventions of the 20th century", "ways to save water",
+    "renewable energy sources", "musical instruments", "team sports", "study techniques", "houseplants",
+    "breakfast ideas", "science fiction movies", "careers in technology", "ways to reduce stress",
+    "famous bridges", "tips for public speaking", "kitchen tools", "productivity apps", "planets",
+    "Greek gods", "dog breeds", "types of clouds", "web browsers", "data structures",
+)
+_MORE_SUBJECTS = (
+    "volcanoes", "earthquakes", "black holes", "the water cycle", "photosynthesis", "climate change",
+    "recycling", "vaccines", "the immune system", "sleep", "meditation", "coffee", "the Roman Empire",
+    "the printing of money", "inflation", "banks", "the solar system", "the speed of light", "magnets",
+    "sound waves", "the human brain", "muscles", "bones", "the digestive system", "allergies", "fungi",
+    "forests", "deserts", "rivers", "islands", "the Arctic", "the Sahara", "the Himalayas", "the Nile",
+    "democracy", "elections", "newspapers", "podcasts", "libraries", "museums", "public transport",
+    "electric cars", "recycled plastic", "compost", "organic farming", "fast fashion", "minimalism",
+    "chess", "football", "basketball", "the marathon", "skateboarding", "ballet", "opera", "hip hop",
+    "comic books", "animation", "typography", "architecture", "bridges", "skyscrapers", "the wheel",
+    "the telephone", "the light bulb", "vaccination campaigns", "public speaking", "time management",
+)
+_MORE_REQUESTS = {
+    "subject": (_MORE_SUBJECTS, _REQUESTS["subject"][1]),
+    "concept": (_CONCEPTS, (
+        "What is {x} in programming?", "Explain {x} to a beginner.", "Why do programmers use {x}?",
+        "Give a simple example of {x}.", "Explain in two sentences what {x} is.", "How would you explain {x} to a child?",
+    )),
+    "pair": (_PAIRS, ("What is the difference between {x[0]} and {x[1]}?",
+                      "How are {x[0]} and {x[1]} similar, and how are they different?")),
+    "animal": (_ANIMALS, (
+        "Tell me about {x}.", "Where do {x} live?", "What do {x} eat?", "Write a short children's story about {x}.",
+        "Give three interesting facts about {x}.",
+    )),
+    "food": (_FOODS, ("How do I make {x}?", "What is the origin of {x}?", "Give me a simple recipe for {x}.",
+                      "Is {x} healthy?")),
+    "job": (_JOBS, ("What does a {x} do?", "How do I become a {x}?", "What skills does a {x} need?",
+                    "Describe a typical day of a {x}.")),
+    "person": (_PEOPLE, ("Who was {x}?", "What is {x} known for?", "Summarize the life of {x} in a paragraph.",
+                         "Why is {x} important in history?")),
+    "trouble": (_TROUBLES, ("I {x}. What should I do?", "What can I do if I {x}?", "Any advice? I {x}.")),
+    "things": (_THINGS, ("List five {x}.", "Name three {x} and describe each briefly.",
+                         "What are some popular {x}?", "Give three {x} for a beginner, with one reason each.")),
+}
+
+
+def _arithmetic(n: int) -> list[str]:
+    """`n` small arithmetic and word problems, numbers from a fixed seed."""
+    rng = random.Random(4)
+    forms = (
+        lambda a, b, c: f"What is {a} times {b}?",
+        lambda a, b, c: f"What is {c}% of {a * 10}?",
+        lambda a, b, c: f"Solve for x: {a}x + {b} = {a * c + b}.",
+        lambda a, b, c: f"A train travels {a * c} km in {c} hours. What is its average speed?",
+        lambda a, b, c: f"If I buy {c} notebooks at ${a} each and pay with ${a * c + b}, how much change do I get?",
+        lambda a, b, c: f"What is {a * b} divided by {b}? Show the steps.",
+        lambda a, b, c: f"A recipe needs {c} eggs for {b} people. How many eggs for {b * a} people?",
+    )
+    return [forms[i % len(forms)](rng.randint(2, 19), rng.randint(2, 12), rng.randint(2, 9)) for i in range(n)]
+
+
+def _texts(requests: dict, seed: int, extra: list[str] = ()) -> list[str]:
+    texts = [template.format(x=slot) for slots, templates in requests.values()
+             for slot in slots for template in templates] + list(extra)
+    random.Random(seed).shuffle(texts)
+    return list(dict.fromkeys(texts))  # one answer per text (the arithmetic may repeat itself)
+
+
 def open_prompt_texts(excluded: frozenset[str] = frozenset()) -> list[str]:
-    """Every request but `excluded`, in one fixed shuffled order (kinds interleaved, so any prefix is a mix)."""
-    texts = [template.format(x=slot) for slots, templates in _REQUESTS.values()
-             for slot in slots for template in templates]
-    random.Random(2).shuffle(texts)
-    return [t for t in texts if t not in excluded]
+    """Every request but `excluded`, in one fixed order: the first group shuffled (kinds interleaved, so
+    any prefix is a mix), then the second group, shuffled apart."""
+    first = _texts(_REQUESTS, 2)
+    second = [t for t in _texts(_MORE_REQUESTS, 3, _arithmetic(280)) if t not in set(first)]
+    return [t for t in first + second if t not in excluded]

@@ -52,6 +52,15 @@ def test_everyday_requests_leave_out_the_demo_questions_and_are_picked_by_kind(c
     some = open_prompt_texts()[:3]  # what the exclusion does, on texts the templates do produce
     assert open_prompt_texts(frozenset(some)) == open_prompt_texts()[3:]
     assert {t.split()[0] for t in texts} >= {"What", "Write", "Give", "Plan", "Explain", "How"}  # varied requests
+    # The second group of requests was added after the first had been answered: it comes after every one
+    # of the first group's, so the answers (and feature caches) built from the first stay a prefix.
+    from duospec.training import open_prompts as O
+
+    first = {template.format(x=slot) for slots, templates in O._REQUESTS.values() for slot in slots
+             for template in templates}
+    ordered = open_prompt_texts()
+    assert set(ordered[:len(first)]) == first and len(ordered) > len(first) + 1500
+    assert "Where do penguins live?" in ordered[len(first):] and any(t.startswith("Solve for x") for t in ordered)
     heldout = A.heldout_prompts(5, ("open",))
     assert len(heldout) == 5 and all(p.kind == "open" and p.heldout for p in heldout)
     options = A.AnswerOptions(count=2, max_new_tokens=3, batch_size=2, kinds=("open",))
