@@ -337,5 +337,8 @@ def model_card(options: DistillOptions, target, draft, tokenizer, heldout, state
         "train_tokens": state.step * options.batch_size * options.seq_len, "train_minutes": round(state.elapsed_s / 60, 1),
         "heldout_acceptance": figures, "last_eval": state.last_eval,
         "options": {k: [str(x) for x in v] if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v
-                    for k, v in asdict(options).items()},
+                    for k, v in asdict(options).items()} | {
+            # the shape trained, which an --init checkpoint (or --init-layers) decides whatever the flags said
+            "draft_layers": draft.config.num_hidden_layers, "draft_hidden": draft.config.hidden_size,
+            "draft_heads": draft.config.num_attention_heads},
     }

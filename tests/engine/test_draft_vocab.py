@@ -112,8 +112,11 @@ def test_transformers_assisted_generation_runs_the_draft_with_its_vocabulary(tar
 
 
 def test_init_continues_a_draft_keeping_its_vocabulary(target_dir, trained, tmp_path, capsys):
-    assert _distill(target_dir, tmp_path / "more", "--steps", "1", "--init", str(trained[0])) == 0
+    # (a shape flag is overruled by the init's own shape, and the card says what was trained)
+    assert _distill(target_dir, tmp_path / "more", "--steps", "1", "--draft-layers", "3", "--init", str(trained[0])) == 0
     assert torch.equal(read_draft_vocab(tmp_path / "more", 10_000), read_draft_vocab(trained[0], 10_000))
+    card = json.loads((tmp_path / "more" / "model_card.json").read_text())
+    assert card["options"]["draft_layers"] == 1 and card["options"]["draft_hidden"] == 32
     assert "kept from" in (tmp_path / "more" / ".distill" / "log.txt").read_text()
     assert train_main(["distill", "--target", str(target_dir), "--data", "stdlib", "--stdlib-tokens", "3000",
                        "--out", str(tmp_path / "other"), "--draft-vocab", "50", "--steps", "1", "--batch-size", "2",
