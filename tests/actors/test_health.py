@@ -72,13 +72,16 @@ async def test_health_follows_a_target_outage_longer_than_the_restart_bound(ray_
             return await reconnect(loss)
 
         scheduler.supervisor.reconnect_target = gated_reconnect
-        live = asyncio.ensure_future(collect(h.stub, _greedy_request([9, 10, 11], 200), timeout=60))
-        await asyncio.sleep(0.3)
+        live = h.stub.Generate(_greedy_request([9, 10, 11], 200), timeout=60)
+        # its first tokens: the request is on the target when it goes (not a fixed sleep, which a fast
+        # machine could outrun by finishing all 200)
+        await live.read()
         ray_runtime.kill(ray_runtime.get_actor(actor_name("target", "outage"), namespace=NAMESPACE),
                          no_restart=False)
         await _wait_health(h, NOT_SERVING, timeout=10)
         with pytest.raises(grpc.aio.AioRpcError) as failed:
-            await live  # ends with UNAVAILABLE after the bound, not at the client's deadline
+            while await live.read() != grpc.aio.EOF:  # UNAVAILABLE after the bound, not at the deadline
+                pass
         assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
         started = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as refused:

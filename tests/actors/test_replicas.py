@@ -57,7 +57,10 @@ async def test_concurrent_streams_spread_over_the_replicas_with_the_output_of_on
         policy.chosen.clear()
         streams = [_tokens(h, _request(p, 20, MODES[i % 3])) for i, p in enumerate(prompts)]
         assert await asyncio.gather(*streams) == want
-        assert collections.Counter(policy.chosen.values()) == {0: 8, 1: 8}
+        # least outstanding work balances tokens, not requests, and the first streams' tokens drain while
+        # the later ones are routed: about half each, not exactly
+        counts = collections.Counter(policy.chosen.values())
+        assert sorted(counts) == [0, 1] and max(counts.values()) <= 10, counts
         stats = (await coordinator.stats())["models"]["tiny"]
         assert set(stats["replicas"]) == {"0", "1"} and stats["live_sequences"] == 0
         assert all(r["target"]["batches"] > 0 and r["outstanding_tokens"] == 0 for r in stats["replicas"].values())

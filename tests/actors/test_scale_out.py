@@ -89,7 +89,7 @@ def test_a_killed_scheduler_loses_no_request_and_ray_brings_it_back(deployment, 
     while replica.published.get("live", 0) == 0:  # kill it while it holds requests
         assert time.monotonic() < deadline, "no request reached replica 0"
         time.sleep(0.02)
-    time.sleep(0.3)
+    # at once: a fixed wait here let a fast machine finish replica 0's requests before the kill
     ray_runtime.kill(ray_runtime.get_actor(scheduler_name(MODEL, 0), namespace=NAMESPACE), no_restart=False)
     results = future.result(240)
     assert gateway.continued >= 1  # some went on from their last token on another scheduler

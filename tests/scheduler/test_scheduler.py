@@ -480,12 +480,14 @@ def _head_verdict(scheduler, target, seq, n_accepted, kind, next_token, features
         features=features)]))
 
 
-async def test_a_head_drafter_goes_on_empty_rounds_and_hears_their_hidden_states():
+async def test_a_head_drafter_goes_on_empty_rounds_and_hears_their_hidden_states(monkeypatch):
     """A head drafter (EAGLE) gets the rejecting verdict's hidden states with its RESET and drafts from
     them while the free target takes the next token on an empty round; that round's hidden state
     follows it (the head re-feeds the row it predicted), and its chunk continues the sequence when it
     guessed the decided token."""
     scheduler, target, draft, _ = _scheduler(draft_method="eagle")
+    # the fake links answer at once (see test_after_a_restart_the_free_target_takes_the_next_token...)
+    monkeypatch.setattr(scheduler.patience.round_overhead_s, "observe", lambda seconds: None)
     policy = _adaptive_pearl(scheduler)
     scheduler.patience.first_draft_s.observe(0.01)  # the restart is measured: waiting for it does not pay
     seq = scheduler._add(_request(n=40), policy)
