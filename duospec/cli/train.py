@@ -201,6 +201,10 @@ def _register_answers(subparsers) -> None:
     parser.add_argument("--kinds", default=",".join(AnswerOptions.kinds),
                         help="which prompts, comma-separated (code: write a function; explain: explain one; chat: "
                              "questions on fixed subjects; open: broader everyday requests); default all, in that order")
+    parser.add_argument("--skip-answered", type=Path, nargs="+", default=(), metavar="DIR",
+                        help="distill-data folders whose prompts count toward --count but are not answered again: "
+                             "OUT then holds only the new answers, a source to append after them in --data (so a "
+                             "feature cache built on them extends instead of rebuilding)")
     parser.set_defaults(func=_distill_data)
 
 
@@ -209,7 +213,8 @@ def _distill_data(args: argparse.Namespace) -> int:
     from duospec.training.answers import AnswerOptions, generate_answers
 
     options = AnswerOptions(count=args.count, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                            kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()))
+                            kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()),
+                            skip_answered=tuple(args.skip_answered))
     try:
         options.validate()
         total = generate_answers(args.target, args.out, options,

@@ -69,11 +69,15 @@ class AnswerOptions:
     max_new_tokens: int = 160
     batch_size: int = 8
     kinds: tuple[str, ...] = KINDS  # which prompts: the first `count` of these kinds
+    skip_answered: tuple[Path, ...] = ()  # folders whose answers count toward `count` but stay out of this one
 
     def validate(self) -> None:
         unknown = sorted(set(self.kinds) - set(KINDS))
         if unknown or not self.kinds:
             raise ValueError(f"--kinds {','.join(self.kinds)}: use a comma-separated subset of {','.join(KINDS)}")
+        missing = [str(d) for d in self.skip_answered if not (Path(d) / ANSWERS_FILE).is_file()]
+        if missing:
+            raise ValueError(f"--skip-answered {' '.join(missing)}: no {ANSWERS_FILE} there (pass distill-data folders)")
         for name in ("count", "max_new_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -189,9 +193,10 @@ def generate_answers(target_dir: Path, out_dir: Path, options: AnswerOptions, lo
 
     records = read_records(out_dir / ANSWERS_FILE)
     done = {r["id"] for r in records}
+    elsewhere = {r["id"] for folder in options.skip_answered for r in read_records(Path(folder) / ANSWERS_FILE)}
     todo = [p for p in instruction_prompts() if not p.heldout and p.kind in options.kinds][:options.count]
-    todo = [p for p in todo if p.id not in done]
-    log(f"{len(done)} answers present, {len(todo)} to generate")
+    todo = [p for p in todo if p.id not in done and p.id not in elsewhere]
+    log(f"{len(done)} answers present, {len(elsewhere)} in --skip-answered folders, {len(todo)} to generate")
     target = load_checkpoint(target_dir, device="cpu", dtype="float32", max_slots=options.batch_size)
     tokenizer = target.tokenizer
     out_dir.mkdir(parents=True, exist_ok=True)

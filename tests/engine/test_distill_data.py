@@ -100,6 +100,20 @@ def test_answers_are_the_targets_greedy_replies_and_a_killed_run_resumes(chat_ta
     assert all(p.text in text for p in train[:5]) and text.count("assistant:") == 5
 
 
+def test_a_folder_of_new_answers_skips_those_answered_elsewhere(chat_target, tmp_path):
+    """--skip-answered: the prompts answered in another folder count toward --count but are not
+    answered again, so the new folder can follow the old one in --data (a cache built on it extends)."""
+    first = A.AnswerOptions(count=2, max_new_tokens=3, batch_size=2)
+    assert A.generate_answers(chat_target, tmp_path / "old", first, log=lambda _: None) == 2
+    more = A.AnswerOptions(count=4, max_new_tokens=3, batch_size=2, skip_answered=(tmp_path / "old",))
+    more.validate()
+    assert A.generate_answers(chat_target, tmp_path / "new", more, log=lambda _: None) == 2
+    train = [p for p in A.instruction_prompts() if not p.heldout]
+    assert [r["id"] for r in A.read_records(tmp_path / "new" / A.ANSWERS_FILE)] == [p.id for p in train[2:4]]
+    with pytest.raises(ValueError, match=f"--skip-answered {tmp_path / 'nowhere'}: no answers.jsonl there"):
+        A.AnswerOptions(skip_answered=(tmp_path / "nowhere",)).validate()
+
+
 def test_an_answer_cut_at_the_budget_has_no_end_of_turn():
     from transformers import AutoTokenizer
 
