@@ -215,7 +215,7 @@ def _arithmetic(n: int) -> list[str]:
     return [forms[i % len(forms)](rng.randint(2, 19), rng.randint(2, 12), rng.randint(2, 9)) for i in range(n)]
 
 
-def _texts(requests: dict, seed: int, extra: list[str] = ()) -> list[str]:
+def _texts(requests: dict, seed: int, extra: tuple[str, ...] | list[str] = ()) -> list[str]:
     texts = [template.format(x=slot) for slots, templates in requests.values()
              for slot in slots for template in templates] + list(extra)
     random.Random(seed).shuffle(texts)
@@ -226,5 +226,6 @@ def open_prompt_texts(excluded: frozenset[str] = frozenset()) -> list[str]:
     """Every request but `excluded`, in one fixed order: the first group shuffled (kinds interleaved, so
     any prefix is a mix), then the second group, shuffled apart."""
     first = _texts(_REQUESTS, 2)
-    second = [t for t in _texts(_MORE_REQUESTS, 3, _arithmetic(280)) if t not in set(first)]
+    seen = set(first)
+    second = [t for t in _texts(_MORE_REQUESTS, 3, _arithmetic(280)) if t not in seen]
     return [t for t in first + second if t not in excluded]
