@@ -56,8 +56,7 @@ def test_everyday_requests_leave_out_the_demo_questions_and_are_picked_by_kind(c
     # of the first group's, so the answers (and feature caches) built from the first stay a prefix.
     from duospec.training import open_prompts as O
 
-    first = {template.format(x=slot) for slots, templates in O._REQUESTS.values() for slot in slots
-             for template in templates}
+    first = set(O._texts(O._REQUESTS, 2))
     ordered = open_prompt_texts()
     assert set(ordered[:len(first)]) == first and len(ordered) > len(first) + 1500
     assert "Where do penguins live?" in ordered[len(first):] and any(t.startswith("Solve for x") for t in ordered)
