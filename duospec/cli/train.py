@@ -91,8 +91,9 @@ def _register_distill(subparsers) -> None:
     trimmed.add_argument("--init", type=Path, metavar="DIR",
                          help="start from this draft checkpoint (its shape and draft vocabulary): continue a shipped draft")
     trimmed.add_argument("--minutes", type=float, help="minutes of training (with or instead of --steps)")
-    trimmed.add_argument("--stdlib-tokens", type=int, help="raw stdlib code tokens cached with --data stdlib "
-                                                           "(default 200000)")
+    trimmed.add_argument("--stdlib-tokens", type=int,
+                         help="raw stdlib code tokens each `stdlib` in --data caches; naming it again takes the next "
+                              "ones (default 200000, DistillOptions.stdlib_tokens)")
     trimmed.add_argument("--bf16", action="store_true", default=None,
                          help="bf16 autocast on CPU too (fp32 master weights); always on with cuda")
     parser.set_defaults(func=_distill)
@@ -152,7 +153,8 @@ def _register_heads(subparsers) -> None:
     eagle3.add_argument("--ttt-steps", type=int, default=HeadOptions.ttt_steps,
                         help=f"training-time-test steps (default {HeadOptions.ttt_steps})")
     eagle3.add_argument("--stdlib-tokens", type=int, default=HeadOptions.stdlib_tokens,
-                        help=f"raw stdlib code tokens cached with --data stdlib (default {HeadOptions.stdlib_tokens})")
+                        help="raw stdlib code tokens each `stdlib` in --data caches; naming it again takes the next "
+                             f"ones (default {HeadOptions.stdlib_tokens})")
     eagle3.add_argument("--layout", choices=["duospec", "published"], default=HeadOptions.layout,
                         help="published: also write OUT/published in the EAGLE-3 layout vLLM and SGLang load")
     eagle3.add_argument("--init", type=Path, help="start from this eagle3 head's weights (continue a shipped head)")

@@ -72,11 +72,16 @@ def cache_sources(data, stdlib_tokens: int) -> list:
 
 
 def training_sequences(tokenizer, sources, stdlib_tokens: int, max_len: int) -> list[tuple[str, str, list[int], int]]:
-    """(key, kind, token ids, loss_from) of every sequence to cache, source after source (cache_sources)."""
-    out = []
+    """(key, kind, token ids, loss_from) of every sequence to cache, source after source (cache_sources).
+    Each 'stdlib' takes the next `stdlib_tokens` of the training split: naming it again later in --data
+    adds raw code the cache does not hold yet, so a built cache extends instead of rebuilding."""
+    out, windows = [], None
     for source in sources:
-        out += _stdlib_sequences(tokenizer, stdlib_tokens, max_len) if isinstance(source, str) \
-            else _answer_sequences(tokenizer, Path(source), max_len)
+        if isinstance(source, str):
+            windows = windows or _stdlib_windows(tokenizer, max_len)
+            out += _take(windows, stdlib_tokens)
+        else:
+            out += _answer_sequences(tokenizer, Path(source), max_len)
     return out
 
 
@@ -95,22 +100,28 @@ def _answer_sequences(tokenizer, folder: Path, max_len: int) -> list[tuple[str, 
     return out
 
 
-def _stdlib_sequences(tokenizer, stdlib_tokens: int, max_len: int) -> list[tuple[str, str, list[int], int]]:
+def _stdlib_windows(tokenizer, max_len: int):
+    """Raw code windows of the standard library's training split, in file order: (key, kind, ids, 1)."""
     from duospec.training import corpus
 
     train, _ = corpus.split_files(corpus.stdlib_files())
-    out, taken = [], 0
     for file in train:
         text = corpus.read_text(file.path)
         if not text:
             continue
         ids = tokenizer.encode(text, add_special_tokens=False)
         for first in range(0, len(ids) - 32, max_len):
-            window = ids[first: first + max_len]
-            out.append((f"stdlib:{file.relative_path}:{first}", "stdlib", window, 1))
-            taken += len(window)
-            if taken >= stdlib_tokens:
-                return out
+            yield f"stdlib:{file.relative_path}:{first}", "stdlib", ids[first: first + max_len], 1
+
+
+def _take(windows, tokens: int) -> list:
+    """The next windows of `windows` up to the first that reaches `tokens` in all."""
+    out, taken = [], 0
+    for window in windows:
+        out.append(window)
+        taken += len(window[2])
+        if taken >= tokens:
+            break
     return out
 
 

@@ -186,3 +186,21 @@ def test_sampled_output_follows_the_target_distribution(target_dir, trained):
     assert set(counts) <= set(joint)
     p_value = chi_square_pvalue(joint, counts, n)
     assert p_value > 1e-3, f"sampled output with a trimmed draft does not follow p (p={p_value:.2e})"
+
+
+def test_stdlib_named_again_takes_the_next_raw_code(target_dir):
+    """`--data stdlib ANSWERS stdlib`: the second takes the windows after the first's, so a cache built
+    on `stdlib ANSWERS` is a prefix of it and extends instead of rebuilding."""
+    from transformers import AutoTokenizer
+
+    from duospec.training.features import training_sequences
+
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+    once = training_sequences(tokenizer, ["stdlib"], 2000, 64)
+    twice = training_sequences(tokenizer, ["stdlib", "stdlib"], 2000, 64)
+    assert twice[: len(once)] == once and len(twice) > len(once)
+    second = twice[len(once):]
+    assert sum(len(ids) for _, _, ids, _ in second) >= 2000
+    assert not {key for key, *_ in once} & {key for key, *_ in second}
+    whole = training_sequences(tokenizer, ["stdlib"], 8000, 64)  # the next windows: nothing skipped
+    assert whole[: len(twice)] == twice
