@@ -134,11 +134,13 @@ async def test_cancel_while_queued_for_a_slot_leaks_nothing(tiny_pair):
         running = h.stub.Generate(long_request())
         await running.read()
         queued = h.stub.Generate(long_request())
-        while h.server.admission.waiting == 0:
-            await asyncio.sleep(0.01)
-        queued.cancel()
-        while h.server.admission.waiting:
-            await asyncio.sleep(0.01)
+        for queued_now in (True, False):  # it queues behind the running one; cancelled, it leaves the queue
+            deadline = time.monotonic() + FREE_WITHIN_S
+            while (h.server.admission.waiting > 0) != queued_now:
+                assert time.monotonic() < deadline, f"admission.waiting stayed {h.server.admission.waiting}"
+                await asyncio.sleep(0.01)
+            if queued_now:
+                queued.cancel()
         running.cancel()
         await wait_until_idle(h.coordinator, MODEL, baseline, FREE_WITHIN_S)
         await wait_until_nothing_held(h.server, h.coordinator, MODEL)
