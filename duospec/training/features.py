@@ -78,7 +78,8 @@ def training_sequences(tokenizer, sources, stdlib_tokens: int, max_len: int) -> 
     out, windows = [], None
     for source in sources:
         if isinstance(source, str):
-            windows = windows or _stdlib_windows(tokenizer, max_len)
+            if windows is None:  # one walk of the split, shared by every 'stdlib'
+                windows = _stdlib_windows(tokenizer, max_len)
             out += _take(windows, stdlib_tokens)
         else:
             out += _answer_sequences(tokenizer, Path(source), max_len)
