@@ -90,6 +90,9 @@ def _register_distill(subparsers) -> None:
     trimmed.add_argument("--draft-vocab", type=int, metavar="N", help="draft vocabulary size, e.g. 8192")
     trimmed.add_argument("--init", type=Path, metavar="DIR",
                          help="start from this draft checkpoint (its shape and draft vocabulary): continue a shipped draft")
+    trimmed.add_argument("--add-layers", type=int, metavar="K",
+                         help="with --init: deepen it by K layers that start as the identity (the deeper draft "
+                              "drafts what the init did, then training uses the new capacity)")
     trimmed.add_argument("--minutes", type=float, help="minutes of training (with or instead of --steps)")
     trimmed.add_argument("--stdlib-tokens", type=int,
                          help="raw stdlib code tokens each `stdlib` in --data caches; naming it again takes the next "

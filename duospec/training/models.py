@@ -56,6 +56,46 @@ def build_model(config, seed: int):
     return model
 
 
+def deepen(model, extra: int, seed: int):
+    """Insert `extra` decoder layers into a Llama-family model, spread among its own, each starting as
+    the identity: its attention and MLP output projections are zero, so the residual stream passes
+    through untouched and the deeper model computes exactly what the shallower one did. Training then
+    spends the new capacity from where the old model stood (a draft that has stopped improving at its
+    size keeps its agreement instead of starting over). Returns the model, its config updated."""
+    import torch
+
+    layers = list(model.model.layers)
+    if extra < 1 or not layers:
+        raise ValueError(f"deepen: need at least one layer to add to a model with layers, got {extra}")
+    config = model.config
+    layer_class = type(layers[0])
+    generator = torch.Generator().manual_seed(seed)
+    old, grown = len(layers), []
+    # new layer j goes after old layer (j + 1) * old // extra - 1: evenly spread, the last after the top
+    # (several after one old layer when there are more new than old)
+    after = [max((j + 1) * old // extra - 1, 0) for j in range(extra)]
+    order = [i for i in range(old) for i in [i] * (1 + after.count(i))]  # old index per grown slot
+    types = getattr(config, "layer_types", None)
+    if types is not None:  # read by each layer's constructor; a new layer takes its predecessor's type
+        config.layer_types = [types[i] for i in order]
+    config.num_hidden_layers = len(order)
+    for slot, i in enumerate(order):
+        if slot and order[slot - 1] == i:  # the second slot of old layer i: a new layer
+            fresh = layer_class(config, slot).to(dtype=layers[i].self_attn.o_proj.weight.dtype)
+            with torch.no_grad():
+                for name, param in fresh.named_parameters():
+                    if name.endswith(("o_proj.weight", "down_proj.weight")):
+                        param.zero_()
+                    elif param.dim() == 2:
+                        param.normal_(0.0, config.initializer_range, generator=generator)
+            grown.append(fresh)
+        else:
+            grown.append(layers[i])
+            layers[i].self_attn.layer_idx = slot  # the KV cache is indexed by layer
+    model.model.layers = torch.nn.ModuleList(grown)
+    return model
+
+
 def count_parameters(model) -> int:
     # Tied embeddings are one tensor; parameters() already deduplicates shared tensors.
     return sum(p.numel() for p in model.parameters())

@@ -124,8 +124,45 @@ def test_init_continues_a_draft_keeping_its_vocabulary(target_dir, trained, tmp_
     assert f"pass --draft-vocab {VOCAB}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_deepen_adds_layers_that_change_nothing_until_trained(family, tmp_path):
+    """models.deepen: the deeper model's logits and its cached greedy decode are the shallower one's,
+    the new layers sit among the old ones, and each layer indexes its own KV cache slot."""
+    from duospec.training.models import deepen
+    from tiny_models import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / family, family, num_layers=3)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    old = list(model.model.layers)
+    ids = torch.tensor([[3, 9, 4, 11, 2, 8, 30]])
+    with torch.no_grad():
+        before, decoded = model(input_ids=ids).logits, model.generate(ids, max_new_tokens=8, do_sample=False)
+        deepen(model, 2, seed=0)
+        assert model.config.num_hidden_layers == len(model.model.layers) == 5
+        assert [layer.self_attn.layer_idx for layer in model.model.layers] == list(range(5))
+        assert [any(layer is o for o in old) for layer in model.model.layers] == [True, False, True, True, False]
+        torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=0, atol=0)
+        assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False), decoded)
+        fresh = model.model.layers[1]
+        assert fresh.self_attn.q_proj.weight.abs().sum() > 0 and not fresh.mlp.down_proj.weight.any()
+    with pytest.raises(ValueError, match="at least one layer"):
+        deepen(model, 0, seed=0)
+
+
+def test_add_layers_deepens_the_init_and_resumes(target_dir, trained, tmp_path):
+    out = tmp_path / "deeper"
+    assert _distill(target_dir, out, "--steps", "1", "--init", str(trained[0]), "--add-layers", "2") == 0
+    assert AutoModelForCausalLM.from_pretrained(str(out)).config.num_hidden_layers == 3
+    card = json.loads((out / "model_card.json").read_text())
+    assert card["options"]["draft_layers"] == 3 and card["options"]["add_layers"] == 2
+    # the same command with a larger budget resumes the deepened run (the grown shape is its identity)
+    assert _distill(target_dir, out, "--steps", "2", "--init", str(trained[0]), "--add-layers", "2") == 0
+    assert "resumed from" in (out / ".distill" / "log.txt").read_text()
+    assert json.loads((out / "model_card.json").read_text())["steps"] == 2
+
+
 @pytest.mark.parametrize("case", ["minutes_without_vocab", "init_without_vocab", "vocab_with_init_layers",
-                                  "text_files_with_vocab"])
+                                  "text_files_with_vocab", "add_layers_without_init"])
 def test_bad_options_are_refused_before_training(case, target_dir, tmp_path, capsys):
     base = ["distill", "--target", str(target_dir), "--out", str(tmp_path / "out"), "--batch-size", "2",
             "--seq-len", "32", "--device", "cpu"]
@@ -136,6 +173,8 @@ def test_bad_options_are_refused_before_training(case, target_dir, tmp_path, cap
                                    "do not combine"),
         "text_files_with_vocab": (["--data", str(tmp_path), "--steps", "1", "--draft-vocab", "8"],
                                   "folders written by `duospec distill-data`"),
+        "add_layers_without_init": (["--data", "stdlib", "--steps", "1", "--draft-vocab", "8", "--add-layers", "2"],
+                                    "--add-layers deepens the --init draft"),
     }[case]
     assert train_main(base + extra) == 2
     assert expected in capsys.readouterr().err
