@@ -93,6 +93,9 @@ def _register_distill(subparsers) -> None:
     trimmed.add_argument("--add-layers", type=int, metavar="K",
                          help="with --init: deepen it by K layers that start as the identity (the deeper draft "
                               "drafts what the init did, then training uses the new capacity)")
+    trimmed.add_argument("--mlp-width", type=int, metavar="N",
+                         help="with --init: widen each layer's MLP to N units, the new ones starting silent "
+                              "(cheap at serving time: a CPU step costs per layer more than per unit)")
     trimmed.add_argument("--minutes", type=float, help="minutes of training (with or instead of --steps)")
     trimmed.add_argument("--stdlib-tokens", type=int,
                          help="raw stdlib code tokens each `stdlib` in --data caches; naming it again takes the next "

@@ -59,6 +59,7 @@ class DistillOptions:
     draft_vocab: int | None = None
     init: Path | None = None  # --draft-vocab: start from this draft checkpoint (continue a shipped draft)
     add_layers: int = 0  # --init: this many identity-initialised layers spread among the init's (models.deepen)
+    mlp_width: int | None = None  # --init: widen its MLPs to this many units, the new ones silent (models.widen_mlp)
     stdlib_tokens: int = 200_000  # --draft-vocab with --data stdlib: raw code tokens cached
     bf16: bool = False  # bf16 autocast on CPU too (always on with cuda)
 
@@ -67,7 +68,7 @@ class DistillOptions:
         minutes = getattr(args, "minutes", None)
         steps = args.steps if args.steps is not None else (None if minutes else cls.steps)
         optional = {name: getattr(args, name) for name in ("eval_prompts", "draft_vocab", "stdlib_tokens", "bf16",
-                                                                  "add_layers")
+                                                                  "add_layers", "mlp_width")
                     if getattr(args, name, None) is not None}
         init = getattr(args, "init", None)
         return cls(target=Path(args.target), data=tuple(Path(p) for p in args.data), out=Path(args.out),
@@ -93,8 +94,9 @@ class DistillOptions:
             raise DistillError("--init needs --draft-vocab; to start from the target's own layers use --init-layers")
         if self.add_layers < 0:
             raise DistillError(f"--add-layers must be >= 0, got {self.add_layers}")
-        if self.add_layers and self.init is None:
-            raise DistillError("--add-layers deepens the --init draft; a fresh draft takes its depth from --draft-layers")
+        if (self.add_layers or self.mlp_width is not None) and self.init is None:
+            raise DistillError("--add-layers and --mlp-width grow the --init draft; a fresh draft takes its shape "
+                               "from --draft-layers/--draft-hidden")
         if self.draft_vocab is not None and self.init_layers is not None:
             raise DistillError("--draft-vocab and --init-layers do not combine: a shallow copy of the target keeps "
                                "its whole LM head; pass one of them")

@@ -10,8 +10,9 @@ token instead of a 30-layer forward). The loss: KL(p || q) over the draft vocabu
 `argmax_weight` x CE against the target's favourite there (objectives.DISTILL_WEIGHTS).
 
 `--init DIR` starts from a written draft (its shape; its draft vocabulary when it has one), which is
-how a later run continues from a shipped draft; `--add-layers K` deepens it first by K layers that start
-as the identity (models.deepen), for a draft whose agreement has stopped rising at its size. Layout of `--out`: the checkpoint (config.json,
+how a later run continues from a shipped draft; `--mlp-width N` and `--add-layers K` grow it first, the
+new units and layers silent at the start (models.widen_mlp, models.deepen), for a draft whose agreement
+has stopped rising at its size. Layout of `--out`: the checkpoint (config.json,
 model.safetensors, tokenizer, draft_vocab.safetensors, model_card.json) and `.distill/` (run.json,
 features/, checkpoint.pt, log.txt). Rerunning the same command resumes to the step.
 """
@@ -80,7 +81,7 @@ def _draft_model(options, target_config):
     from transformers import AutoModelForCausalLM
 
     from duospec.training.distill import DistillError, draft_config_for
-    from duospec.training.models import build_model, deepen
+    from duospec.training.models import build_model, deepen, widen_mlp
 
     if options.init is None:
         config = draft_config_for(target_config, options)
@@ -91,8 +92,13 @@ def _draft_model(options, target_config):
     if draft.config.vocab_size != target_config.vocab_size:
         raise DistillError(f"--init {options.init}: its vocabulary has {draft.config.vocab_size} tokens, the "
                            f"target's {target_config.vocab_size}; a draft shares the target's tokenizer")
-    if options.add_layers:
-        deepen(draft, options.add_layers, options.seed)
+    try:  # wider first, so that new layers are as wide as the old
+        if options.mlp_width is not None:
+            widen_mlp(draft, options.mlp_width, options.seed)
+        if options.add_layers:
+            deepen(draft, options.add_layers, options.seed)
+    except ValueError as err:
+        raise DistillError(f"--init {options.init}: {err}") from None
     return draft.config, draft
 
 

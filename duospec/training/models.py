@@ -96,6 +96,39 @@ def deepen(model, extra: int, seed: int):
     return model
 
 
+def widen_mlp(model, intermediate: int, seed: int):
+    """Widen every decoder layer's SwiGLU MLP to `intermediate` units; the new units' output weights
+    (down_proj columns) are zero, so the model computes exactly what it did (the cheap way to grow a
+    draft on a CPU: at batch 1 a step's cost is mostly per layer, hardly per unit). Returns the model."""
+    import torch
+
+    config = model.config
+    if intermediate <= config.intermediate_size:
+        raise ValueError(f"widen_mlp: {intermediate} units is not wider than the model's {config.intermediate_size}")
+    generator = torch.Generator().manual_seed(seed)
+    extra = intermediate - config.intermediate_size
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        for name in ("gate_proj", "up_proj"):  # [units, hidden]: new rows
+            old = getattr(mlp, name).weight
+            rows = torch.empty(extra, old.shape[1], dtype=old.dtype).normal_(0.0, config.initializer_range,
+                                                                            generator=generator)
+            setattr(mlp, name, _linear(torch.cat([old.detach(), rows])))
+        old = mlp.down_proj.weight  # [hidden, units]: new columns, zero
+        mlp.down_proj = _linear(torch.cat([old.detach(), old.new_zeros(old.shape[0], extra)], dim=1))
+        mlp.intermediate_size = intermediate
+    config.intermediate_size = intermediate
+    return model
+
+
+def _linear(weight):
+    import torch
+
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
+    linear.weight = torch.nn.Parameter(weight.contiguous())
+    return linear
+
+
 def count_parameters(model) -> int:
     # Tied embeddings are one tensor; parameters() already deduplicates shared tensors.
     return sum(p.numel() for p in model.parameters())

@@ -125,10 +125,10 @@ def test_init_continues_a_draft_keeping_its_vocabulary(target_dir, trained, tmp_
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_deepen_adds_layers_that_change_nothing_until_trained(family, tmp_path):
-    """models.deepen: the deeper model's logits and its cached greedy decode are the shallower one's,
-    the new layers sit among the old ones, and each layer indexes its own KV cache slot."""
-    from duospec.training.models import deepen
+def test_grown_models_change_nothing_until_trained(family, tmp_path):
+    """models.widen_mlp then models.deepen: the grown model's logits and its cached greedy decode are
+    the original's, the new layers sit among the old ones, and each layer indexes its own KV cache slot."""
+    from duospec.training.models import deepen, widen_mlp
     from tiny_models import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(tmp_path / family, family, num_layers=3)
@@ -137,33 +137,40 @@ def test_deepen_adds_layers_that_change_nothing_until_trained(family, tmp_path):
     ids = torch.tensor([[3, 9, 4, 11, 2, 8, 30]])
     with torch.no_grad():
         before, decoded = model(input_ids=ids).logits, model.generate(ids, max_new_tokens=8, do_sample=False)
+        widen_mlp(model, 200, seed=0)
         deepen(model, 2, seed=0)
+        assert all(layer.mlp.up_proj.weight.shape[0] == 200 for layer in model.model.layers)
         assert model.config.num_hidden_layers == len(model.model.layers) == 5
         assert [layer.self_attn.layer_idx for layer in model.model.layers] == list(range(5))
         assert [any(layer is o for o in old) for layer in model.model.layers] == [True, False, True, True, False]
-        torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=0, atol=0)
+        torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=0, atol=1e-5)  # wider sums round apart
         assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False), decoded)
         fresh = model.model.layers[1]
         assert fresh.self_attn.q_proj.weight.abs().sum() > 0 and not fresh.mlp.down_proj.weight.any()
     with pytest.raises(ValueError, match="at least one layer"):
         deepen(model, 0, seed=0)
+    with pytest.raises(ValueError, match="not wider"):
+        widen_mlp(model, 200, seed=0)
 
 
 def test_add_layers_deepens_the_init_and_resumes(target_dir, trained, tmp_path):
     out = tmp_path / "deeper"
-    assert _distill(target_dir, out, "--steps", "1", "--init", str(trained[0]), "--add-layers", "2") == 0
-    assert AutoModelForCausalLM.from_pretrained(str(out)).config.num_hidden_layers == 3
+    grow = ("--init", str(trained[0]), "--add-layers", "2", "--mlp-width", "160")
+    assert _distill(target_dir, out, "--steps", "1", *grow) == 0
+    config = AutoModelForCausalLM.from_pretrained(str(out)).config
+    assert (config.num_hidden_layers, config.intermediate_size) == (3, 160)
     card = json.loads((out / "model_card.json").read_text())
     assert card["options"]["draft_layers"] == 3 and card["options"]["add_layers"] == 2
     # the same command with a larger budget resumes the deepened run (the grown shape is its identity)
-    assert _distill(target_dir, out, "--steps", "2", "--init", str(trained[0]), "--add-layers", "2") == 0
+    assert _distill(target_dir, out, "--steps", "2", *grow) == 0
     assert "resumed from" in (out / ".distill" / "log.txt").read_text()
     assert json.loads((out / "model_card.json").read_text())["steps"] == 2
 
 
 @pytest.mark.parametrize("case", ["minutes_without_vocab", "init_without_vocab", "vocab_with_init_layers",
-                                  "text_files_with_vocab", "add_layers_without_init"])
-def test_bad_options_are_refused_before_training(case, target_dir, tmp_path, capsys):
+                                  "text_files_with_vocab", "add_layers_without_init",
+                                  "narrower_mlp"])
+def test_bad_options_are_refused_before_training(case, target_dir, trained, tmp_path, capsys):
     base = ["distill", "--target", str(target_dir), "--out", str(tmp_path / "out"), "--batch-size", "2",
             "--seq-len", "32", "--device", "cpu"]
     extra, expected = {
@@ -174,7 +181,9 @@ def test_bad_options_are_refused_before_training(case, target_dir, tmp_path, cap
         "text_files_with_vocab": (["--data", str(tmp_path), "--steps", "1", "--draft-vocab", "8"],
                                   "folders written by `duospec distill-data`"),
         "add_layers_without_init": (["--data", "stdlib", "--steps", "1", "--draft-vocab", "8", "--add-layers", "2"],
-                                    "--add-layers deepens the --init draft"),
+                                    "--add-layers and --mlp-width grow the --init draft"),
+        "narrower_mlp": (["--data", "stdlib", "--steps", "1", "--draft-vocab", "8", "--init", str(trained[0]),
+                          "--mlp-width", "8"], "not wider than"),
     }[case]
     assert train_main(base + extra) == 2
     assert expected in capsys.readouterr().err
