@@ -95,7 +95,7 @@ def _register_distill(subparsers) -> None:
                               "drafts what the init did, then training uses the new capacity)")
     trimmed.add_argument("--mlp-width", type=int, metavar="N",
                          help="with --init: widen each layer's MLP to N units, the new ones starting silent "
-                              "(cheap at serving time: a CPU step costs per layer more than per unit)")
+                              "(on a CPU, width costs a draft step less per parameter than --add-layers)")
     trimmed.add_argument("--minutes", type=float, help="minutes of training (with or instead of --steps)")
     trimmed.add_argument("--stdlib-tokens", type=int,
                          help="raw stdlib code tokens each `stdlib` in --data caches; naming it again takes the next "

@@ -74,21 +74,21 @@ def deepen(model, extra: int, seed: int):
     # new layer j goes after old layer (j + 1) * old // extra - 1: evenly spread, the last after the top
     # (several after one old layer when there are more new than old)
     after = [max((j + 1) * old // extra - 1, 0) for j in range(extra)]
-    order = [i for i in range(old) for i in [i] * (1 + after.count(i))]  # old index per grown slot
+    order = [i for i in range(old) for _ in range(1 + after.count(i))]  # the old layer each grown slot follows
     types = getattr(config, "layer_types", None)
     if types is not None:  # read by each layer's constructor; a new layer takes its predecessor's type
         config.layer_types = [types[i] for i in order]
     config.num_hidden_layers = len(order)
     for slot, i in enumerate(order):
         if slot and order[slot - 1] == i:  # the second slot of old layer i: a new layer
-            fresh = layer_class(config, slot).to(dtype=layers[i].self_attn.o_proj.weight.dtype)
+            fresh = layer_class(config, slot)  # built and drawn on the CPU (the generator's), then moved
             with torch.no_grad():
                 for name, param in fresh.named_parameters():
                     if name.endswith(("o_proj.weight", "down_proj.weight")):
                         param.zero_()
                     elif param.dim() == 2:
                         param.normal_(0.0, config.initializer_range, generator=generator)
-            grown.append(fresh)
+            grown.append(fresh.to(layers[i].self_attn.o_proj.weight))  # the old layers' device and dtype
         else:
             grown.append(layers[i])
             layers[i].self_attn.layer_idx = slot  # the KV cache is indexed by layer
@@ -98,8 +98,9 @@ def deepen(model, extra: int, seed: int):
 
 def widen_mlp(model, intermediate: int, seed: int):
     """Widen every decoder layer's SwiGLU MLP to `intermediate` units; the new units' output weights
-    (down_proj columns) are zero, so the model computes exactly what it did (the cheap way to grow a
-    draft on a CPU: at batch 1 a step's cost is mostly per layer, hardly per unit). Returns the model."""
+    (down_proj columns) are zero, so the model computes what it did, up to rounding (at batch 1 on a
+    CPU, width costs less per parameter than depth: each layer has a fixed cost of its own). Returns
+    the model."""
     import torch
 
     config = model.config
@@ -111,9 +112,8 @@ def widen_mlp(model, intermediate: int, seed: int):
         mlp = layer.mlp
         for name in ("gate_proj", "up_proj"):  # [units, hidden]: new rows
             old = getattr(mlp, name).weight
-            rows = torch.empty(extra, old.shape[1], dtype=old.dtype).normal_(0.0, config.initializer_range,
-                                                                            generator=generator)
-            setattr(mlp, name, _linear(torch.cat([old.detach(), rows])))
+            rows = torch.empty(extra, old.shape[1]).normal_(0.0, config.initializer_range, generator=generator)
+            setattr(mlp, name, _linear(torch.cat([old.detach(), rows.to(old)])))
         old = mlp.down_proj.weight  # [hidden, units]: new columns, zero
         mlp.down_proj = _linear(torch.cat([old.detach(), old.new_zeros(old.shape[0], extra)], dim=1))
         mlp.intermediate_size = intermediate
@@ -124,7 +124,7 @@ def widen_mlp(model, intermediate: int, seed: int):
 def _linear(weight):
     import torch
 
-    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     linear.weight = torch.nn.Parameter(weight.contiguous())
     return linear
 
