@@ -213,6 +213,9 @@ def _register_answers(subparsers) -> None:
                         help="distill-data folders whose prompts count toward --count but are not answered again: "
                              "OUT then holds only the new answers, a source to append after them in --data (so a "
                              "feature cache built on them extends instead of rebuilding)")
+    parser.add_argument("--skip-first", type=int, default=AnswerOptions.skip_first, metavar="N",
+                        help="leave the first N of the --count prompts unanswered (answered in a folder not at hand): "
+                             "OUT holds answers to prompts N+1 .. --count only")
     parser.set_defaults(func=_distill_data)
 
 
@@ -222,7 +225,7 @@ def _distill_data(args: argparse.Namespace) -> int:
 
     options = AnswerOptions(count=args.count, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                             kinds=tuple(k.strip() for k in args.kinds.split(",") if k.strip()),
-                            skip_answered=tuple(args.skip_answered))
+                            skip_answered=tuple(args.skip_answered), skip_first=args.skip_first)
     try:
         options.validate()
         total = generate_answers(args.target, args.out, options,

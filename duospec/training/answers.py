@@ -70,6 +70,7 @@ class AnswerOptions:
     batch_size: int = 8
     kinds: tuple[str, ...] = KINDS  # which prompts: the first `count` of these kinds
     skip_answered: tuple[Path, ...] = ()  # folders whose answers count toward `count` but stay out of this one
+    skip_first: int = 0  # the first prompts of the order, left to a folder not at hand (answered there already)
 
     def validate(self) -> None:
         unknown = sorted(set(self.kinds) - set(KINDS))
@@ -81,6 +82,9 @@ class AnswerOptions:
         for name in ("count", "max_new_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.skip_first < self.count:
+            raise ValueError(f"--skip-first {self.skip_first}: must be >= 0 and below --count {self.count} "
+                             "(it skips the first prompts of those --count)")
 
 
 @dataclass(frozen=True)
@@ -195,6 +199,7 @@ def generate_answers(target_dir: Path, out_dir: Path, options: AnswerOptions, lo
     done = {r["id"] for r in records}
     elsewhere = {r["id"] for folder in options.skip_answered for r in read_records(Path(folder) / ANSWERS_FILE)}
     todo = [p for p in instruction_prompts() if not p.heldout and p.kind in options.kinds][:options.count]
+    todo = todo[options.skip_first:]
     todo = [p for p in todo if p.id not in done and p.id not in elsewhere]
     log(f"{len(done)} answers present, {len(elsewhere)} in --skip-answered folders, {len(todo)} to generate")
     target = load_checkpoint(target_dir, device="cpu", dtype="float32", max_slots=options.batch_size)

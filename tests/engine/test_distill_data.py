@@ -113,6 +113,19 @@ def test_a_folder_of_new_answers_skips_those_answered_elsewhere(chat_target, tmp
         A.AnswerOptions(skip_answered=(tmp_path / "nowhere",)).validate()
 
 
+def test_skip_first_answers_only_the_prompts_after_the_first_n(chat_target, tmp_path):
+    """--skip-first: the first prompts of the order were answered in a folder no longer at hand; OUT
+    gets the ones after them, so a new run adds new prompts rather than repeating old ones."""
+    later = A.AnswerOptions(count=5, max_new_tokens=3, batch_size=2, skip_first=3)
+    later.validate()
+    assert A.generate_answers(chat_target, tmp_path, later, log=lambda _: None) == 2
+    train = [p for p in A.instruction_prompts() if not p.heldout]
+    assert [r["id"] for r in A.read_records(tmp_path / A.ANSWERS_FILE)] == [p.id for p in train[3:5]]
+    for bad in (-1, 5):
+        with pytest.raises(ValueError, match=f"--skip-first {bad}: must be >= 0 and below --count 5"):
+            A.AnswerOptions(count=5, skip_first=bad).validate()
+
+
 def test_an_answer_cut_at_the_budget_has_no_end_of_turn():
     from transformers import AutoTokenizer
 
