@@ -23,7 +23,8 @@ def register(subparsers) -> None:
                       help="total training time; 80%% joint target+draft, 20%% draft-only distillation")
     tiny.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--no-bf16", action="store_true", help="train in fp32 instead of bf16 autocast")
+    tiny.add_argument("--no-bf16", action="store_true", help="train in fp32 instead of bf16 autocast (fp32 anyway on a CPU "
+                                                             "without native bf16)")
     tiny.set_defaults(func=_train_tiny)
 
     _register_distill(subparsers)
@@ -101,7 +102,8 @@ def _register_distill(subparsers) -> None:
                          help="raw stdlib code tokens each `stdlib` in --data caches; naming it again takes the next "
                               "ones (default 200000, DistillOptions.stdlib_tokens)")
     trimmed.add_argument("--bf16", action="store_true", default=None,
-                         help="bf16 autocast on CPU too (fp32 master weights); always on with cuda")
+                         help="bf16 autocast on CPU too (fp32 master weights), where the CPU has native bf16 (AVX512-BF16 "
+                              "or AMX; elsewhere fp32, said in the log); always on with cuda")
     parser.set_defaults(func=_distill)
 
 
@@ -152,7 +154,7 @@ def _register_heads(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bf16", action="store_true",
                         help="bf16 autocast for the forwards on CPU too (fp32 master weights): about 2x faster "
-                             "matmuls on CPUs with AVX512-BF16 (always on with cuda)")
+                             "matmuls on CPUs with AVX512-BF16 or AMX; on others fp32, said in the log (always on with cuda)")
     eagle3 = parser.add_argument_group("eagle3")
     eagle3.add_argument("--draft-vocab", type=int, default=HeadOptions.draft_vocab,
                         help=f"draft vocabulary: the tokens the target emits most (default {HeadOptions.draft_vocab})")

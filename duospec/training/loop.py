@@ -114,6 +114,22 @@ def load_checkpoint(path: Path, objective, optimizer) -> LoopState:
     return LoopState(**payload["state"])
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX). Without it torch emulates
+    bf16, and autocast makes a training step slower, not faster (a 256 x 1,536 linear's forward and
+    backward measured 27x slower than fp32 on an AVX2-only EPYC)."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def _autocast(cfg: LoopConfig, device_type: str, log: Logger, phase: str) -> bool:
+    """bf16 autocast as asked, except on a CPU that would only emulate it: fp32 then, said once."""
+    if not cfg.bf16_autocast or device_type == "cuda" or cpu_has_native_bf16():
+        return cfg.bf16_autocast
+    log(f"[{phase}] bf16 autocast off: this CPU has no native bfloat16 (AVX512-BF16 or AMX), where emulated "
+        f"bf16 trains many times slower than fp32; training in fp32 (the weights are fp32 either way)")
+    return False
+
+
 def run_loop(objective, source, heldout_batches, cfg: LoopConfig, checkpoint_path: Path,
              log: Logger, extra: dict | None = None, phase: str = "train") -> LoopState:
     """Train `objective` until the budget is spent; resume from `checkpoint_path` if it exists."""
@@ -134,14 +150,15 @@ def run_loop(objective, source, heldout_batches, cfg: LoopConfig, checkpoint_pat
                mininterval=5.0 if sys.stderr.isatty() else 60.0, file=sys.stderr)
     last_ckpt = last_eval = state.elapsed_s
     tokens_per_step = cfg.batch_size * (source.seq_len)
+    device_type = "cuda" if objective.device.type == "cuda" else "cpu"
+    autocast = _autocast(cfg, device_type, log, phase)
     window_start, window_tokens = time.perf_counter(), 0
     while progress(cfg, state) < 1.0:
         tick = time.perf_counter()
         lr = learning_rate(cfg, state)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        device_type = "cuda" if objective.device.type == "cuda" else "cpu"
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
             loss, metrics = objective.loss(source.batch(state.step, cfg.batch_size))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
