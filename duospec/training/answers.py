@@ -198,8 +198,8 @@ def generate_answers(target_dir: Path, out_dir: Path, options: AnswerOptions, lo
     records = read_records(out_dir / ANSWERS_FILE)
     done = {r["id"] for r in records}
     elsewhere = {r["id"] for folder in options.skip_answered for r in read_records(Path(folder) / ANSWERS_FILE)}
-    todo = [p for p in instruction_prompts() if not p.heldout and p.kind in options.kinds][:options.count]
-    todo = todo[options.skip_first:]
+    todo = [p for p in instruction_prompts() if not p.heldout and p.kind in options.kinds]
+    todo = todo[options.skip_first:options.count]
     todo = [p for p in todo if p.id not in done and p.id not in elsewhere]
     log(f"{len(done)} answers present, {len(elsewhere)} in --skip-answered folders, {len(todo)} to generate")
     target = load_checkpoint(target_dir, device="cpu", dtype="float32", max_slots=options.batch_size)
