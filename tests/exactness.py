@@ -7,6 +7,7 @@ best logits are within 1e-4 (relative). Such a case is reported with its margin,
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 
@@ -22,8 +23,22 @@ def reference_model(path):
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
+# {model: {(prompt, max_new_tokens): output}}: the tests check every mode (and drafter) against the
+# same reference, which generate() would otherwise recompute for each; weak keys end with the model.
+_REFERENCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def hf_greedy(model, prompt_ids, max_new_tokens: int) -> list[int]:
-    """transformers generate(do_sample=False) of the target alone, EOS ignored."""
+    """transformers generate(do_sample=False) of the target alone, EOS ignored (computed once per model,
+    prompt and length)."""
+    known = _REFERENCES.setdefault(model, {})
+    key = (tuple(prompt_ids), max_new_tokens)
+    if key not in known:
+        known[key] = _generate_greedy(model, prompt_ids, max_new_tokens)
+    return list(known[key])
+
+
+def _generate_greedy(model, prompt_ids, max_new_tokens: int) -> list[int]:
     from transformers import GenerationConfig
 
     ids = torch.tensor([list(prompt_ids)])

@@ -9,6 +9,7 @@ target accepts some and rejects some).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 
 import numpy as np
@@ -187,14 +188,13 @@ async def test_greedy_through_the_server_for_each_method(target_dir, hf_target, 
         prompts = _prompts(seed=8)
         for method in specs:
             for mode in (pb.SPECULATION_MODE_PEARL, pb.SPECULATION_MODE_VANILLA):
-                drafted = 0
-                for prompt in prompts:
-                    req = pb.GenerateRequest(
-                        model=f"tiny-{method}", prompt_token_ids=pb.TokenIds(ids=prompt),
-                        stopping=pb.StoppingCriteria(max_new_tokens=N_NEW, ignore_eos=True),
-                        speculation=pb.SpeculationParams(mode=mode),
-                    )
-                    messages = await collect(h.stub, req)
+                reqs = [pb.GenerateRequest(
+                    model=f"tiny-{method}", prompt_token_ids=pb.TokenIds(ids=prompt),
+                    stopping=pb.StoppingCriteria(max_new_tokens=N_NEW, ignore_eos=True),
+                    speculation=pb.SpeculationParams(mode=mode),
+                ) for prompt in prompts]
+                drafted = 0  # the prompts run at once: batched as a server's load is
+                for prompt, messages in zip(prompts, await asyncio.gather(*(collect(h.stub, r) for r in reqs))):
                     got = [t for m in messages for t in m.token_ids]
                     assert_greedy_equal(hf_target, prompt, got, hf_greedy(hf_target, prompt, N_NEW))
                     drafted += messages[-1].stats.drafted_tokens

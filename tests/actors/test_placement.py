@@ -63,6 +63,7 @@ def test_plan_device_cpu_ignores_gpus():
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # a private Ray cluster per scenario: about a minute (make test-slow, and CI, run it)
 @pytest.mark.timeout(900)  # the scenarios' subprocess may take up to 420 s, past the global 300 s
 def test_actors_land_on_different_nodes_and_gpus(tmp_path):
     target = make_tiny_checkpoint(tmp_path / "target", "llama", seed=1)
