@@ -199,6 +199,65 @@ _MORE_REQUESTS = {
                          "What are some popular {x}?", "Give three {x} for a beginner, with one reason each.")),
 }
 
+# A third group, answered after the second (appended the same way): new requests over the first two
+# groups' slots, and household, technology, health, money and travel questions, writing and rewording
+# tasks, explanations for a given reader.
+_HOME = (
+    "unclog a drain", "remove a coffee stain from a shirt", "fix a squeaky door", "get rid of fruit flies",
+    "keep bread fresh longer", "clean an oven", "hang a picture frame straight", "defrost a freezer",
+    "wash a wool sweater", "organize a small kitchen", "keep a cat off the table", "lower my electricity bill",
+    "make my room quieter", "choose a good mattress", "paint a wall", "get rid of a musty smell",
+)
+_TECH = (
+    "back up my phone", "speed up a slow laptop", "make a strong password", "set up two-factor authentication",
+    "improve my Wi-Fi signal", "free up space on my phone", "spot a phishing email", "share a large file",
+    "take a screenshot on a laptop", "make a spreadsheet formula", "write a good search query",
+    "protect my privacy on social media", "choose a password manager", "update my computer safely",
+    "record my screen", "organize my photos", "set up a home printer", "clear my browser cache",
+)
+_READERS = (
+    "a five-year-old", "a teenager", "my grandmother", "a busy manager", "a new employee", "a tourist",
+    "someone who hates math", "a science student",
+)
+_TOPICS_TO_EXPLAIN = (
+    "how vaccines work", "why the sky is blue", "how the Internet works", "what inflation is",
+    "how airplanes fly", "why we have seasons", "how a credit card works", "what a black hole is",
+    "how plants grow", "why we need sleep", "how a computer stores data", "what the stock market does",
+    "how rain forms", "why leaves change color", "how a refrigerator works", "what an election is",
+)
+_REWORDINGS = (
+    "I am writing to inform you that the meeting has been moved to Thursday.",
+    "The results of the survey indicate that most customers are satisfied with the service.",
+    "Please make sure all the dishes are washed before you leave the kitchen.",
+    "Our team has been working hard on the new app and we think you will love it.",
+    "The weather was bad so the football game was cancelled and everyone went home early.",
+    "I would like to return this jacket because it is too small for me.",
+    "Regular exercise can improve your mood, your sleep and your energy levels.",
+    "The library will be closed on Monday for maintenance work on the heating system.",
+    "Thank you for your patience while we fixed the problem with your order.",
+    "Learning a new language takes time, practice and a lot of patience.",
+)
+_THIRD_REQUESTS = {
+    "subject": (_SUBJECTS + _MORE_SUBJECTS, (
+        "What are the pros and cons of {x}?", "Summarize what everyone should know about {x} in three bullet points.",
+        "What has changed about {x} in the last hundred years?", "Write a short paragraph about {x} for a school newsletter.",
+    )),
+    "home": (_HOME, ("How do I {x}?", "What is the easiest way to {x}?", "Give me step-by-step instructions to {x}.")),
+    "tech": (_TECH, ("How do I {x}?", "Explain simply how to {x}.", "What should I know before I {x}?")),
+    "explain": (tuple((t, r) for t in _TOPICS_TO_EXPLAIN for r in _READERS), ("Explain {x[0]} to {x[1]}.",)),
+    "reword": (_REWORDINGS, (
+        'Rewrite this sentence to sound friendlier: "{x}"', 'Make this sentence shorter: "{x}"',
+        'Rewrite this in a formal tone: "{x}"', 'Translate into simple English for a child: "{x}"',
+    )),
+    "skill": (_SKILLS, ("Make me a one-week plan for {x}.", "What do experts wish beginners knew about {x}?",
+                        "What equipment do I need for {x}?")),
+    "city": (_CITIES + _COUNTRIES, ("What is the best time of year to visit {x}?", "What should I pack for a trip to {x}?",
+                                     "Suggest a three-day itinerary for {x}.")),
+    "job": (_JOBS, ("What is the hardest part of being a {x}?", "Write a short job advert for a {x}.")),
+    "animal": (_ANIMALS, ("How do {x} communicate?", "How long do {x} live?", "Why are {x} important for nature?")),
+    "food": (_FOODS, ("What can I serve with {x}?", "How do I make {x} healthier?")),
+}
+
 
 def _arithmetic(n: int) -> list[str]:
     """`n` small arithmetic and word problems, numbers from a fixed seed."""
@@ -224,8 +283,10 @@ def _texts(requests: dict, seed: int, extra: tuple[str, ...] | list[str] = ()) -
 
 def open_prompt_texts(excluded: frozenset[str] = frozenset()) -> list[str]:
     """Every request but `excluded`, in one fixed order: the first group shuffled (kinds interleaved, so
-    any prefix is a mix), then the second group, shuffled apart."""
+    any prefix is a mix), then the second group, shuffled apart, then the third."""
     first = _texts(_REQUESTS, 2)
     seen = set(first)
     second = [t for t in _texts(_MORE_REQUESTS, 3, _arithmetic(280)) if t not in seen]
-    return [t for t in first + second if t not in excluded]
+    seen.update(second)
+    third = [t for t in _texts(_THIRD_REQUESTS, 5) if t not in seen]
+    return [t for t in first + second + third if t not in excluded]

@@ -52,14 +52,17 @@ def test_everyday_requests_leave_out_the_demo_questions_and_are_picked_by_kind(c
     some = open_prompt_texts()[:3]  # what the exclusion does, on texts the templates do produce
     assert open_prompt_texts(frozenset(some)) == open_prompt_texts()[3:]
     assert {t.split()[0] for t in texts} >= {"What", "Write", "Give", "Plan", "Explain", "How"}  # varied requests
-    # The second group of requests was added after the first had been answered: it comes after every one
-    # of the first group's, so the answers (and feature caches) built from the first stay a prefix.
+    # The second and third groups of requests were each added after the earlier ones had been answered:
+    # each comes after every one of those, so the answers (and feature caches) built from them stay a prefix.
     from duospec.training import open_prompts as O
 
     first = set(O._texts(O._REQUESTS, 2))
     ordered = open_prompt_texts()
     assert set(ordered[:len(first)]) == first and len(ordered) > len(first) + 1500
     assert "Where do penguins live?" in ordered[len(first):] and any(t.startswith("Solve for x") for t in ordered)
+    second = {t for t in O._texts(O._MORE_REQUESTS, 3, O._arithmetic(280))} - first  # the third group follows it
+    assert set(ordered[len(first):len(first) + len(second)]) == second and len(ordered) > len(first) + len(second) + 1000
+    assert "How do I unclog a drain?" in ordered[len(first) + len(second):]
     heldout = A.heldout_prompts(5, ("open",))
     assert len(heldout) == 5 and all(p.kind == "open" and p.heldout for p in heldout)
     options = A.AnswerOptions(count=2, max_new_tokens=3, batch_size=2, kinds=("open",))
