@@ -200,8 +200,8 @@ _MORE_REQUESTS = {
 }
 
 # A third group, answered after the second (appended the same way): new requests over the first two
-# groups' slots, and household, technology, health, money and travel questions, writing and rewording
-# tasks, explanations for a given reader.
+# groups' slots, household and technology how-tos, travel questions, rewording tasks, and explanations
+# of a topic for a given reader.
 _HOME = (
     "unclog a drain", "remove a coffee stain from a shirt", "fix a squeaky door", "get rid of fruit flies",
     "keep bread fresh longer", "clean an oven", "hang a picture frame straight", "defrost a freezer",
