@@ -284,9 +284,7 @@ def _texts(requests: dict, seed: int, extra: tuple[str, ...] | list[str] = ()) -
 def open_prompt_texts(excluded: frozenset[str] = frozenset()) -> list[str]:
     """Every request but `excluded`, in one fixed order: the first group shuffled (kinds interleaved, so
     any prefix is a mix), then the second group, shuffled apart, then the third."""
-    first = _texts(_REQUESTS, 2)
-    seen = set(first)
-    second = [t for t in _texts(_MORE_REQUESTS, 3, _arithmetic(280)) if t not in seen]
-    seen.update(second)
-    third = [t for t in _texts(_THIRD_REQUESTS, 5) if t not in seen]
-    return [t for t in first + second + third if t not in excluded]
+    ordered: dict[str, None] = {}  # a text already in an earlier group keeps its place there
+    for requests, seed, extra in ((_REQUESTS, 2, ()), (_MORE_REQUESTS, 3, _arithmetic(280)), (_THIRD_REQUESTS, 5, ())):
+        ordered.update((t, None) for t in _texts(requests, seed, extra) if t not in ordered)
+    return [t for t in ordered if t not in excluded]
