@@ -97,6 +97,11 @@ def _register_distill(subparsers) -> None:
     trimmed.add_argument("--mlp-width", type=int, metavar="N",
                          help="with --init: widen each layer's MLP to N units, the new ones starting silent "
                               "(on a CPU, width costs a draft step less per parameter than --add-layers)")
+    trimmed.add_argument("--init-share", type=float, metavar="S",
+                         help="with --init: write the average of the trained weights and the init's, the init "
+                              "holding share S in [0, 1] (default 0: the trained weights). A continuation on new "
+                              "data then keeps more of what the init drafted well; rerunning a finished run with "
+                              "another S only rewrites the draft")
     trimmed.add_argument("--minutes", type=float, help="minutes of training (with or instead of --steps)")
     trimmed.add_argument("--stdlib-tokens", type=int,
                          help="raw stdlib code tokens each `stdlib` in --data caches; naming it again takes the next "

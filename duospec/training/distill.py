@@ -60,6 +60,7 @@ class DistillOptions:
     init: Path | None = None  # --draft-vocab: start from this draft checkpoint (continue a shipped draft)
     add_layers: int = 0  # --init: this many identity-initialised layers spread among the init's (models.deepen)
     mlp_width: int | None = None  # --init: widen its MLPs to this many units, the new ones silent (models.widen_mlp)
+    init_share: float = 0.0  # --init: the written draft averages the trained weights with the init's (models.blend_weights)
     stdlib_tokens: int = 200_000  # --draft-vocab with --data stdlib: raw code tokens cached
     bf16: bool = False  # bf16 autocast on CPU too (always on with cuda)
 
@@ -68,7 +69,7 @@ class DistillOptions:
         minutes = getattr(args, "minutes", None)
         steps = args.steps if args.steps is not None else (None if minutes else cls.steps)
         optional = {name: getattr(args, name) for name in ("eval_prompts", "draft_vocab", "stdlib_tokens", "bf16",
-                                                                  "add_layers", "mlp_width")
+                                                                  "add_layers", "mlp_width", "init_share")
                     if getattr(args, name, None) is not None}
         init = getattr(args, "init", None)
         return cls(target=Path(args.target), data=tuple(Path(p) for p in args.data), out=Path(args.out),
@@ -97,6 +98,11 @@ class DistillOptions:
         if (self.add_layers or self.mlp_width is not None) and self.init is None:
             raise DistillError("--add-layers and --mlp-width grow the --init draft; a fresh draft takes its shape "
                                "from --draft-layers/--draft-hidden")
+        if not 0.0 <= self.init_share <= 1.0:
+            raise DistillError(f"--init-share must be within [0, 1], got {self.init_share}")
+        if self.init_share and (self.init is None or self.add_layers or self.mlp_width is not None):
+            raise DistillError("--init-share averages the trained draft with its --init, so it needs --init and the "
+                               "init's own shape (no --add-layers or --mlp-width)")
         if self.draft_vocab is not None and self.init_layers is not None:
             raise DistillError("--draft-vocab and --init-layers do not combine: a shallow copy of the target keeps "
                                "its whole LM head; pass one of them")

@@ -111,6 +111,7 @@ def _distill(options) -> Path:
     from duospec.training.export import export_checkpoint
     from duospec.training.features import build_feature_cache, cache_sources, training_sequences
     from duospec.training.loop import Logger, LoopConfig, run_loop
+    from duospec.training.models import blend_weights
     from duospec.training.objectives import DISTILL_WEIGHTS
 
     options.validate()
@@ -156,6 +157,9 @@ def _distill(options) -> Path:
     state = run_loop(objective, source, heldout, cfg, state_dir / "checkpoint.pt", log, phase="distill")
 
     draft = draft.float().cpu().eval()
+    if options.init_share:
+        blend_weights(draft, _hf_target(options.init).state_dict(), options.init_share)
+        log(f"written: the trained weights averaged with {options.init}'s, the init holding {options.init_share:.0%}")
     export_checkpoint(draft, tokenizer, options.out)
     write_draft_vocab(options.out, draft_ids)
     target = _hf_target(options.target)
@@ -167,7 +171,7 @@ def _distill(options) -> Path:
     return options.out
 
 
-def _hf_target(path: Path):
+def _hf_target(path: Path):  # a target or a draft checkpoint, in fp32
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()

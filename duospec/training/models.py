@@ -121,6 +121,24 @@ def widen_mlp(model, intermediate: int, seed: int):
     return model
 
 
+def blend_weights(model, init_state: dict, init_share: float) -> None:
+    """In place: every weight becomes (1 - init_share) * trained + init_share * init (weight-space
+    averaging, as WiSE-FT does). A continuation trained on new data drifts from what the init
+    already did well; the average keeps much of both, and no draft step costs more."""
+    import torch
+
+    if not 0.0 <= init_share <= 1.0:
+        raise ValueError(f"the init's share must be within [0, 1], got {init_share}")
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():  # a tied LM head is listed (and averaged) once
+            init = init_state.get(name)
+            if init is None or init.shape != tensor.shape:
+                found = "missing" if init is None else f"shaped {tuple(init.shape)}"
+                raise ValueError(f"weight {name} is {found} in the init, {tuple(tensor.shape)} in the trained model; "
+                                 "only a draft of the init's own shape can be averaged with it")
+            tensor.lerp_(init.to(tensor.dtype), init_share)
+
+
 def _linear(weight):
     import torch
 

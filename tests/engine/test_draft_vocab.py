@@ -167,9 +167,29 @@ def test_add_layers_deepens_the_init_and_resumes(target_dir, trained, tmp_path):
     assert json.loads((out / "model_card.json").read_text())["steps"] == 2
 
 
+def test_init_share_writes_the_average_of_the_trained_weights_and_the_inits(target_dir, trained, tmp_path):
+    out = tmp_path / "blend"
+    init = AutoModelForCausalLM.from_pretrained(str(trained[0]), dtype=torch.float32).state_dict()
+
+    def written(share: str) -> dict:
+        assert _distill(target_dir, out, "--steps", "2", "--init", str(trained[0]), "--init-share", share) == 0
+        return AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).state_dict()
+
+    as_init = written("1")
+    assert all(torch.equal(as_init[name], init[name]) for name in init)
+    as_trained = written("0")  # the finished run is only written again
+    assert (out / ".distill" / "log.txt").read_text().count("resumed from") == 1
+    moved = [name for name in init if not torch.equal(as_trained[name], init[name])]
+    assert moved
+    halfway = written("0.5")
+    for name in moved:  # fp16 on disk: within a rounding step of the midpoint
+        torch.testing.assert_close(halfway[name], (as_trained[name] + init[name]) / 2, rtol=2e-3, atol=2e-3)
+    assert json.loads((out / "model_card.json").read_text())["options"]["init_share"] == 0.5
+
+
 @pytest.mark.parametrize("case", ["minutes_without_vocab", "init_without_vocab", "vocab_with_init_layers",
                                   "text_files_with_vocab", "add_layers_without_init",
-                                  "narrower_mlp"])
+                                  "narrower_mlp", "share_without_init", "share_beyond_one"])
 def test_bad_options_are_refused_before_training(case, target_dir, trained, tmp_path, capsys):
     base = ["distill", "--target", str(target_dir), "--out", str(tmp_path / "out"), "--batch-size", "2",
             "--seq-len", "32", "--device", "cpu"]
@@ -184,6 +204,10 @@ def test_bad_options_are_refused_before_training(case, target_dir, trained, tmp_
                                     "--add-layers and --mlp-width grow the --init draft"),
         "narrower_mlp": (["--data", "stdlib", "--steps", "1", "--draft-vocab", "8", "--init", str(trained[0]),
                           "--mlp-width", "8"], "not wider than"),
+        "share_without_init": (["--data", "stdlib", "--steps", "1", "--draft-vocab", "8", "--init-share", "0.5"],
+                               "--init-share averages the trained draft with its --init"),
+        "share_beyond_one": (["--data", "stdlib", "--steps", "1", "--draft-vocab", "8", "--init", str(trained[0]),
+                              "--init-share", "1.5"], "--init-share must be within [0, 1]"),
     }[case]
     assert train_main(base + extra) == 2
     assert expected in capsys.readouterr().err
