@@ -9,7 +9,8 @@ The five realistic schemas of duospec/bench/schemas.py (nested objects, arrays, 
 slow test tests/e2e/test_structured_smollm2.py checks them for exactness), each asked in a chat prompt, greedy, modes interleaved request by request. Reported: tokens/s
 per mode (medians over the requests), pearl over `off`, the mean accepted length, how many outputs
 validate against their schema, whether pearl's tokens equal `off`'s (the target alone under the same
-masks), and the drafter's forced-token share (grammar-forced drafts over all drafts). In-process
+masks), and the drafter's forced-token share (grammar-forced drafts over all drafts), and per mode the target's
+verify time and rows per decode batch (drafts and tree branches: what a round costs it). In-process
 backend behind the real server (one process; the drafter and the target each on one torch thread).
 `--no-drafter-masks` serves a drafter without the tokenizer, which drafts unmasked and forces nothing
 (the target still masks: the output is the same), to compare pearl with and without the drafter's side.
@@ -97,7 +98,8 @@ def _target_stats(stats) -> dict:
     [entry] = per_model_stats(stats).values()
     target = entry.get("target", {})
     return {"busy_s": target.get("busy_s", 0.0), "batches": target.get("batches", 0),
-            "grammar_s": target.get("grammar_mask_seconds", 0.0)}
+            "grammar_s": target.get("grammar_mask_seconds", 0.0), "decode_batches": target.get("decode_batches", 0),
+            "decode_rows": target.get("decode_rows", 0)}
 
 
 async def _one(client, model, name, question, schema, mode, max_tokens) -> dict:
@@ -138,9 +140,11 @@ def report(result: dict) -> str:
     for mode in by_mode:
         mine = [g for g in groups if g["mode"] == mode]
         busy, batches, grammar = (sum(g[k] for g in mine) for k in ("busy_s", "batches", "grammar_s"))
+        decode_batches, decode_rows = (sum(g[k] for g in mine) for k in ("decode_batches", "decode_rows"))
         if batches and busy:
             lines.append(f"target, {mode}: grammar masks {1e3 * grammar / batches:.2f} ms per verify batch of "
-                         f"{1e3 * busy / batches:.1f} ms ({grammar / busy:.1%} of its verify time)")
+                         f"{1e3 * busy / batches:.1f} ms ({grammar / busy:.1%} of its verify time)"
+                         + (f"; {decode_rows / decode_batches:.1f} rows per decode batch" if decode_batches else ""))
     return "\n".join(lines)
 
 

@@ -27,6 +27,9 @@ class WorkerTimes:
     busy_s: float = 0.0
     idle_s: float = 0.0
     messages: int = 0
+    # the target's decode-only batches and the rows they fed (drafts + 1 per sequence; no prompt)
+    decode_batches: int = 0
+    decode_rows: int = 0
     # constrained sequences' grammar masks, the worker's reports summed (add_grammar_work)
     grammar: pb.GrammarWork = field(default_factory=pb.GrammarWork)
 

@@ -396,6 +396,8 @@ class Scheduler:
         self._idle_since = time.monotonic()
         if batch.verdicts and inflight.decode_only:
             self.verify_cost.observe(inflight.n_tokens, batch.forward_seconds)
+            self.target_times.decode_batches += 1
+            self.target_times.decode_rows += inflight.n_tokens
             self.patience.round_overhead_s.observe(max(0.0, self._idle_since - inflight.sent_at - batch.forward_seconds))
         self._deferring = True
         try:
@@ -556,6 +558,8 @@ class Scheduler:
                 "busy_s": self.target_times.busy_s,
                 "idle_s": self.target_times.idle_s,
                 "batches": self.target_times.messages,
+                "decode_batches": self.target_times.decode_batches,
+                "decode_rows": self.target_times.decode_rows,
                 "connected": self.supervisor.target_up,
                 "restarts": self.supervisor.target_restarts,
                 "verify_cost_s": dict(zip(("fixed", "per_token"), self.verify_cost.coefficients())),

@@ -100,7 +100,12 @@ async def test_the_coordinator_times_its_own_handling_of_each_verdict():
         _verdict(scheduler, target, seq, 0 if kind == pb.NEXT_TOKEN_KIND_NONE else 1, kind, token)
         handled.append(scheduler.stats()["target"]["verdict_handling_s"])
     assert handled[0] == 0.0 and handled[0] < handled[1] < handled[2]
-    assert scheduler.stats()["target"]["batches"] == 2
+    target_stats = scheduler.stats()["target"]
+    assert target_stats["batches"] == 2
+    # rows per decode batch (benchmarks/structured.py): the prompt's batch is not one of them
+    [decode] = [b.items[0] for b in target.sent[1:]]
+    assert (target_stats["decode_batches"], target_stats["decode_rows"]) == (
+        1, len(decode.context) + len(decode.draft_tokens))
 
 
 async def test_rejection_aborts_and_rolls_the_drafter_back():
