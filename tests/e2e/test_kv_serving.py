@@ -18,7 +18,7 @@ from duospec.engine.loader import KVOptions
 from duospec.v1 import generation_pb2 as pb
 from server_support import collect, running_server, wait_until_nothing_held
 from tiny_models import make_tiny_checkpoint
-from exactness import reference_model
+from exactness import hf_greedy, reference_model
 
 MODEL = "kv"
 CONTEXT = 256
@@ -50,14 +50,10 @@ def coordinator(pair, target_blocks: int, draft_blocks: int, **config) -> LocalC
     return LocalCoordinator([config], runners={MODEL: tuple(runners)})
 
 
-def hf_greedy(path, prompt: list[int], n: int) -> list[int]:
-    """transformers alone, greedy, end tokens not special (the requests ignore EOS)."""
-
-    model = reference_model(str(path))
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+@pytest.fixture(scope="module")
+def reference(pair):
+    """transformers' model of the tiny target (one per module: the references are memoized by model)."""
+    return reference_model(pair[0])
 
 
 def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -82,11 +78,11 @@ async def pools(coord: LocalCoordinator):
 
 
 @pytest.mark.slow
-async def test_more_requests_than_the_pool_holds_all_finish_exactly(pair):
+async def test_more_requests_than_the_pool_holds_all_finish_exactly(pair, reference):
     # 6 requests of 100 + 60 positions: 60 blocks at their full length; the target's pool has 40
     coord = coordinator(pair, target_blocks=40, draft_blocks=80)
     batch = prompts(6, 100)
-    want = [hf_greedy(pair[0], p, 60) for p in batch]
+    want = [hf_greedy(reference, p, 60) for p in batch]
     async with running_server(coord) as h:
         modes = [pb.SPECULATION_MODE_PEARL, pb.SPECULATION_MODE_OFF] * 3
         got = await asyncio.gather(*(collect(h.stub, greedy_request(p, 60, m), timeout=300)
@@ -98,7 +94,7 @@ async def test_more_requests_than_the_pool_holds_all_finish_exactly(pair):
         assert target.cache_stats().free_blocks == 40
 
 
-async def test_cached_prompt_tokens_are_reported(pair):
+async def test_cached_prompt_tokens_are_reported(pair, reference):
     coord = coordinator(pair, target_blocks=64, draft_blocks=64)
     system = prompts(1, 70, seed=3)[0]
     async with running_server(coord) as h:
@@ -106,12 +102,12 @@ async def test_cached_prompt_tokens_are_reported(pair):
         second = await collect(h.stub, greedy_request(system + [8, 9], 8))
         assert first[-1].usage.cached_prompt_tokens == 0
         assert second[-1].usage.cached_prompt_tokens == 64  # the system prompt's 4 full blocks
-        assert tokens(second) == hf_greedy(pair[0], system + [8, 9], 8)
+        assert tokens(second) == hf_greedy(reference, system + [8, 9], 8)
         _, target, draft = await pools(coord)
         assert draft.cache_stats().hits == 64  # the drafter skipped the same prefill
 
 
-async def test_a_cached_prompt_longer_than_a_prefill_chunk_is_read_in_one_round(pair):
+async def test_a_cached_prompt_longer_than_a_prefill_chunk_is_read_in_one_round(pair, reference):
     """Prefill chunks of 32 tokens: the second request's first chunk carries the rest of the prompt
     too, and the target feeds all of it its cache holds (9 blocks) plus 32 computed positions."""
     coord = coordinator(pair, target_blocks=64, draft_blocks=64, prefill_chunk_tokens=32)
@@ -122,7 +118,7 @@ async def test_a_cached_prompt_longer_than_a_prefill_chunk_is_read_in_one_round(
         rounds = scheduler.target_times.messages
         second = await collect(h.stub, greedy_request(system + [7, 8], 6, pb.SPECULATION_MODE_OFF))
         assert second[-1].usage.cached_prompt_tokens == 144
-        assert tokens(second) == hf_greedy(pair[0], system + [7, 8], 6)
+        assert tokens(second) == hf_greedy(reference, system + [7, 8], 6)
         # one prefill round (the cache and the rest of the prompt), one per token, and maybe a batch
         # that released a request: the first one's, or this one's, when it went out before the count is
         # read (chunk by chunk, the prefill alone would take five: 11 at least)
