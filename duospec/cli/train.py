@@ -87,7 +87,8 @@ def _register_distill(subparsers) -> None:
                         help="continue from OUT's checkpoint if it belongs to the same run (default)")
     trimmed = parser.add_argument_group(
         "trimmed vocabulary (the draft's LM head covers the N tokens the target emits most; trained on the "
-        "target's outputs cached once; --data: `duospec distill-data` folders and/or stdlib)")
+        "target's outputs cached once; --data: `duospec distill-data` folders, FOLDER:N for a folder's first N "
+        "answers, and/or stdlib)")
     trimmed.add_argument("--draft-vocab", type=int, metavar="N", help="draft vocabulary size, e.g. 8192")
     trimmed.add_argument("--init", type=Path, metavar="DIR",
                          help="start from this draft checkpoint (its shape and draft vocabulary): continue a shipped draft")
@@ -145,7 +146,7 @@ def _register_heads(subparsers) -> None:
     parser.add_argument("--data", nargs="+", required=True, metavar="PATH",
                         help="text files or directories; 'stdlib' = the training split of the Python standard "
                              "library (the bundled models' corpus); eagle3: `duospec distill-data` folders "
-                             "and/or stdlib")
+                             "(FOLDER:N: its first N answers) and/or stdlib")
     parser.add_argument("--out", type=Path, required=True, help="head directory to write")
     budget = parser.add_argument_group("budget (one or both; the first reached ends the run)")
     budget.add_argument("--steps", type=int, help="optimizer steps")

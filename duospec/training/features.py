@@ -52,10 +52,20 @@ def _held_out(key: str) -> bool:
     return int(hashlib.sha1(key.encode()).hexdigest(), 16) % HELDOUT_MODULUS == 0
 
 
+@dataclass(frozen=True)
+class AnswerSource:
+    """An answers folder written by `duospec distill-data`, all of it or its first `first` answers
+    (`--data FOLDER:N`: a part of an earlier run's data kept as replay beside new data)."""
+
+    folder: Path
+    first: int | None = None
+
+
 def cache_sources(data, stdlib_tokens: int) -> list:
-    """The sources of `--data` in its order: answer folders written by `duospec distill-data` (Paths) and
-    'stdlib' (the string); ValueError naming the item otherwise. The order is the cache's: data added
-    at the end extends a built cache instead of rebuilding it (build_feature_cache)."""
+    """The sources of `--data` in its order: answer folders written by `duospec distill-data`
+    (AnswerSource; `FOLDER:N` takes its first N answers) and 'stdlib' (the string); ValueError naming
+    the item otherwise. The order is the cache's: data added at the end extends a built cache instead
+    of rebuilding it (build_feature_cache)."""
     from duospec.training.data import STDLIB
 
     sources = []
@@ -63,11 +73,19 @@ def cache_sources(data, stdlib_tokens: int) -> list:
         if str(item) == STDLIB:
             if stdlib_tokens > 0:
                 sources.append(STDLIB)
-        elif (Path(item) / "answers.jsonl").is_file():
-            sources.append(Path(item))
-        else:
+            continue
+        folder, first = Path(item), None
+        if not (folder / "answers.jsonl").is_file() and ":" in str(item):
+            head, _, count = str(item).rpartition(":")
+            if count.isdigit() and (Path(head) / "answers.jsonl").is_file():
+                folder, first = Path(head), int(count)
+                if first < 1:
+                    raise ValueError(f"--data {item}: take at least one answer (FOLDER:N with N >= 1)")
+        if not (folder / "answers.jsonl").is_file():
             raise ValueError(f"--data {item}: training on the target's cached outputs reads folders written by "
-                             "`duospec distill-data` (with answers.jsonl) and/or 'stdlib'")
+                             "`duospec distill-data` (with answers.jsonl; FOLDER:N takes its first N answers) "
+                             "and/or 'stdlib'")
+        sources.append(AnswerSource(folder, first))
     return sources
 
 
@@ -82,15 +100,15 @@ def training_sequences(tokenizer, sources, stdlib_tokens: int, max_len: int) -> 
                 windows = _stdlib_windows(tokenizer, max_len)
             out += _take(windows, stdlib_tokens)
         else:
-            out += _answer_sequences(tokenizer, Path(source), max_len)
+            out += _answer_sequences(tokenizer, source, max_len)
     return out
 
 
-def _answer_sequences(tokenizer, folder: Path, max_len: int) -> list[tuple[str, str, list[int], int]]:
+def _answer_sequences(tokenizer, source: AnswerSource, max_len: int) -> list[tuple[str, str, list[int], int]]:
     from duospec.training.answers import ANSWERS_FILE, conversation_text, read_records
 
     out = []
-    for record in read_records(folder / ANSWERS_FILE):
+    for record in read_records(source.folder / ANSWERS_FILE)[: source.first]:
         text = conversation_text(tokenizer, record)
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": record["prompt"]}],
                                                add_generation_prompt=True, tokenize=False)

@@ -175,3 +175,28 @@ def test_acceptance_prompt_sets_follow_the_data_and_the_template(chat_target):
     tok.chat_template = None
     tail = np.arange(1000) % 300
     assert set(prompt_sets(tok, ["notes.txt"], tail, 3)) == {"heldout"}
+
+
+def test_data_folder_with_a_count_takes_its_first_answers(chat_target, tmp_path):
+    """`--data FOLDER:N`: the first N answers of a distill-data folder (replay of part of an earlier
+    run's data), the same sequences the whole folder starts with; a bad count or path is refused."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from duospec.training.features import AnswerSource, cache_sources, training_sequences
+
+    folder = tmp_path / "answers"
+    folder.mkdir()
+    records = [{"id": f"open:{i}", "kind": "open", "prompt": f"Say {i} words.", "tokens": 6, "ended": True,
+                "answer": " ".join(["word"] * (i + 2))} for i in range(5)]
+    (folder / A.ANSWERS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert cache_sources([folder, f"{folder}:3", "stdlib"], 100) == [
+        AnswerSource(folder), AnswerSource(folder, 3), "stdlib"]
+    tokenizer = AutoTokenizer.from_pretrained(str(chat_target))
+    whole, first = (training_sequences(tokenizer, cache_sources([d], 0), 0, 64) for d in (folder, f"{folder}:3"))
+    assert [key for key, *_ in whole] == [r["id"] for r in records]
+    assert first == whole[:3]
+    for bad in (f"{folder}:0", f"{folder}:x", f"{tmp_path / 'nowhere'}:3"):
+        with pytest.raises(ValueError, match="--data"):
+            cache_sources([bad], 0)
