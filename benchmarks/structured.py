@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/structured.py --repeats 3 --max-tokens 160
     .venv/bin/python benchmarks/structured.py --no-drafter-masks    # pearl's drafter ignores the grammar
     .venv/bin/python benchmarks/structured.py --concurrency 8       # 8 streams at once (schemas in turn)
+    .venv/bin/python benchmarks/structured.py --modes off vanilla pearl   # vanilla beside them
 
 The five realistic schemas of duospec/bench/schemas.py (nested objects, arrays, enums, patterns; the
 slow test tests/e2e/test_structured_smollm2.py checks them for exactness), each asked in a chat prompt, greedy, modes interleaved request by request. Reported: tokens/s
@@ -62,11 +63,11 @@ async def _run(args) -> dict:
     try:
         async with AsyncClient(f"127.0.0.1:{port}", timeout=600) as client:
             for name in names:  # warm both modes (compiles, first forwards)
-                for mode in ("off", "pearl"):
+                for mode in args.modes:
                     await _one(client, model.name, name, QUESTIONS[name], SCHEMAS[name], mode, 16)
             for repeat in range(args.repeats):
                 for batch in batches:
-                    for mode in ("off", "pearl"):
+                    for mode in args.modes:
                         before = _target_stats(await coordinator.stats())
                         started = time.perf_counter()
                         results = await asyncio.gather(*(
@@ -88,7 +89,7 @@ async def _run(args) -> dict:
             row["valid"] = True
         except (ValueError, jsonschema.ValidationError):
             row["valid"] = False
-    return {"rows": rows, "groups": groups, "drafter": drafter, "concurrency": args.concurrency}
+    return {"rows": rows, "groups": groups, "drafter": drafter, "concurrency": args.concurrency, "modes": args.modes}
 
 
 def _target_stats(stats) -> dict:
@@ -114,13 +115,13 @@ async def _one(client, model, name, question, schema, mode, max_tokens) -> dict:
 
 def report(result: dict) -> str:
     rows, groups, concurrency = result["rows"], result.get("groups", []), result.get("concurrency", 1)
-    by_mode = {m: [r for r in rows if r["mode"] == m] for m in ("off", "pearl")}
+    modes = result.get("modes", ["off", "pearl"])
+    by_mode = {m: [r for r in rows if r["mode"] == m] for m in modes}
     if concurrency == 1:
         rate = {m: statistics.median(r["tokens_per_s"] for r in rs) for m, rs in by_mode.items()}
     else:  # the aggregate: all the streams' tokens over the wall time, median over the repeats
         rate = {m: statistics.median(g["tokens"] / g["seconds"] for g in groups if g["mode"] == m) for m in by_mode}
     off_tokens = {(r["repeat"], r["schema"], r.get("slot", 0)): r["tokens"] for r in by_mode["off"]}
-    same = sum(r["tokens"] == off_tokens[(r["repeat"], r["schema"], r.get("slot", 0))] for r in by_mode["pearl"])
     drafter = result["drafter"]
     forced = drafter.get("grammar_forced_tokens")
     drafted = drafter.get("tokens_drafted") or drafter.get("drafted_tokens")
@@ -133,8 +134,10 @@ def report(result: dict) -> str:
           f"{statistics.mean(r['mean_accepted_length'] or 1.0 for r in rs):.2f} | "
           f"{sum(r['valid'] for r in rs)}/{len(rs)} |" for m, rs in by_mode.items()),
         "",
-        f"pearl's tokens equal off's (the target alone under the same masks): {same}/{len(by_mode['pearl'])}",
     ]
+    for mode in modes[1:]:
+        same = sum(r["tokens"] == off_tokens[(r["repeat"], r["schema"], r.get("slot", 0))] for r in by_mode[mode])
+        lines.append(f"{mode}'s tokens equal off's (the target alone under the same masks): {same}/{len(by_mode[mode])}")
     if forced is not None and drafted:
         lines.append(f"drafter: {forced} grammar-forced draft tokens of {drafted} drafted ({forced / drafted:.0%})")
     for mode in by_mode:
@@ -155,9 +158,14 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--out", type=pathlib.Path, help="write the rows as JSON here")
     parser.add_argument("--concurrency", type=int, default=1, help="requests at once per mode")
+    parser.add_argument("--modes", nargs="+", default=["off", "pearl"], choices=["off", "vanilla", "pearl"],
+                        help="modes run side by side, `off` first (default: off pearl; vanilla drafts and "
+                             "verifies in turn, so its drafter never runs beside the target)")
     parser.add_argument("--drafter-masks", action=argparse.BooleanOptionalAction, default=True,
                         help="the drafter masks its proposals and drafts forced tokens (default)")
     args = parser.parse_args(argv)
+    if args.modes[0] != "off" or len(set(args.modes)) != len(args.modes):
+        parser.error("--modes: `off` first (the baseline), each mode once")
     import torch
 
     torch.set_num_threads(1)
