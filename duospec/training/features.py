@@ -66,6 +66,7 @@ def cache_sources(data, stdlib_tokens: int) -> list:
     (AnswerSource; `FOLDER:N` takes its first N answers) and 'stdlib' (the string); ValueError naming
     the item otherwise. The order is the cache's: data added at the end extends a built cache instead
     of rebuilding it (build_feature_cache)."""
+    from duospec.training.answers import ANSWERS_FILE
     from duospec.training.data import STDLIB
 
     sources = []
@@ -75,13 +76,13 @@ def cache_sources(data, stdlib_tokens: int) -> list:
                 sources.append(STDLIB)
             continue
         folder, first = Path(item), None
-        if not (folder / "answers.jsonl").is_file() and ":" in str(item):
+        if not (folder / ANSWERS_FILE).is_file() and ":" in str(item):
             head, _, count = str(item).rpartition(":")
-            if count.isdigit() and (Path(head) / "answers.jsonl").is_file():
+            if count.isdigit() and (Path(head) / ANSWERS_FILE).is_file():
                 folder, first = Path(head), int(count)
                 if first < 1:
                     raise ValueError(f"--data {item}: take at least one answer (FOLDER:N with N >= 1)")
-        if not (folder / "answers.jsonl").is_file():
+        if not (folder / ANSWERS_FILE).is_file():
             raise ValueError(f"--data {item}: training on the target's cached outputs reads folders written by "
                              "`duospec distill-data` (with answers.jsonl; FOLDER:N takes its first N answers) "
                              "and/or 'stdlib'")
