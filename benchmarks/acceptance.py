@@ -42,6 +42,9 @@ def _parse(argv):
     parser.add_argument("--draft-len", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=300, help="timed decode steps per model")
     parser.add_argument("--heads", type=Path, nargs="*", default=[], help="head directories to measure too")
+    parser.add_argument("--context-lookup", action="store_true",
+                        help="also the draft with the drafter's context lookup (draft.context_lookup), same passes")
+    parser.add_argument("--demo", action="store_true", help="also the prompts `make demo` sends (duospec/demo.py)")
     parser.add_argument("--record", type=Path, help="write the figures as JSON here")
     parser.add_argument("--no-regression", action="store_true",
                         help="skip the small fixed set tests/engine/test_bundled_models.py re-measures")
@@ -62,6 +65,15 @@ def prompts_by_kind(tokenizer, count: int, prompt_tokens: int) -> dict[str, list
     from duospec.training.acceptance import prompt_sets
 
     return prompt_sets(tokenizer, ["stdlib"], [], count, prompt_tokens)
+
+
+def demo_prompts(tokenizer) -> list[list[int]]:
+    """`make demo`'s chat questions through the chat template, then its code prompt."""
+    from duospec.demo import CHAT_QUESTIONS, CODE_PROMPT
+    from duospec.training.answers import InstructionPrompt, chat_prompt_ids
+
+    chats = [chat_prompt_ids(tokenizer, InstructionPrompt("demo", "chat", q)) for q in CHAT_QUESTIONS]
+    return chats + [tokenizer(CODE_PROMPT)["input_ids"]]
 
 
 def measure_head_dir(target, tokenizer, head_dir: Path, target_dir: Path, kinds: dict, args):
@@ -113,7 +125,7 @@ def main(argv=None) -> int:
     import torch
 
     from duospec.engine.draft_vocab import read_draft_vocab
-    from duospec.training.acceptance import decode_step_seconds, heldout_prompts, measure_pair
+    from duospec.training.acceptance import decode_step_seconds, heldout_prompts, measure_lookups, measure_pair
 
     args = _parse(argv)
     torch.set_num_threads(1)
@@ -126,13 +138,21 @@ def main(argv=None) -> int:
     target, draft, tokenizer = load_pair(args.target, args.draft)
     draft_ids = read_draft_vocab(args.draft, draft.config.vocab_size)  # a trimmed draft guesses within it
     kinds = prompts_by_kind(tokenizer, args.prompts, args.prompt_tokens)
+    if args.demo:
+        kinds["demo"] = demo_prompts(tokenizer)
     by_kind = {}
     for kind, prompts in kinds.items():
         started = time.perf_counter()
-        by_kind[kind] = stats = measure_pair(target, draft, prompts, args.new_tokens, args.draft_len, draft_ids)
+        lookups = (False, True) if args.context_lookup else (False,)
+        by_kind[kind], *looked = measure_lookups(target, draft, prompts, args.new_tokens, args.draft_len, draft_ids,
+                                                 lookups)
+        stats = by_kind[kind]
         print(f"{kind}: greedy, draft length {args.draft_len}, {len(prompts)} held-out prompts x {args.new_tokens} "
               f"tokens: mean accepted length {stats.mean_accepted_length:.3f} (accepted + 1 per target forward), "
-              f"per-token agreement {stats.agreement:.3f}  [{time.perf_counter() - started:.0f}s]")
+              f"per-token agreement {stats.agreement:.3f}"
+              + "".join(f"; with context lookup {s.mean_accepted_length:.3f}, agreement {s.agreement:.3f}"
+                        for s in looked)
+              + f"  [{time.perf_counter() - started:.0f}s]")
     regression = None
     if not args.no_regression:
         regression = measure_pair(target, draft, heldout_prompts(tokenizer, REGRESSION_SET["prompts"],

@@ -7,6 +7,9 @@
     .venv/bin/python benchmarks/drafter_compare.py --target ~/.cache/duospec/models/smollm2-135m-instruct \
         --drafter new=model:models/smollm2/draft --drafter old=model:OLD_DRAFT \
         --drafter eagle3=eagle3:models/smollm2/eagle3 --limit-prompts 4 --repeats 2     # any drafters, labelled
+    .venv/bin/python benchmarks/drafter_compare.py --target ~/.cache/duospec/models/smollm2-135m-instruct \
+        --drafter lookup=model:models/smollm2/draft --drafter plain=model:models/smollm2/draft \
+        --without-lookup plain                          # the draft model with and without context lookup
 
 For each drafter a coordinator (in-process) or a model of one Ray pipeline + gRPC server (server
 path: each drafter is its own model there, with its own target actor) is open for the whole run, so
@@ -50,10 +53,15 @@ def _parse(argv):
     parser.add_argument("--modes", nargs="+", default=["vanilla", "pearl"], choices=["vanilla", "pearl"])
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30,
                         help="each worker's KV pool (default 1 GiB: several pipelines share the machine's memory)")
+    parser.add_argument("--without-lookup", action="append", default=[], metavar="LABEL",
+                        help="this drafter runs with draft.context_lookup off (repeat it)")
     parser.add_argument("--skip-server", action="store_true")
     parser.add_argument("--skip-in-process", action="store_true")
     args = parser.parse_args(argv)
     args.drafters = dict(args.drafter or [_drafter(d) for d in DEFAULT_DRAFTERS])  # label -> (method, dir)
+    unknown = sorted(set(args.without_lookup) - set(args.drafters))
+    if unknown:
+        parser.error(f"--without-lookup {unknown[0]}: no --drafter has that label")
     return args
 
 
@@ -79,7 +87,8 @@ async def _measure(path: str, args, prompts) -> dict:
     def pair(name):
         method, directory = args.drafters[name]
         return BenchPair(str(args.target), str(directory), "cpu", method,
-                         kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+                         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                         context_lookup=name not in args.without_lookup)
 
     async def run(handle, mode, subset, tokens):
         if path == "in-process":

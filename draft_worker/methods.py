@@ -31,9 +31,10 @@ def build_proposer(spec: DraftSpec, target_path: str, *, device: str = "cpu", dt
         from duospec.draft_worker.eagle_proposer import EagleProposer
 
         return EagleProposer(runner, spec.method, **chunking)
+    from duospec.draft_worker.context_lookup import ContextLookup
     from duospec.draft_worker.model_proposer import ModelProposer
 
-    return ModelProposer(runner, spec.method, **chunking)
+    return ModelProposer(runner, spec.method, lookup=ContextLookup() if spec.context_lookup else None, **chunking)
 
 
 def load_draft_runner(spec: DraftSpec, target_path: str, **kwargs):

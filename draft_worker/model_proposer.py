@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from duospec.draft_worker.context_lookup import MAX_CONFIDENCE, ContextLookup
 from duospec.draft_worker.proposer import DraftMethod, DraftState, Proposal, Proposer
 from duospec.engine import ModelRunner, SlotChunk, SlotsExhausted
 from duospec.qcodec import draft_sample
@@ -32,12 +33,14 @@ from duospec.structured.backend import apply_bitmask
 ALTERNATIVES = 2  # next-best tokens named per drafted position (hedge keys)
 
 
-def proposals_from_logits(logits: torch.Tensor, seqs: list[DraftState]) -> list[Proposal]:
+def proposals_from_logits(logits: torch.Tensor, seqs: list[DraftState],
+                          lookup: ContextLookup | None = None) -> list[Proposal]:
     """One drafted token per row of ``logits [n, V]`` for ``seqs[i]`` at its next position — greedy:
-    the argmax; sampled: a draw from q (`draft_sample`) — with the draft's next-best tokens as hedge
-    keys. The logits may stay on the runner's device: only token ids come back from it, plus the rows
-    of sampled sequences (their q is encoded on the host). A sequence with a grammar mask drafts from
-    its masked logits: its q is the masked q, and that is what it sends."""
+    the argmax, or where the model is unsure what `lookup` copies from the verified text
+    (draft_worker/context_lookup.py); sampled: a draw from q (`draft_sample`) — with the draft's
+    next-best tokens as hedge keys. The logits may stay on the runner's device: only token ids come
+    back from it, plus the rows of sampled sequences (their q is encoded on the host). A sequence with
+    a grammar mask drafts from its masked logits: its q is the masked q, and that is what it sends."""
     masked = [(row, seq.grammar_mask) for row, seq in enumerate(seqs) if seq.grammar_mask is not None]
     if masked:
         raw, logits = logits, logits.clone()  # the runner's output buffer is not ours to change
@@ -54,13 +57,30 @@ def proposals_from_logits(logits: torch.Tensor, seqs: list[DraftState]) -> list[
     legal = torch.isfinite(top.values).tolist() if masked else None
     sampled = [i for i, seq in enumerate(seqs) if not seq.sampling.greedy]
     host = dict(zip(sampled, logits[sampled].cpu())) if sampled else {}
+    copies = _copies(logits, top.values[:, 0], seqs, lookup) if lookup is not None else {}
     proposals = []
     for row, seq in enumerate(seqs):
         token, q = draft_sample(host[row], seq.sampling, seq.next_pos) if row in host else (picks[row][0], None)
+        token = copies.get(row, token)  # a copy leaves the model's argmax first among the next-best
         others = [t for i, t in enumerate(picks[row][1:]) if t != token and (legal is None or legal[row][i])]
         others = others[:ALTERNATIVES]
         proposals.append(Proposal([token], [q] if q is not None else [], alternatives=[others]))
     return proposals
+
+
+def _copies(logits: torch.Tensor, best: torch.Tensor, seqs: list[DraftState], lookup: ContextLookup) -> dict[int, int]:
+    """row -> the token `lookup` copies there instead of the argmax: greedy, unmasked rows whose top
+    probability is below MAX_CONFIDENCE and whose text's last bigram occurred before."""
+    suggested = {row: token for row, seq in enumerate(seqs)
+                 if seq.sampling.greedy and seq.grammar_mask is None and (token := lookup.suggest(seq)) is not None}
+    if not suggested:
+        return {}
+    rows = list(suggested)
+    confidence = (best[rows] - torch.logsumexp(logits[rows], dim=-1)).exp().tolist()
+    lookup.consulted += len(rows)
+    copies = {row: suggested[row] for row, p in zip(rows, confidence) if p < MAX_CONFIDENCE}
+    lookup.used += len(copies)
+    return copies
 
 
 @dataclass
@@ -74,9 +94,10 @@ PREFILL_CHUNK_TOKENS = 512  # models[].prefill_chunk_tokens' default
 
 class ModelProposer(Proposer):
     def __init__(self, runner: ModelRunner, method: DraftMethod = DraftMethod.MODEL, *,
-                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS):
+                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS, lookup: ContextLookup | None = None):
         self.runner = runner
         self.method = method
+        self.lookup = lookup  # copies from the verified text where the model is unsure (None: off)
         self.max_context = runner.max_context
         # A long prompt is read this many tokens per step, so the other sequences keep drafting.
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -85,10 +106,14 @@ class ModelProposer(Proposer):
         slot = self.runner.allocate_slot(seq.cache_salt)
         verified = seq.tokens[: seq.committed_len]
         seq.proposer_state = _SlotState(slot, self.runner.match_prefix(slot, 0, verified) if verified else 0)
+        if self.lookup is not None:
+            self.lookup.open(seq)
 
     def rewind(self, seq: DraftState, length: int) -> None:
         state: _SlotState = seq.proposer_state
         state.fed = min(state.fed, length)  # the next forward starts there and overwrites the rest
+        if self.lookup is not None:
+            self.lookup.rewind(seq, length)
 
     def branch(self, parent: DraftState, child: DraftState) -> bool:
         try:
@@ -106,6 +131,8 @@ class ModelProposer(Proposer):
         if state is not None:
             self.runner.free_slot(state.slot)
             seq.proposer_state = None
+        if self.lookup is not None:
+            self.lookup.close(seq)
 
     def propose(self, seqs: list[DraftState], budgets: list[int]) -> list[Proposal]:
         states: list[_SlotState] = [seq.proposer_state for seq in seqs]
@@ -122,12 +149,13 @@ class ModelProposer(Proposer):
             if end == len(seq.tokens):
                 ready.append(row)
         if ready:
-            for row, proposal in zip(ready, proposals_from_logits(logits[ready], [seqs[r] for r in ready])):
+            for row, proposal in zip(ready, proposals_from_logits(logits[ready], [seqs[r] for r in ready], self.lookup)):
                 proposals[row] = proposal
         return proposals
 
     def stats(self) -> dict:
-        return {"free_slots": self.runner.free_slots, **self.runner.kv_stats()}
+        lookup = self.lookup.stats() if self.lookup is not None else {}
+        return {"free_slots": self.runner.free_slots, **self.runner.kv_stats(), **lookup}
 
     def cache_stats(self):
         return self.runner.cache_stats()

@@ -129,6 +129,10 @@ class DraftSpec:
         lo=1 << 10, hi=1 << 50)
     tensor_parallel_size: int = setting(
         1, "model: the draft's tensor-parallel group size, ranks on one node", lo=1, hi=MAX_TENSOR_PARALLEL)
+    context_lookup: bool = setting(
+        True, "model, layers: where the draft model is unsure (top probability < 0.5) and the text's last two "
+        "tokens occurred earlier in the sequence's verified text, a greedy request drafts what followed them there "
+        "instead (draft_worker/context_lookup.py)")
 
     def checkpoint(self, target_path: str) -> str | None:
         """The checkpoint the draft worker loads (None: no model); a head's directory for eagle/medusa."""

@@ -26,11 +26,15 @@ class BenchPair:
     placement: str = "auto"  # --placement: auto | separate | colocated (the server runs)
     tensor_parallel_size: int = 1  # the target's (benchmarks/tensor_parallel.py)
     kv_cache_memory_bytes: int | None = None  # each worker's KV pool (None: every slot at full length)
+    context_lookup: bool = True  # the model drafter's copying from the verified text (draft.context_lookup)
 
     def draft_spec(self):
+        import dataclasses
+
         from duospec.coordinator.config import draft_from_flag
 
-        return draft_from_flag(self.draft_method, self.draft or None)
+        return dataclasses.replace(draft_from_flag(self.draft_method, self.draft or None),
+                                   context_lookup=self.context_lookup)
 
 
 @dataclass(frozen=True)

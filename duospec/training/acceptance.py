@@ -7,6 +7,10 @@ that starts at position i is the draft's argmax given prompt + T[:i+k-1] — the
 argmax on prompt + T. A round at i accepts the longest run of positions i, i+1, ... (at most
 `draft_len`) where that argmax equals T, then commits one more token (the correction or the bonus).
 Mean accepted length = committed tokens / rounds = accepted + 1 per target forward.
+
+With the drafter's context lookup (`lookup=True`; draft_worker/context_lookup.py) a guess may instead
+be copied from the text verified before its round: still a function of prompt + T[:i+k-1] and the
+round's start i, so the rounds are simulated one by one with the drafter's own ContextLookup.
 """
 
 from __future__ import annotations
@@ -62,27 +66,82 @@ def greedy_continuation(target, prompt_ids: list[int], new_tokens: int) -> list[
     return out[0, len(prompt_ids):].tolist()
 
 
+def lookup_rounds(prompt_ids: list[int], continuation: list[int], guesses: list[int], confidences: list[float],
+                  draft_len: int) -> tuple[int, int, int]:
+    """(rounds, committed, matches) of greedy speculation whose drafter copies from the verified text
+    where its confidence is below the lookup's threshold (module doc). `matches` counts every position
+    as if its round started there (all before it verified), like the agreement without lookup."""
+    from duospec.draft_worker.context_lookup import MAX_CONFIDENCE, ContextLookup
+    from duospec.draft_worker.proposer import DraftState
+    from duospec.sampling import SamplingParams
+
+    lookup = ContextLookup()
+    seq = DraftState(seq_id=0, epoch=0, sampling=SamplingParams(), tokens=list(prompt_ids),
+                     committed_len=len(prompt_ids), draft_until=0)
+    lookup.open(seq)
+
+    def guess(pos: int, round_start: int) -> int:
+        seq.tokens = list(prompt_ids) + continuation[:pos]
+        seq.committed_len = len(prompt_ids) + round_start
+        copied = lookup.suggest(seq) if confidences[pos] < MAX_CONFIDENCE else None
+        return guesses[pos] if copied is None else copied
+
+    n = len(continuation)
+    rounds = committed = i = 0
+    while i < n:
+        accepted = 0
+        while accepted < draft_len and i + accepted < n and guess(i + accepted, i) == continuation[i + accepted]:
+            accepted += 1
+        step = min(accepted + 1, n - i)
+        rounds, committed, i = rounds + 1, committed + step, i + step
+    matches = sum(guess(pos, pos) == token for pos, token in enumerate(continuation))
+    return rounds, committed, matches
+
+
 @torch.no_grad()
-def measure_prompt(target, draft, prompt_ids: list[int], new_tokens: int, draft_len: int = 4,
-                   draft_ids: torch.Tensor | None = None) -> AcceptanceStats:
-    """`draft_ids`: the draft's trimmed output vocabulary (duospec/engine/draft_vocab.py), if it has one."""
+def teacher_forced(target, draft, prompt_ids: list[int], new_tokens: int,
+                   draft_ids: torch.Tensor | None = None) -> tuple[list[int], list[int], list[float]]:
+    """(the target's greedy continuation, the draft's teacher-forced guess for each of its positions, the
+    draft's probability of that guess). `draft_ids`: the draft's trimmed output vocabulary
+    (duospec/engine/draft_vocab.py), if it has one."""
     continuation = greedy_continuation(target, prompt_ids, new_tokens)
     sequence = torch.tensor([prompt_ids + continuation])
     # Row j of the logits predicts token j+1; continuation token t sits at index len(prompt)+t.
     rows = slice(len(prompt_ids) - 1, len(prompt_ids) - 1 + len(continuation))
     logits = draft(input_ids=sequence).logits[0, rows]
-    draft_guess = (logits.argmax(-1) if draft_ids is None else draft_ids[logits[:, draft_ids].argmax(-1)]).tolist()
-    hits = [guess == token for guess, token in zip(draft_guess, continuation)]
+    if draft_ids is not None:
+        logits = logits[:, draft_ids]
+    best = logits.float().softmax(-1).max(-1)
+    guesses = best.indices if draft_ids is None else draft_ids[best.indices]
+    return continuation, guesses.tolist(), best.values.tolist()
+
+
+def round_stats(prompt_ids: list[int], continuation: list[int], guesses: list[int], confidences: list[float],
+                draft_len: int = 4, lookup: bool = False) -> AcceptanceStats:
+    """The simulated rounds of one teacher-forced pass; `lookup`: the drafter copies from the verified
+    text where it is unsure (module doc)."""
+    if lookup:
+        rounds, committed, matches = lookup_rounds(prompt_ids, continuation, guesses, confidences, draft_len)
+        return AcceptanceStats(rounds, committed, matches, len(continuation))
+    hits = [guess == token for guess, token in zip(guesses, continuation)]
     rounds, committed = simulate_rounds(hits, draft_len)
     return AcceptanceStats(rounds, committed, sum(hits), len(hits))
 
 
 def measure_pair(target, draft, prompts: list[list[int]], new_tokens: int, draft_len: int = 4,
-                 draft_ids: torch.Tensor | None = None) -> AcceptanceStats:
-    total = AcceptanceStats(0, 0, 0, 0)
+                 draft_ids: torch.Tensor | None = None, lookup: bool = False) -> AcceptanceStats:
+    return measure_lookups(target, draft, prompts, new_tokens, draft_len, draft_ids, (lookup,))[0]
+
+
+def measure_lookups(target, draft, prompts: list[list[int]], new_tokens: int, draft_len: int = 4,
+                    draft_ids: torch.Tensor | None = None, lookups: tuple[bool, ...] = (False, True)) -> list[AcceptanceStats]:
+    """The pair's stats over `prompts`, one per entry of `lookups` (without / with context lookup),
+    from one teacher-forced pass per prompt."""
+    totals = [AcceptanceStats(0, 0, 0, 0) for _ in lookups]
     for prompt in prompts:
-        total = total + measure_prompt(target, draft, prompt, new_tokens, draft_len, draft_ids)
-    return total
+        passed = teacher_forced(target, draft, prompt, new_tokens, draft_ids)
+        totals = [total + round_stats(prompt, *passed, draft_len, lookup) for total, lookup in zip(totals, lookups)]
+    return totals
 
 
 def heldout_prompts(tokenizer, count: int, prompt_tokens: int) -> list[list[int]]:

@@ -1,6 +1,7 @@
 """Every drafting method keeps the target's output: in-process, through the Ray actors, through the server.
 
-Methods: `ngram` (model-free), `layers` (the target's first layer of two, untrained as a draft) and
+Methods: `ngram` (model-free), `layers` (the target's first layer of two, untrained as a draft, with the
+model drafter's context lookup: draft_worker/context_lookup.py) and
 `model` (a random-weight draft; through the actors and in-process it is covered by test_pipeline and
 test_decoding, through the server here). The prompts mix random tokens
 (the n-gram drafter mostly finds nothing: the EXHAUSTED path) with repeated phrases (it proposes, the
@@ -90,6 +91,8 @@ def test_greedy_in_process_matches_target_alone(target, target_dir, hf_target, m
     results = [_as_result(events[r.request_id]) for r in requests]
     drafted, accepted = _check_greedy(hf_target, prompts, results, mode)
     assert 0 < accepted < drafted  # both verdicts happened: some accepted, some rejected
+    if method == "layers":  # the untrained draft is unsure: the context lookup's copies were drafted too
+        assert proposer.stats()["lookup_used"] > 0
 
 
 def _as_result(events):

@@ -147,6 +147,10 @@ def test_draft_as_a_path_or_a_mapping(tmp_path):
     assert model.draft == DraftSpec(DraftMethod.NGRAM, ngram=NgramOptions(max_ngram=5, pool="sequence"))
     model = parse_serve_config(_draft_config({"method": "layers", "layers": 2})).models[0]
     assert model.draft == DraftSpec(DraftMethod.LAYERS, layers=2)
+    assert model.draft.context_lookup  # on unless turned off
+    off = parse_serve_config(_draft_config({"method": "model", "path": "d", "context_lookup": False}),
+                             base_dir=tmp_path).models[0]
+    assert off.draft == DraftSpec(DraftMethod.MODEL, path=str(tmp_path / "d"), context_lookup=False)
     assert model.draft.checkpoint("/m/target") == "/m/target"
     assert ModelConfig(name="m", target="t", draft="/d").draft == DraftSpec(DraftMethod.MODEL, path="/d")
 
@@ -161,6 +165,8 @@ def test_draft_as_a_path_or_a_mapping(tmp_path):
     ({"method": "layers"}, "draft.layers", "missing"),
     ({"method": "layers", "layers": 0}, "draft.layers", "out of range"),
     ({"method": "layers", "layers": 2, "max_ngram": 3}, "draft.max_ngram", "not an option of method layers"),
+    ({"method": "ngram", "context_lookup": False}, "draft.context_lookup", "not an option of method ngram"),
+    ({"method": "model", "path": "d", "context_lookup": "yes"}, "draft.context_lookup", "bool"),
     (7, "draft", "expected str or dict"),
 ])
 def test_bad_draft_names_the_field_and_the_fix(draft, where, fix):

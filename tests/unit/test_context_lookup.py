@@ -1,0 +1,121 @@
+"""The model drafter's context lookup (draft_worker/context_lookup.py): what it copies, from where, and when."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from duospec.draft_worker.context_lookup import MAX_CONFIDENCE, ContextLookup
+from duospec.draft_worker.model_proposer import proposals_from_logits
+from duospec.draft_worker.proposer import DraftState
+from duospec.sampling import SamplingParams
+
+GREEDY = SamplingParams()
+
+
+def _seq(tokens, committed=None, seq_id=1, sampling=GREEDY) -> DraftState:
+    return DraftState(seq_id=seq_id, epoch=0, sampling=sampling, tokens=list(tokens),
+                      committed_len=len(tokens) if committed is None else committed, draft_until=len(tokens) + 8)
+
+
+def _opened(tokens, committed=None) -> tuple[ContextLookup, DraftState]:
+    lookup = ContextLookup()
+    seq = _seq(tokens, committed)
+    lookup.open(seq)
+    return lookup, seq
+
+
+def test_the_token_after_an_earlier_occurrence_of_the_last_bigram_is_suggested():
+    lookup, seq = _opened([5, 1, 2, 3, 9, 1, 2])
+    assert lookup.suggest(seq) == 3
+
+
+def test_no_earlier_occurrence_or_a_single_matching_token_suggests_nothing():
+    lookup, seq = _opened([1, 2, 3, 4, 5, 6, 2])  # "2" recurs, but the bigram "6 2" does not
+    assert lookup.suggest(seq) is None
+    assert ContextLookup().suggest(_seq([1, 2])) is None  # never opened
+
+
+def test_the_occurrence_matching_furthest_back_wins_then_the_latest():
+    # "7 1 2" -> 3 (early), "8 1 2" -> 4 (later): the text ends "7 1 2", so the deeper match (3) wins
+    lookup, seq = _opened([7, 1, 2, 3, 8, 1, 2, 4, 0, 7, 1, 2])
+    assert lookup.suggest(seq) == 3
+    # equally deep matches: the latest
+    lookup, seq = _opened([6, 1, 2, 3, 6, 1, 2, 4, 9, 1, 2])
+    assert lookup.suggest(seq) == 4
+
+
+def test_only_verified_text_is_copied_from():
+    # the earlier "1 2 -> 3" lies in the unverified draft (positions >= 4): not a source
+    lookup, seq = _opened([0, 0, 0, 0, 1, 2, 3, 1, 2], committed=4)
+    assert lookup.suggest(seq) is None
+    seq.committed_len = 7  # verified up to the 3: now it is
+    assert lookup.suggest(seq) == 3
+
+
+def test_a_rewind_forgets_the_replaced_positions_and_the_new_ones_are_indexed_once_verified():
+    lookup, seq = _opened([1, 2, 3, 4, 1, 2])
+    assert lookup.suggest(seq) == 3
+    lookup.rewind(seq, 2)  # an abort replaces everything from position 2
+    seq.tokens[2:] = [5, 6, 1, 2]
+    seq.committed_len = 2
+    assert lookup.suggest(seq) is None  # the old "1 2 -> 3" is gone
+    seq.committed_len = 4
+    seq.tokens[4:] = [5, 1, 2]
+    seq.committed_len = 5
+    # verified now: 1 2 5 6 5; the text ends "1 2": 5 followed "1 2" at position 2
+    assert lookup.suggest(seq) == 5
+
+
+def test_hedges_read_the_index_but_never_change_or_free_it():
+    lookup, seq = _opened([1, 2, 3, 4, 1, 2, 3])
+    hedge = dataclasses.replace(seq, tokens=seq.tokens[:6] + [9, 1, 2], committed_len=6)
+    assert lookup.suggest(hedge) == 3
+    lookup.rewind(hedge, 1)
+    lookup.close(hedge)
+    seq.tokens.extend([4, 1, 2])
+    assert lookup.suggest(seq) == 3
+    lookup.close(seq)
+    assert lookup.suggest(seq) is None
+
+
+def _logits(rows: list[dict[int, float]], vocab: int = 16) -> torch.Tensor:
+    """Rows with the given probabilities (the rest of each row's mass spread evenly)."""
+    out = torch.empty(len(rows), vocab)
+    for i, probs in enumerate(rows):
+        rest = (1.0 - sum(probs.values())) / (vocab - len(probs))
+        out[i] = math.log(rest)
+        for token, p in probs.items():
+            out[i, token] = math.log(p)
+    return out
+
+
+def test_a_greedy_row_copies_only_where_the_model_is_unsure_and_keeps_its_choice_as_the_next_best():
+    lookup = ContextLookup()
+    unsure, sure = _seq([1, 2, 3, 4, 1, 2], seq_id=1), _seq([1, 2, 3, 4, 1, 2], seq_id=2)
+    lookup.open(unsure)
+    lookup.open(sure)
+    low, high = MAX_CONFIDENCE - 0.2, MAX_CONFIDENCE + 0.1
+    proposals = proposals_from_logits(_logits([{7: low, 3: 0.05}, {7: high}]), [unsure, sure], lookup)
+    assert proposals[0].tokens == [3]  # copied: what followed "1 2" before
+    assert proposals[0].alternatives[0][0] == 7  # the model's argmax is the first hedge key
+    assert proposals[1].tokens == [7]  # the model was sure: its argmax
+    assert lookup.stats() == {"lookup_consulted": 2, "lookup_used": 1}
+    without = proposals_from_logits(_logits([{7: low, 3: 0.05}]), [unsure])
+    assert without[0].tokens == [7]
+
+
+def test_sampled_and_grammar_masked_rows_never_copy():
+    lookup = ContextLookup()
+    sampled = _seq([1, 2, 3, 4, 1, 2], seq_id=1, sampling=SamplingParams(temperature=1.0, seed=3))
+    masked = _seq([1, 2, 3, 4, 1, 2], seq_id=2)
+    for seq in (sampled, masked):
+        lookup.open(seq)
+    assert lookup.suggest(sampled) == 3 and lookup.suggest(masked) == 3
+    from duospec.structured.backend import allocate_bitmask
+
+    masked.grammar_mask = allocate_bitmask(1, 16)  # every token legal
+    proposals_from_logits(_logits([{7: 0.3}, {7: 0.3}]), [sampled, masked], lookup)
+    assert lookup.stats()["lookup_consulted"] == 0
