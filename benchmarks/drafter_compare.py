@@ -9,7 +9,7 @@
         --drafter eagle3=eagle3:models/smollm2/eagle3 --limit-prompts 4 --repeats 2     # any drafters, labelled
     .venv/bin/python benchmarks/drafter_compare.py --target ~/.cache/duospec/models/smollm2-135m-instruct \
         --drafter lookup=model:models/smollm2/draft --drafter plain=model:models/smollm2/draft \
-        --without-lookup plain                          # the draft model with and without context lookup
+        --set plain.context_lookup=false                # one drafter with another `draft:` key (DraftSpec)
 
 For each drafter a coordinator (in-process) or a model of one Ray pipeline + gRPC server (server
 path: each drafter is its own model there, with its own target actor) is open for the whole run, so
@@ -41,6 +41,23 @@ def _drafter(spec: str) -> tuple[str, tuple[str, Path]]:
     return label, (method, Path(path).expanduser())
 
 
+def _option(spec: str) -> tuple[str, str, object]:
+    import dataclasses
+    import json
+
+    from duospec.draft_worker.proposer import DraftSpec
+
+    target, sep, raw = spec.partition("=")
+    label, dot, key = target.partition(".")
+    keys = {f.name for f in dataclasses.fields(DraftSpec)}
+    if not (sep and dot and label) or key not in keys:
+        raise argparse.ArgumentTypeError(f"{spec!r}: write LABEL.KEY=VALUE with KEY one of {', '.join(sorted(keys))}")
+    try:
+        return label, key, json.loads(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{spec!r}: the value is not JSON (true, false, a number)") from None
+
+
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, default=REPO / "models" / "target")
@@ -53,15 +70,17 @@ def _parse(argv):
     parser.add_argument("--modes", nargs="+", default=["vanilla", "pearl"], choices=["vanilla", "pearl"])
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30,
                         help="each worker's KV pool (default 1 GiB: several pipelines share the machine's memory)")
-    parser.add_argument("--without-lookup", action="append", default=[], metavar="LABEL",
-                        help="this drafter runs with draft.context_lookup off (repeat it)")
+    parser.add_argument("--set", action="append", default=[], type=_option, metavar="LABEL.KEY=VALUE",
+                        help="a `draft:` key of one drafter (JSON value), e.g. plain.context_lookup=false (repeat it)")
     parser.add_argument("--skip-server", action="store_true")
     parser.add_argument("--skip-in-process", action="store_true")
     args = parser.parse_args(argv)
     args.drafters = dict(args.drafter or [_drafter(d) for d in DEFAULT_DRAFTERS])  # label -> (method, dir)
-    unknown = sorted(set(args.without_lookup) - set(args.drafters))
-    if unknown:
-        parser.error(f"--without-lookup {unknown[0]}: no --drafter has that label")
+    args.options = {}  # label -> {DraftSpec field: value}
+    for label, key, value in args.set:
+        if label not in args.drafters:
+            parser.error(f"--set {label}.{key}: no --drafter has the label {label!r}")
+        args.options.setdefault(label, {})[key] = value
     return args
 
 
@@ -88,7 +107,7 @@ async def _measure(path: str, args, prompts) -> dict:
         method, directory = args.drafters[name]
         return BenchPair(str(args.target), str(directory), "cpu", method,
                          kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                         context_lookup=name not in args.without_lookup)
+                         draft_options=tuple(args.options.get(name, {}).items()))
 
     async def run(handle, mode, subset, tokens):
         if path == "in-process":

@@ -339,8 +339,9 @@ def _parse_model(f: "Fields", base_dir: pathlib.Path) -> ModelConfig:
 
 
 _DRAFT_KEYS = {
-    DraftMethod.MODEL: ("path", "kv_cache_memory_bytes", "tensor_parallel_size", "context_lookup"),
-    DraftMethod.LAYERS: ("layers", "path", "kv_cache_memory_bytes", "context_lookup"),
+    DraftMethod.MODEL: ("path", "kv_cache_memory_bytes", "tensor_parallel_size", "context_lookup",
+                        "stop_confidence"),
+    DraftMethod.LAYERS: ("layers", "path", "kv_cache_memory_bytes", "context_lookup", "stop_confidence"),
     DraftMethod.NGRAM: ("min_ngram", "max_ngram", "max_proposal", "pool", "pool_tokens", "max_pools"),
     DraftMethod.EAGLE: ("path", "kv_cache_memory_bytes"),
     DraftMethod.EAGLE3: ("path", "kv_cache_memory_bytes"),
@@ -398,10 +399,11 @@ def _parse_draft(f: "Fields", base_dir: pathlib.Path, target: str) -> DraftSpec 
     if path == "":
         raise ConfigError(f"{d.where('path')}: empty; give the draft checkpoint's directory or remove the key")
     memory = d.setting(DraftSpec, "kv_cache_memory_bytes")
-    lookup = d.setting(DraftSpec, "context_lookup")  # only the model and layers methods admit the key
+    # only the model and layers methods admit these keys (_DRAFT_KEYS)
+    chains = {key: d.setting(DraftSpec, key) for key in ("context_lookup", "stop_confidence")}
     if method.loads_path:
         return DraftSpec(method, path=resolve_model_path(d.get("path", str, required=True), base_dir),
-                         kv_cache_memory_bytes=memory, context_lookup=lookup)
+                         kv_cache_memory_bytes=memory, **chains)
     if method is DraftMethod.LAYERS:
         layers = d.setting(DraftSpec, "layers")
         if layers is None:
@@ -413,7 +415,7 @@ def _parse_draft(f: "Fields", base_dir: pathlib.Path, target: str) -> DraftSpec 
                 f"(e.g. layers: {max(1, total // 2)})"
             )
         return DraftSpec(method, path=resolve_model_path(path, base_dir) if path else None, layers=layers,
-                         kv_cache_memory_bytes=memory, context_lookup=lookup)
+                         kv_cache_memory_bytes=memory, **chains)
     options = NgramOptions(**{g.name: d.setting(NgramOptions, g.name) for g, _ in declared(NgramOptions)})
     if options.min_ngram > options.max_ngram:
         raise ConfigError(

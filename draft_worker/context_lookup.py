@@ -61,8 +61,8 @@ class ContextLookup:
 
     def __init__(self) -> None:
         self._indexes: dict[int, _Index] = {}
-        self.consulted = 0  # greedy rows that had an earlier occurrence to copy
-        self.used = 0  # of those, rows where the copy replaced the model's argmax
+        self.consulted = 0  # greedy rows where the model was unsure
+        self.used = 0  # of those, rows where an earlier occurrence's continuation replaced the model's argmax
 
     def open(self, seq: DraftState) -> None:
         self._indexes[seq.seq_id] = _Index(seq)
@@ -102,6 +102,16 @@ class ContextLookup:
                 if depth == MAX_DEPTH:
                     break
         return tokens[best_pos] if best_pos >= 0 else None
+
+    def copies(self, seqs: list[DraftState], confidence: dict[int, float]) -> dict[int, int]:
+        """row -> the token copied there instead of the model's argmax, for the rows of `confidence`
+        (greedy, unmasked: row -> the model's top probability) below MAX_CONFIDENCE whose text's last
+        bigram occurred before."""
+        unsure = [row for row, p in confidence.items() if p < MAX_CONFIDENCE]
+        self.consulted += len(unsure)
+        copies = {row: token for row in unsure if (token := self.suggest(seqs[row])) is not None}
+        self.used += len(copies)
+        return copies
 
     def stats(self) -> dict:
         return {"lookup_consulted": self.consulted, "lookup_used": self.used}

@@ -32,9 +32,13 @@ def build_proposer(spec: DraftSpec, target_path: str, *, device: str = "cpu", dt
 
         return EagleProposer(runner, spec.method, **chunking)
     from duospec.draft_worker.context_lookup import ContextLookup
-    from duospec.draft_worker.model_proposer import ModelProposer
+    from duospec.draft_worker.model_proposer import CPU_STOP_CONFIDENCE, ModelProposer
 
-    return ModelProposer(runner, spec.method, lookup=ContextLookup() if spec.context_lookup else None, **chunking)
+    stop = spec.stop_confidence
+    if stop is None:
+        stop = CPU_STOP_CONFIDENCE if str(getattr(runner, "device", device)).startswith("cpu") else 0.0
+    return ModelProposer(runner, spec.method, lookup=ContextLookup() if spec.context_lookup else None,
+                         stop_below=stop, **chunking)
 
 
 def load_draft_runner(spec: DraftSpec, target_path: str, **kwargs):

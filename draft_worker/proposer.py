@@ -133,6 +133,11 @@ class DraftSpec:
         True, "model, layers: where the draft model is unsure (top probability < 0.5) and the text's last two "
         "tokens occurred earlier in the sequence's verified text, a greedy request drafts what followed them there "
         "instead (draft_worker/context_lookup.py)")
+    stop_confidence: float | None = setting(
+        None, "model, layers: a greedy request's chain of drafts ends after a token the draft model gave less than "
+        "this probability, until the target's verdict (0: drafts run to the lookahead bound); absent = 0.4 for a "
+        "drafter on the CPU (it shares cores with the target: drafting what is likely wasted slows the verify), "
+        "0 on an accelerator", lo=0.0, hi=1.0)
 
     def checkpoint(self, target_path: str) -> str | None:
         """The checkpoint the draft worker loads (None: no model); a head's directory for eagle/medusa."""

@@ -26,15 +26,14 @@ class BenchPair:
     placement: str = "auto"  # --placement: auto | separate | colocated (the server runs)
     tensor_parallel_size: int = 1  # the target's (benchmarks/tensor_parallel.py)
     kv_cache_memory_bytes: int | None = None  # each worker's KV pool (None: every slot at full length)
-    context_lookup: bool = True  # the model drafter's copying from the verified text (draft.context_lookup)
+    draft_options: tuple[tuple[str, object], ...] = ()  # other `draft:` keys, e.g. (("context_lookup", False),)
 
     def draft_spec(self):
         import dataclasses
 
         from duospec.coordinator.config import draft_from_flag
 
-        return dataclasses.replace(draft_from_flag(self.draft_method, self.draft or None),
-                                   context_lookup=self.context_lookup)
+        return dataclasses.replace(draft_from_flag(self.draft_method, self.draft or None), **dict(self.draft_options))
 
 
 @dataclass(frozen=True)

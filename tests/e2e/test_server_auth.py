@@ -286,16 +286,19 @@ async def test_fair_share_at_the_default_config_and_a_flood_starves_no_one(tiny_
 
 async def test_fair_share_charges_the_target_rows_of_long_drafts(tiny_pair):
     """Tenants weighted 3:1, the light one asking for the most drafts per verify the model allows and
-    the heavy one for a single draft. The model does not adapt draft lengths, and the tiny pair's
+    the heavy one for a single draft. The model does not adapt draft lengths (nor end a chain at an unsure
+    token: stop_confidence 0), and the tiny pair's
     drafts are mostly rejected: a committed token costs the light tenant several rows. With four times
     as many live sequences as a verify batch holds (the target is the bottleneck, so fair share picks
     every batch), the target's rows, which fair share charges, still split 3:1 (no less than -15 % for
     the heavy one): the long drafts come out of the light tenant's share, not the heavy one's."""
     from duospec.coordinator.config import ModelConfig, SpeculationDefaults
     from duospec.coordinator.local import LocalCoordinator
+    from duospec.draft_worker.proposer import DraftMethod, DraftSpec
 
     target, draft = tiny_pair
-    coordinator = LocalCoordinator([ModelConfig(name=MODEL, target=str(target), draft=str(draft), device="cpu",
+    spec = DraftSpec(DraftMethod.MODEL, path=str(draft), stop_confidence=0.0)
+    coordinator = LocalCoordinator([ModelConfig(name=MODEL, target=str(target), draft=spec, device="cpu",
                                                 max_batch_size=4, max_num_seqs=32,
                                                 speculation=SpeculationDefaults(adaptive=False))])
     tenants = [tenant("heavy", priority_weight=3.0), tenant("light", priority_weight=1.0)]

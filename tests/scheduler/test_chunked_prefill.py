@@ -128,8 +128,9 @@ def test_the_drafter_reads_a_long_prompt_a_chunk_per_step_and_keeps_drafting_the
     from duospec.draft_worker.proposer import DraftMethod, DraftSpec
     from duospec.internal.v1 import pearl_pb2 as pb
 
-    drafter = Drafter(build_proposer(DraftSpec(DraftMethod.MODEL, path=str(pair[1])), str(pair[0]), max_slots=4,
-                                     dtype="float32", prefill_chunk_tokens=64))
+    # stop_confidence 0: the random-weight draft is unsure of every token, and this counts a token per step
+    spec = DraftSpec(DraftMethod.MODEL, path=str(pair[1]), stop_confidence=0.0)
+    drafter = Drafter(build_proposer(spec, str(pair[0]), max_slots=4, dtype="float32", prefill_chunk_tokens=64))
     for seq_id, prompt in ((1, _prompt(8)), (2, _prompt(300, seed=5))):
         drafter.apply(pb.DraftCommand(seq_id=seq_id, kind=pb.DRAFT_COMMAND_KIND_START, start_pos=0, tail=prompt,
                                       draft_until=len(prompt) + 40, committed_len=len(prompt)))

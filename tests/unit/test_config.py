@@ -167,6 +167,7 @@ def test_draft_as_a_path_or_a_mapping(tmp_path):
     ({"method": "layers", "layers": 2, "max_ngram": 3}, "draft.max_ngram", "not an option of method layers"),
     ({"method": "ngram", "context_lookup": False}, "draft.context_lookup", "not an option of method ngram"),
     ({"method": "model", "path": "d", "context_lookup": "yes"}, "draft.context_lookup", "bool"),
+    ({"method": "model", "path": "d", "stop_confidence": 1.5}, "draft.stop_confidence", "out of range"),
     (7, "draft", "expected str or dict"),
 ])
 def test_bad_draft_names_the_field_and_the_fix(draft, where, fix):

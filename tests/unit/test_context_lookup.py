@@ -102,7 +102,7 @@ def test_a_greedy_row_copies_only_where_the_model_is_unsure_and_keeps_its_choice
     assert proposals[0].tokens == [3]  # copied: what followed "1 2" before
     assert proposals[0].alternatives[0][0] == 7  # the model's argmax is the first hedge key
     assert proposals[1].tokens == [7]  # the model was sure: its argmax
-    assert lookup.stats() == {"lookup_consulted": 2, "lookup_used": 1}
+    assert lookup.stats() == {"lookup_consulted": 1, "lookup_used": 1}  # the sure row was not asked
     without = proposals_from_logits(_logits([{7: low, 3: 0.05}]), [unsure])
     assert without[0].tokens == [7]
 
@@ -119,3 +119,34 @@ def test_sampled_and_grammar_masked_rows_never_copy():
     masked.grammar_mask = allocate_bitmask(1, 16)  # every token legal
     proposals_from_logits(_logits([{7: 0.3}, {7: 0.3}]), [sampled, masked], lookup)
     assert lookup.stats()["lookup_consulted"] == 0
+
+
+def test_a_greedy_chain_ends_after_a_token_the_model_was_unsure_of_unless_it_was_copied():
+    lookup = ContextLookup()
+    copied, unsure, sure = (_seq([1, 2, 3, 4, 1, 2], seq_id=i) for i in (1, 2, 3))
+    unsure.tokens[-1] = 11  # no earlier "1 11": nothing to copy
+    for seq in (copied, unsure, sure):
+        lookup.open(seq)
+    sampled = _seq([1, 2, 3], seq_id=4, sampling=SamplingParams(temperature=1.0, seed=3))
+    rows = _logits([{7: 0.3}, {7: 0.3}, {7: 0.9}, {7: 0.3}])
+    proposals = proposals_from_logits(rows, [copied, unsure, sure, sampled], lookup, stop_below=0.4)
+    assert [p.tokens[0] for p in proposals[:3]] == [3, 7, 7]
+    # the copy goes on; the unsure argmax ends the chain; a sure token and a sampled draw go on
+    assert [p.exhausted for p in proposals] == [False, True, False, False]
+    assert not any(p.exhausted for p in proposals_from_logits(rows, [copied, unsure, sure, sampled], lookup))
+
+
+def test_the_chain_stop_is_on_for_a_drafter_on_the_cpu_and_off_on_an_accelerator_unless_set():
+    import types
+
+    from duospec.draft_worker.methods import build_proposer
+    from duospec.draft_worker.model_proposer import CPU_STOP_CONFIDENCE
+    from duospec.draft_worker.proposer import DraftMethod, DraftSpec
+
+    def stop(device: str, **options) -> float:
+        runner = types.SimpleNamespace(device=torch.device(device), max_context=64)
+        return build_proposer(DraftSpec(DraftMethod.MODEL, path="d", **options), "t", runner=runner).stop_below
+
+    assert CPU_STOP_CONFIDENCE > 0
+    assert stop("cpu") == CPU_STOP_CONFIDENCE and stop("cuda") == 0.0
+    assert stop("cpu", stop_confidence=0.0) == 0.0 and stop("cuda", stop_confidence=0.3) == 0.3
