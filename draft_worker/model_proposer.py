@@ -62,10 +62,12 @@ def proposals_from_logits(logits: torch.Tensor, seqs: list[DraftState], lookup: 
     legal = torch.isfinite(top.values).tolist() if masked else None
     sampled = [i for i, seq in enumerate(seqs) if not seq.sampling.greedy]
     host = dict(zip(sampled, logits[sampled].cpu())) if sampled else {}
-    judged = [row for row, seq in enumerate(seqs) if seq.sampling.greedy and seq.grammar_mask is None] \
-        if lookup is not None or stop_below > 0 else []
-    confidence = dict(zip(judged, (top.values[judged, 0] - torch.logsumexp(logits[judged], dim=-1)).exp().tolist())) \
-        if judged else {}
+    confidence: dict[int, float] = {}  # greedy unmasked row -> the model's probability of its argmax
+    if lookup is not None or stop_below > 0:
+        judged = [row for row, seq in enumerate(seqs) if seq.sampling.greedy and seq.grammar_mask is None]
+        if judged:
+            best = (top.values[judged, 0] - torch.logsumexp(logits[judged], dim=-1)).exp()
+            confidence = dict(zip(judged, best.tolist()))
     copies = lookup.copies(seqs, confidence) if lookup is not None else {}
     proposals = []
     for row, seq in enumerate(seqs):
