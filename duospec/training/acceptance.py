@@ -71,7 +71,7 @@ def lookup_rounds(prompt_ids: list[int], continuation: list[int], guesses: list[
     """(rounds, committed, matches) of greedy speculation whose drafter copies from the verified text
     where its confidence is below the lookup's threshold (module doc). `matches` counts every position
     as if its round started there (all before it verified), like the agreement without lookup."""
-    from duospec.draft_worker.context_lookup import MAX_CONFIDENCE, ContextLookup
+    from duospec.draft_worker.context_lookup import ContextLookup
     from duospec.draft_worker.proposer import DraftState
     from duospec.sampling import SamplingParams
 
@@ -83,8 +83,7 @@ def lookup_rounds(prompt_ids: list[int], continuation: list[int], guesses: list[
     def guess(pos: int, round_start: int) -> int:
         seq.tokens = list(prompt_ids) + continuation[:pos]
         seq.committed_len = len(prompt_ids) + round_start
-        copied = lookup.suggest(seq) if confidences[pos] < MAX_CONFIDENCE else None
-        return guesses[pos] if copied is None else copied
+        return lookup.copies([seq], {0: confidences[pos]}).get(0, guesses[pos])  # the drafter's own rule
 
     n = len(continuation)
     rounds = committed = i = 0

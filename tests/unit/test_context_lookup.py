@@ -150,3 +150,14 @@ def test_the_chain_stop_is_on_for_a_drafter_on_the_cpu_and_off_on_an_accelerator
     assert CPU_STOP_CONFIDENCE > 0
     assert stop("cpu") == CPU_STOP_CONFIDENCE and stop("cuda") == 0.0
     assert stop("cpu", stop_confidence=0.0) == 0.0 and stop("cuda", stop_confidence=0.3) == 0.3
+
+
+def test_the_teacher_forced_simulation_copies_only_from_text_verified_before_each_round():
+    from duospec.training.acceptance import AcceptanceStats, round_stats
+
+    prompt, continuation = [1, 2, 3, 4], [1, 2, 3, 9]
+    wrong, unsure = [0] * 4, [0.1] * 4  # the model never guesses right and is never sure
+    # rounds: 1 (miss), 2 (miss), then "1 2" -> 3 is copied (accepted) and "2 3" -> 4 is not the 9
+    assert round_stats(prompt, continuation, wrong, unsure, 4, lookup=True) == AcceptanceStats(3, 4, 1, 4)
+    assert round_stats(prompt, continuation, wrong, unsure, 4) == AcceptanceStats(4, 4, 0, 4)
+    assert round_stats(prompt, continuation, wrong, [0.9] * 4, 4, lookup=True) == AcceptanceStats(4, 4, 0, 4)
