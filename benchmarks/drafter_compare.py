@@ -81,6 +81,16 @@ def _parse(argv):
         if label not in args.drafters:
             parser.error(f"--set {label}.{key}: no --drafter has the label {label!r}")
         args.options.setdefault(label, {})[key] = value
+    for label, options in args.options.items():  # checked as a serve config's `draft:` mapping is
+        from duospec.coordinator.config import ConfigError, parse_serve_config
+
+        method, directory = args.drafters[label]
+        draft = {"method": method, **({} if method == "ngram" else {"path": str(directory)}), **options}
+        try:
+            parse_serve_config({"models": [{"name": label, "target": str(args.target), "draft": draft}]},
+                               source="--set")
+        except ConfigError as exc:
+            parser.error(str(exc))
     return args
 
 
