@@ -27,10 +27,12 @@ def _neighbour(kind: str, draft: str) -> None:
 
     torch.set_num_threads(1)
     if kind == "draft":
+        from duospec.draft_worker.proposer import DraftSpec
         from duospec.engine import load_model
         from duospec.training.acceptance import runner_step_seconds
 
-        runner = load_model(draft, device="cpu", dtype=torch.float32, max_slots=1, draft_vocab=True)
+        runner = load_model(draft, device="cpu", dtype=torch.float32, max_slots=1, drafter=True,
+                            float16_products=DraftSpec.float16_products)
         while True:
             runner_step_seconds(runner, 64, 50)
     elif kind == "alu":

@@ -340,8 +340,9 @@ def _parse_model(f: "Fields", base_dir: pathlib.Path) -> ModelConfig:
 
 _DRAFT_KEYS = {
     DraftMethod.MODEL: ("path", "kv_cache_memory_bytes", "tensor_parallel_size", "context_lookup",
-                        "stop_confidence"),
-    DraftMethod.LAYERS: ("layers", "path", "kv_cache_memory_bytes", "context_lookup", "stop_confidence"),
+                        "stop_confidence", "float16_products"),
+    DraftMethod.LAYERS: ("layers", "path", "kv_cache_memory_bytes", "context_lookup", "stop_confidence",
+                         "float16_products"),
     DraftMethod.NGRAM: ("min_ngram", "max_ngram", "max_proposal", "pool", "pool_tokens", "max_pools"),
     DraftMethod.EAGLE: ("path", "kv_cache_memory_bytes"),
     DraftMethod.EAGLE3: ("path", "kv_cache_memory_bytes"),
@@ -400,7 +401,7 @@ def _parse_draft(f: "Fields", base_dir: pathlib.Path, target: str) -> DraftSpec 
         raise ConfigError(f"{d.where('path')}: empty; give the draft checkpoint's directory or remove the key")
     memory = d.setting(DraftSpec, "kv_cache_memory_bytes")
     # only the model and layers methods admit these keys (_DRAFT_KEYS)
-    chains = {key: d.setting(DraftSpec, key) for key in ("context_lookup", "stop_confidence")}
+    chains = {key: d.setting(DraftSpec, key) for key in ("context_lookup", "stop_confidence", "float16_products")}
     if method.loads_path:
         return DraftSpec(method, path=resolve_model_path(d.get("path", str, required=True), base_dir),
                          kv_cache_memory_bytes=memory, **chains)

@@ -57,5 +57,6 @@ def load_draft_runner(spec: DraftSpec, target_path: str, **kwargs):
         load = load_eagle3 if spec.method is DraftMethod.EAGLE3 else load_eagle
         return load(spec.path, target_path, device=device, dtype=dtype, **kwargs)
     if spec.method is DraftMethod.LAYERS and spec.path is None:
-        return load_model(target_path, num_layers=spec.layers, **kwargs)
-    return load_model(spec.checkpoint(target_path), draft_vocab=True, **kwargs)
+        return load_model(target_path, num_layers=spec.layers, drafter=True,
+                          float16_products=spec.float16_products, **kwargs)
+    return load_model(spec.checkpoint(target_path), drafter=True, float16_products=spec.float16_products, **kwargs)

@@ -29,6 +29,7 @@ import statistics
 import time
 from collections.abc import Sequence
 
+from duospec.draft_worker.proposer import DraftSpec
 from duospec.engine.replay import CostModel, ReplayEntry, write_replay_table
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,8 @@ def record_tables(target_dir: str, draft_dir: str, prompts: Sequence[Sequence[in
             return [ReplayEntry(tuple(p), tuple(g), tuple(d), tuple(s))
                     for p, g, d, s in zip(prompts, greedy, drafts, seconds)]
 
-        draft = load_model(draft_dir, dtype=torch.float32, max_slots=len(prompts), max_context=longest, draft_vocab=True)
+        draft = load_model(draft_dir, dtype=torch.float32, max_slots=len(prompts), max_context=longest, drafter=True,
+                           float16_products=DraftSpec.float16_products)
         slots = [draft.allocate_slot() for _ in prompts]
         drafts: list[list[tuple[int, ...]]] = [[] for _ in prompts]
         seconds: list[list[int]] = [[] for _ in prompts]
@@ -264,7 +266,8 @@ def build_replay_pair(out_dir: pathlib.Path, target_dir: str, draft_dir: str, pr
             runner = eagle_cost_runner(path, target_dir, max(COST_BATCH_POINTS))
             source = f"the real EAGLE head's ({path}; its inputs' features are zeros)"
         elif layout is None:
-            runner = load_model(path, dtype=torch.float32, max_slots=max(COST_BATCH_POINTS), draft_vocab=role == "draft")
+            runner = load_model(path, dtype=torch.float32, max_slots=max(COST_BATCH_POINTS), drafter=role == "draft",
+                                float16_products=DraftSpec.float16_products)
             source = f"the real {role}'s ({path})"
         else:
             runner, params = _random_runner(vocab_size, layout)

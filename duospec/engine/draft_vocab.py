@@ -8,7 +8,7 @@ outside the subset still comes out, as the target's correction.
 
 On disk, next to an ordinary checkpoint (which stays loadable by transformers with its full head):
 `draft_vocab.safetensors` holding `token_ids`, int64, ascending, unique, within the model's vocabulary.
-Only a drafter honours it (`load_model(..., draft_vocab=True)`); a target never trims its output.
+Only a drafter honours it (`load_model(..., drafter=True)`); a target never trims its output.
 """
 
 from __future__ import annotations

@@ -187,12 +187,14 @@ class LeanLlamaRunner(ModelRunner):
                  dtype: torch.dtype, max_slots: int, max_context: int, kv_cache_memory_bytes: int | None = None,
                  gpu_memory_utilization: float | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  prefix_caching: bool = True, tp: TensorParallel | None = None,
-                 draft_ids: torch.Tensor | None = None) -> None:
+                 draft_ids: torch.Tensor | None = None, approximate: bool = False) -> None:
         """`max_slots`: sequences open at once (a slot costs nothing until it holds positions);
         `max_context`: positions of one sequence; the pool's size: kv_memory.pool_blocks.
         `draft_ids`: a draft's output vocabulary (ascending target ids; duospec/engine/draft_vocab.py):
         its LM head computes those rows only and every other token gets -inf, so q is zero outside
-        them and the target, verifying over its whole vocabulary, still produces any token."""
+        them and the target, verifying over its whole vocabulary, still produces any token.
+        `approximate`: a drafter's runner, whose products may run in float16 where that is faster
+        (cpu_linear.py; a draft's logits only decide what is proposed, never what is output)."""
         super().__init__(max_slots, max_context)
         reason = lean_unsupported_reason(config)
         if reason is not None:
@@ -216,13 +218,13 @@ class LeanLlamaRunner(ModelRunner):
         self.attn_scale = config.query_pre_attn_scalar ** -0.5 if gemma else None  # None: 1/sqrt(head_dim)
         self.logit_softcap = getattr(config, "final_logit_softcapping", None)
         with torch.no_grad():
-            self._load_weights(config, state_dict)
+            self._load_weights(config, state_dict, approximate)
             self._build_rope(config)
             self._allocate_pool(kv_cache_memory_bytes, gpu_memory_utilization, prefix_caching)
 
     # ---- load --------------------------------------------------------------------------------
 
-    def _load_weights(self, config, sd: dict[str, torch.Tensor]) -> None:
+    def _load_weights(self, config, sd: dict[str, torch.Tensor], approximate: bool) -> None:
         def take(name: str) -> torch.Tensor:
             if name not in sd:
                 raise CheckpointError(f"weight {name!r} missing from the checkpoint's state dict")
@@ -250,7 +252,7 @@ class LeanLlamaRunner(ModelRunner):
                                                if t.dim() == 2 and name.startswith("model.layers.")))
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> CpuLinear:
-            return CpuLinear(weight, bias, measure=measure, model_weight_bytes=weight_bytes)
+            return CpuLinear(weight, bias, measure=measure, model_weight_bytes=weight_bytes, approximate=approximate)
 
         self.lm_head = linear(head)
         self.final_norm = norm("model.norm.weight")

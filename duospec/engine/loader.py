@@ -128,7 +128,8 @@ def _max_context(ref: str, config, max_context: int | None) -> int:
 def load_model(path: str | pathlib.Path, *, device: str | torch.device = "cpu", dtype: str | torch.dtype = "auto",
                max_slots: int = 16, max_context: int | None = None, backend: str = "auto",
                num_layers: int | None = None, kv: KVOptions | None = None,
-               tp: TensorParallel | None = None, draft_vocab: bool = False) -> ModelRunner:
+               tp: TensorParallel | None = None, drafter: bool = False,
+               float16_products: bool = False) -> ModelRunner:
     """Load a causal LM checkpoint into a ``ModelRunner``.
 
     backend: "lean" = duospec's paged-KV forward (Llama/Qwen2/Mistral/Qwen3/Gemma 3 text; error
@@ -140,7 +141,9 @@ def load_model(path: str | pathlib.Path, *, device: str | torch.device = "cpu", 
     shallow-layer draft of a target (only those layers' weights are loaded).
     A directory holding ``replay.json`` loads a ``ReplayRunner`` (benchmark simulation; see replay.py).
     tp: this process's rank in a tensor-parallel group (tensor_parallel.py): it loads its shard only.
-    draft_vocab: a drafter's load: honour the checkpoint's trimmed output vocabulary (draft_vocab.py).
+    drafter: a drafter's load: honour the checkpoint's trimmed output vocabulary (draft_vocab.py);
+    with float16_products (`draft.float16_products`) also let its products run in float16 where that
+    measures faster here (cpu_linear.py).
     """
     if backend not in BACKENDS:
         raise CheckpointError(f"backend={backend!r} is not one of {BACKENDS}")
@@ -171,7 +174,7 @@ def load_model(path: str | pathlib.Path, *, device: str | torch.device = "cpu", 
         check_tp_size(config, tp.world, ref)  # before the weights are read
     if backend == "auto" and reason is not None:
         log.info("%s: using the transformers fallback backend (%s)", ref, reason)
-    draft_ids = read_draft_vocab(ref, config.vocab_size) if draft_vocab else None
+    draft_ids = read_draft_vocab(ref, config.vocab_size) if drafter else None
     if draft_ids is not None and not use_lean:
         raise CheckpointError(f"{ref}: a draft vocabulary ({DRAFT_VOCAB_FILE}) needs duospec's own forward, which "
                               f"cannot run this model ({reason or 'backend=hf'}); use backend: auto or lean")
@@ -182,7 +185,7 @@ def load_model(path: str | pathlib.Path, *, device: str | torch.device = "cpu", 
             config, state = shard_config(config, tp.world), shard_state_dict(config, state, tp.rank, tp.world)
         runner: ModelRunner = LeanLlamaRunner(config, state, device=dev, dtype=torch_dtype, max_slots=max_slots,
                                               max_context=context, tp=tp if sharded else None, draft_ids=draft_ids,
-                                              **(kv or KVOptions()).kwargs())
+                                              approximate=drafter and float16_products, **(kv or KVOptions()).kwargs())
         del model
         return runner
     from duospec.engine.hf_runner import HFRunner

@@ -198,9 +198,11 @@ def decode_step_seconds(path, prompt_len: int = 64, repeats: int = 200, draft: b
     """Median seconds of one single-token decode step of the checkpoint at `path` on duospec's
     engine (fp32, the current thread count), at position `prompt_len`; `draft`: as a drafter loads it
     (its trimmed vocabulary, if any)."""
+    from duospec.draft_worker.proposer import DraftSpec
     from duospec.engine import load_model
 
-    runner = load_model(path, device="cpu", dtype=torch.float32, max_slots=1, draft_vocab=draft)
+    runner = load_model(path, device="cpu", dtype=torch.float32, max_slots=1, drafter=draft,
+                        float16_products=DraftSpec.float16_products)
     return runner_step_seconds(runner, prompt_len, repeats)
 
 

@@ -60,7 +60,7 @@ def test_the_engine_computes_the_draft_vocabulary_only(target_dir, trained):
     draft_dir = trained[0]
     ids = read_draft_vocab(draft_dir, 10_000)
     hf = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32).eval()
-    runner = load_model(draft_dir, device="cpu", dtype="float32", max_slots=1, draft_vocab=True)
+    runner = load_model(draft_dir, device="cpu", dtype="float32", max_slots=1, drafter=True)
     assert runner.lm_head.shape[0] == VOCAB  # the step's LM head is the trimmed one
     tokens = [3, 9, 4, 11, 2, 8]
     logits = runner.forward([SlotChunk(runner.allocate_slot(), 0, tokens)])[0]
@@ -93,6 +93,32 @@ def test_greedy_output_is_the_targets_with_tokens_outside_the_draft_vocabulary(t
         drafted += result.stats.drafted_tokens
     assert drafted > 0
     assert outside > 0  # the random target emits tokens the draft cannot propose: they came as corrections
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "pearl"])
+def test_greedy_output_is_the_targets_with_a_drafter_multiplying_in_half(target_dir, trained, mode, monkeypatch):
+    """The drafter's every product in float16 (forced: these weights are too small to be measured):
+    drafts change at most, the output is the target's alone, and the target's products stay float32."""
+    from duospec.decoding import autoregressive, decode
+    from duospec.draft_worker.methods import build_proposer
+    from duospec.draft_worker.proposer import DraftMethod, DraftSpec
+    from duospec.engine import cpu_linear, load_checkpoint
+
+    if not cpu_linear.half_linear_works():
+        pytest.skip("no float16 GEMM in this torch build")
+    half, plain = (cpu_linear.Kernel.HALF,) * 5, (cpu_linear.Kernel.PLAIN,) * 5
+    monkeypatch.setattr(cpu_linear, "MEASURE_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(cpu_linear, "kernel_choices",
+                        lambda out, inp, copies=1, kernels=(): half if cpu_linear.Kernel.HALF in kernels else plain)
+    ckpt = load_checkpoint(target_dir, device="cpu", dtype="float32", max_slots=2)
+    assert ckpt.runner.lm_head.choices == plain
+    proposer = build_proposer(DraftSpec(DraftMethod.MODEL, path=str(trained[0])), str(target_dir), device="cpu",
+                              max_slots=2)
+    assert proposer.runner.layers[0].qkv.choices == half
+    for prompt in ([5, 6, 7, 8], [40, 41, 2, 9, 17]):
+        result = decode(ckpt, proposer, prompt, max_new_tokens=24, mode=mode, ignore_eos=True)
+        assert result.token_ids == autoregressive(ckpt, prompt, max_new_tokens=24, ignore_eos=True).token_ids
+        assert result.stats.drafted_tokens > 0
 
 
 def test_transformers_assisted_generation_runs_the_draft_with_its_vocabulary(target_dir, trained):
@@ -227,7 +253,7 @@ def test_a_malformed_draft_vocabulary_is_refused_naming_the_file_and_field(targe
     }[case]
     save_file(tensors, str(draft / DRAFT_VOCAB_FILE))
     with pytest.raises(CheckpointError, match=expected) as err:
-        load_model(draft, device="cpu", dtype="float32", max_slots=1, draft_vocab=True)
+        load_model(draft, device="cpu", dtype="float32", max_slots=1, drafter=True)
     assert DRAFT_VOCAB_FILE in str(err.value)
 
 

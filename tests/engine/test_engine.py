@@ -405,6 +405,55 @@ def test_packed_linear_can_be_switched_off(monkeypatch):
         cpu_linear.packed_linear_works.cache_clear()
 
 
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_the_half_kernel_is_a_drafters_only(monkeypatch, with_bias):
+    """The float16 product is offered to a drafter's weights only, stays within float16's rounding of
+    F.linear, keeps a float32 result, and an input beyond float16's range gives finite outputs."""
+    from duospec.engine import cpu_linear
+    from duospec.engine.cpu_linear import Kernel
+
+    if not cpu_linear.half_linear_works():
+        pytest.skip("no float16 GEMM in this torch build")
+    assert Kernel.HALF not in cpu_linear.available_kernels()
+    assert Kernel.HALF in cpu_linear.available_kernels(approximate=True)
+    monkeypatch.setattr(cpu_linear, "kernel_choices", lambda *shape: (Kernel.HALF,) * 5)
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(512, 256, generator=gen) / 16
+    bias = torch.randn(512, generator=gen) if with_bias else None
+    linear = cpu_linear.CpuLinear(weight, bias, measure=True, approximate=True)
+    assert linear.weights[Kernel.HALF].dtype == torch.float16
+    for rows in (1, 3, 16):
+        x = torch.randn(rows, 256, generator=gen)
+        got = linear(x)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias), rtol=2e-2, atol=2e-2)
+    # beyond float16's range in and out: computed on the scaled-down input, finite and still close
+    outlier = torch.randn(1, 256, generator=gen) * 1e6
+    torch.testing.assert_close(linear(outlier), torch.nn.functional.linear(outlier, weight, bias), rtol=2e-2,
+                               atol=2e-2 * 1e6)
+
+
+def test_only_a_drafters_runner_may_multiply_in_half(monkeypatch):
+    # A target's linears are measured among the exact kernels; the same checkpoint loaded as a drafter
+    # with float16_products also offers the float16 one (the bundled target's weights are big enough
+    # to be measured), and without it does not.
+    from duospec.engine import cpu_linear
+
+    offered = []
+    real = cpu_linear.kernel_choices
+    monkeypatch.setattr(cpu_linear, "kernel_choices",
+                        lambda out, inp, copies=1, kernels=None: offered.append(kernels) or real(out, inp, 1, kernels, 1))
+    load_model(MODELS / "target", max_slots=1, max_context=64, backend="lean", dtype="float32")
+    assert offered and all(cpu_linear.Kernel.HALF not in k for k in offered)
+    offered.clear()
+    load_model(MODELS / "target", max_slots=1, max_context=64, backend="lean", dtype="float32", drafter=True)
+    assert offered and all(cpu_linear.Kernel.HALF not in k for k in offered)
+    offered.clear()
+    load_model(MODELS / "target", max_slots=1, max_context=64, backend="lean", dtype="float32", drafter=True,
+               float16_products=True)
+    assert offered and all((cpu_linear.Kernel.HALF in k) == cpu_linear.half_linear_works() for k in offered)
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen2-tied", "mistral-window", "qwen3", "gemma3-window"])
 def test_shallow_layers_match_transformers_truncated(ckpt_dirs, sequences, name):
     """`num_layers=K` (the `layers` drafter) = the target's first K layers + its final norm and head."""

@@ -151,6 +151,9 @@ def test_draft_as_a_path_or_a_mapping(tmp_path):
     off = parse_serve_config(_draft_config({"method": "model", "path": "d", "context_lookup": False}),
                              base_dir=tmp_path).models[0]
     assert off.draft == DraftSpec(DraftMethod.MODEL, path=str(tmp_path / "d"), context_lookup=False)
+    assert model.draft.float16_products  # on unless turned off
+    exact = parse_serve_config(_draft_config({"method": "layers", "layers": 2, "float16_products": False})).models[0]
+    assert exact.draft == DraftSpec(DraftMethod.LAYERS, layers=2, float16_products=False)
     assert model.draft.checkpoint("/m/target") == "/m/target"
     assert ModelConfig(name="m", target="t", draft="/d").draft == DraftSpec(DraftMethod.MODEL, path="/d")
 
@@ -168,6 +171,8 @@ def test_draft_as_a_path_or_a_mapping(tmp_path):
     ({"method": "ngram", "context_lookup": False}, "draft.context_lookup", "not an option of method ngram"),
     ({"method": "model", "path": "d", "context_lookup": "yes"}, "draft.context_lookup", "bool"),
     ({"method": "model", "path": "d", "stop_confidence": 1.5}, "draft.stop_confidence", "out of range"),
+    ({"method": "eagle3", "path": "d", "float16_products": False}, "draft.float16_products",
+     "not an option of method eagle3"),
     (7, "draft", "expected str or dict"),
 ])
 def test_bad_draft_names_the_field_and_the_fix(draft, where, fix):
