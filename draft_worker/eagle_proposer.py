@@ -153,7 +153,8 @@ class EagleProposer(Proposer):
                 continue
             ready.append((row, i))
         if ready:
-            chosen = proposals_from_logits(logits[[row for row, _ in ready]], [seqs[i] for _, i in ready])
+            chosen = proposals_from_logits(logits[[row for row, _ in ready]], [seqs[i] for _, i in ready],
+                                           columns=getattr(self.runner, "draft_ids", None))
             for (_, i), proposal in zip(ready, chosen):
                 proposals[i] = proposal
         return proposals

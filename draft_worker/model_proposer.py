@@ -34,7 +34,7 @@ ALTERNATIVES = 2  # next-best tokens named per drafted position (hedge keys)
 
 
 def proposals_from_logits(logits: torch.Tensor, seqs: list[DraftState], lookup: ContextLookup | None = None,
-                          stop_below: float = 0.0) -> list[Proposal]:
+                          stop_below: float = 0.0, columns: torch.Tensor | None = None) -> list[Proposal]:
     """One drafted token per row of ``logits [n, V]`` for ``seqs[i]`` at its next position — greedy:
     the argmax, or where the model is unsure what `lookup` copies from the verified text
     (draft_worker/context_lookup.py); sampled: a draw from q (`draft_sample`) — with the draft's
@@ -45,7 +45,11 @@ def proposals_from_logits(logits: torch.Tensor, seqs: list[DraftState], lookup: 
     `stop_below`: a greedy chain ends (EXHAUSTED: nothing more until the verdict) after a token the model
     gave less than this probability, since what follows it is likelier wasted than verified. Greedy
     only: a sampled request's chunk ends must follow from its tokens alone (draft_worker/proposer.py),
-    and a probability can move across the threshold with the batch's shape."""
+    and a probability can move across the threshold with the batch's shape.
+
+    `columns`: the draft's trimmed vocabulary (ascending ids; every other logit is -inf): the argmax,
+    runners-up and confidence are found among those columns only (on the SmolLM2 draft's 8,192 of
+    49,152 that is ~40 µs a row instead of ~260); a sampled row still draws from the whole row."""
     masked = [(row, seq.grammar_mask) for row, seq in enumerate(seqs) if seq.grammar_mask is not None]
     if masked:
         raw, logits = logits, logits.clone()  # the runner's output buffer is not ours to change
@@ -56,8 +60,10 @@ def proposals_from_logits(logits: torch.Tensor, seqs: list[DraftState], lookup: 
         for row, alive in zip(rows, torch.isfinite(logits[rows]).any(dim=-1).tolist()):
             if not alive:
                 logits[row] = raw[row]
-    top = torch.topk(logits, min(ALTERNATIVES + 1, logits.shape[-1]), dim=-1)
-    picks = torch.cat([logits.argmax(dim=-1, keepdim=True), top.indices], dim=1).tolist()  # one copy off the device
+    scored = logits if columns is None else logits.index_select(1, columns)
+    top = torch.topk(scored, min(ALTERNATIVES + 1, scored.shape[-1]), dim=-1)
+    picks = torch.cat([scored.argmax(dim=-1, keepdim=True), top.indices], dim=1)
+    picks = (picks if columns is None else columns[picks]).tolist()  # one copy off the device
     # a masked row's runners-up may be illegal (-inf): never a hedge key
     legal = torch.isfinite(top.values).tolist() if masked else None
     sampled = [i for i, seq in enumerate(seqs) if not seq.sampling.greedy]
@@ -66,7 +72,7 @@ def proposals_from_logits(logits: torch.Tensor, seqs: list[DraftState], lookup: 
     if lookup is not None or stop_below > 0:
         judged = [row for row, seq in enumerate(seqs) if seq.sampling.greedy and seq.grammar_mask is None]
         if judged:
-            best = (top.values[judged, 0] - torch.logsumexp(logits[judged], dim=-1)).exp()
+            best = (top.values[judged, 0] - torch.logsumexp(scored[judged], dim=-1)).exp()
             confidence = dict(zip(judged, best.tolist()))
     copies = lookup.copies(seqs, confidence) if lookup is not None else {}
     proposals = []
@@ -153,8 +159,9 @@ class ModelProposer(Proposer):
             if end == len(seq.tokens):
                 ready.append(row)
         if ready:
-            for row, proposal in zip(ready, proposals_from_logits(logits[ready], [seqs[r] for r in ready], self.lookup,
-                                                                     self.stop_below)):
+            chosen = proposals_from_logits(logits[ready], [seqs[r] for r in ready], self.lookup, self.stop_below,
+                                           getattr(self.runner, "draft_ids", None))
+            for row, proposal in zip(ready, chosen):
                 proposals[row] = proposal
         return proposals
 

@@ -161,3 +161,35 @@ def test_the_teacher_forced_simulation_copies_only_from_text_verified_before_eac
     assert round_stats(prompt, continuation, wrong, unsure, 4, lookup=True) == AcceptanceStats(3, 4, 1, 4)
     assert round_stats(prompt, continuation, wrong, unsure, 4) == AcceptanceStats(4, 4, 0, 4)
     assert round_stats(prompt, continuation, wrong, [0.9] * 4, 4, lookup=True) == AcceptanceStats(4, 4, 0, 4)
+
+
+def test_a_trimmed_vocabulary_is_searched_on_its_columns_with_the_same_proposals():
+    # A draft vocabulary's logits are -inf outside its columns: choosing among the columns gives the
+    # same tokens, runners-up, copies, chain ends and sampled draws as choosing among the whole row.
+
+    columns = torch.tensor([1, 2, 3, 7, 9, 12])
+    full = _logits([{7: 0.3, 9: 0.2}, {7: 0.3, 3: 0.1}, {12: 0.9}, {2: 0.4, 9: 0.35}, {9: 0.5, 1: 0.2}])
+    outside = torch.ones(16, dtype=torch.bool)
+    outside[columns] = False
+    full[:, outside] = float("-inf")
+    full[:, columns] += torch.arange(6) * 1e-3  # no ties: the two searches may break a tie differently
+
+    def rows():
+        seqs = [_seq([1, 2, 3, 4, 1, 2], seq_id=i) for i in range(1, 4)]
+        seqs[1].tokens[-1] = 11  # nothing to copy
+        seqs.append(_seq([1, 2, 3], seq_id=4, sampling=SamplingParams(temperature=1.0, seed=3)))
+        masked = _seq([5, 6], seq_id=5)
+        masked.grammar_mask = torch.tensor([[(1 << 1) | (1 << 12)]], dtype=torch.int32)  # 1 and 12 legal
+        lookup = ContextLookup()
+        for seq in seqs[:3]:
+            lookup.open(seq)
+        return seqs + [masked], lookup
+
+    def summary(proposals):
+        return [(p.tokens, p.exhausted, p.alternatives, p.probs) for p in proposals]
+
+    seqs, lookup = rows()
+    want = summary(proposals_from_logits(full.clone(), seqs, lookup, 0.4))
+    seqs, lookup = rows()
+    assert summary(proposals_from_logits(full.clone(), seqs, lookup, 0.4, columns)) == want
+    assert [p[0] for p in want[:3]] == [[3], [7], [12]] and want[4][0] == [1]
