@@ -157,6 +157,19 @@ class _Stream:
     constrained: bool = False  # the request has a constraint (its acceptance is also counted on its own)
     usage_row: str = ""  # its ledger row: `id`, or the broken stream's that a resumed one continues
     usage_id: str = ""  # the row, signed for this request (coordinator/serving/resume.py)
+    resumed_tokens: int = 0  # a resumed stream: the tokens its broken stream delivered (in completion_tokens)
+
+    @property
+    def resumed(self) -> bool:
+        return self.usage_row != self.id
+
+    @property
+    def charged_tokens(self) -> int:
+        """What this stream takes from its tenant's tokens per minute: the prompt and the completion; a
+        resumed stream only its new tokens (the broken one was charged the prompt and what it delivered)."""
+        if self.resumed:
+            return self.completion_tokens - self.resumed_tokens
+        return self.prompt_tokens + self.completion_tokens
 
     @property
     def tenant(self) -> Tenant:
@@ -192,6 +205,9 @@ class Gateway:
         self.max_prompt_chars = {name: max_prompt_chars(self.models[name], tok)
                                  for name, tok in tokenizers.items() if name in self.models}
         self._streams: dict[str, _Stream] = {}
+        # usage row -> the stream of this gateway that writes it: a resumed stream that lands on the gateway
+        # its broken stream is still ending on takes the row over, and the broken one's writes are dropped
+        self._row_writers: dict[str, _Stream] = {}
         self._grammars: dict[str, Any] = {}  # model -> its GrammarCompiler, made at the first constraint
         # Gateways of one scaled-out deployment sign with a key they share (coordinator/remote.py), so a
         # stream broken on one resumes on any other; a file configured wins
@@ -271,6 +287,7 @@ class Gateway:
         self._streams[stream.id] = stream
         self.lifecycle.stream_opened()
         self._update_queue_gauges()
+        self._row_writers[stream.usage_row] = stream
         try:
             if self.ledger is not None:
                 await self.ledger.start_async(self._record(stream, "running", RUNNING))
@@ -299,7 +316,7 @@ class Gateway:
                                "see the server log") from None
         finally:
             del self._streams[stream.id]
-            self.admission.release(ticket, stream.prompt_tokens + stream.completion_tokens)
+            self.admission.release(ticket, stream.charged_tokens)
             self.lifecycle.stream_closed()
             self._update_queue_gauges()
             await self._account(stream)
@@ -327,8 +344,9 @@ class Gateway:
                     continue_request, request, validated, info, tenant.name, self.resume_secret, grammar)
             text = await asyncio.to_thread(text_state, self.tokenizers[info.name], validated)
             n_prompt = validated.request.output_start
-            ticket = await self.admission.admit(tenant, len(validated.request.prompt_token_ids)
-                                                + validated.request.max_new_tokens, info.name)
+            # a resumed request reserves only what is new: its broken stream paid for the prompt and the delivered
+            resent = len(validated.request.prompt_token_ids) if not request.HasField("resume") else 0
+            ticket = await self.admission.admit(tenant, resent + validated.request.max_new_tokens, info.name)
         except RequestError as exc:
             raise self.refuse(caller, GatewayError(exc.code, str(exc), field=exc.field)) from None
         except AuthError as exc:
@@ -337,6 +355,7 @@ class Gateway:
             raise self.refuse(caller, GatewayError(exc.code, str(exc), exc.retry_after_s)) from None
         stream = _Stream(validated.request.request_id, caller, info.name, validated.client_request_id, n_prompt,
                          completion_tokens=validated.request.resumed_tokens,
+                         resumed_tokens=validated.request.resumed_tokens,
                          constrained=validated.request.constraint is not None, usage_row=resume.row,
                          usage_id=signed)
         return validated, text, resume.finished, ticket, stream
@@ -451,7 +470,8 @@ class Gateway:
     def _ledger_progress(self, stream: _Stream) -> None:
         """In memory, flushed each second; a record at most every quarter of that, not per token event."""
         now = time.monotonic()
-        if self.ledger is not None and now - stream.progress_t >= FLUSH_INTERVAL_S / 4:
+        if self.ledger is not None and now - stream.progress_t >= FLUSH_INTERVAL_S / 4 \
+                and self._row_writers.get(stream.usage_row) is stream:
             stream.progress_t = now
             self.ledger.progress(self._record(stream, "running", RUNNING))
 
@@ -468,6 +488,11 @@ class Gateway:
         log.info("request %s tenant=%s model=%s prompt_tokens=%d completion_tokens=%d finish=%s",
                  stream.client_request_id, tenant, stream.model, stream.prompt_tokens, stream.completion_tokens,
                  finish)
+        if self._row_writers.get(stream.usage_row) is not stream:
+            log.info("request %s: its usage row %s was resumed by a later stream of this gateway, which writes it",
+                     stream.client_request_id, stream.usage_row)
+            return
+        del self._row_writers[stream.usage_row]
         if self.ledger is not None:  # (a failed write is logged and counted by the ledger, never raised)
             await self.ledger.finish_async(self._record(stream, finish, stream.status_code))
 

@@ -153,6 +153,68 @@ async def test_an_unseeded_sampled_stream_is_not_resumed(breaking):
     assert len(gateway.requests) == 1 and len(h.coordinator.started) == 1
 
 
+async def test_a_broken_streams_late_end_on_the_same_gateway_leaves_the_resumed_row_alone(tiny_pair, tmp_path):
+    # The broken stream's end is noticed only after its resumption, on the same gateway, has finished
+    # (its cancellation late, as a dead link's can be): the row stays the resumed stream's, OK and whole.
+    # (The target slowed, so the broken stream is still generating when it is cancelled.)
+    async with running_server(server_coordinator(tiny_pair, step_delay_s=0.03),
+                              ledger_path=str(tmp_path / "usage.db")) as served:
+        served.ledger_path = tmp_path / "usage.db"
+        await _a_late_end(served)
+
+
+async def _a_late_end(served):
+    gateway, late = served.server.gateway, asyncio.Event()
+    account = gateway._account
+    held = []
+
+    async def account_late(stream):
+        if not held:  # the first stream to end is the broken one
+            held.append(stream)
+            await late.wait()
+        await account(stream)
+
+    gateway._account = account_late
+    req = pb.GenerateRequest(prompt=PROMPT, stopping=pb.StoppingCriteria(max_new_tokens=MAX_NEW, ignore_eos=True))
+    call = served.stub.Generate(req)
+    first = [await call.read() for _ in range(3)]
+    call.cancel()
+    while not held:  # the broken stream ended (cancelled mid-generation) and waits to be accounted
+        await asyncio.sleep(0.01)
+    again = await collect(served.stub, resumed(req, first, sum(len(r.token_ids) for r in first)))
+    assert again[-1].finish_reason == pb.FINISH_REASON_LENGTH and held[0].status_code == "CANCELLED"
+    [row] = query_usage(served.ledger_path)
+    assert (row.status_code, row.completion_tokens) == ("OK", MAX_NEW)
+    late.set()
+    while gateway._row_writers:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)  # the late stream's accounting is over
+    [row] = query_usage(served.ledger_path)
+    assert (row.status_code, row.finish_reason, row.completion_tokens) == ("OK", "length", MAX_NEW)
+
+
+async def test_a_resumed_request_takes_only_its_new_tokens_from_the_rate_limit(served):
+    # tokens per minute: the broken stream paid for the prompt and what it delivered; the resumption
+    # reserves and is charged only the tokens it adds.
+    admission = served.server.admission
+    reserved, used = [], []
+    admit, release = admission.admit, admission.release
+
+    async def recording_admit(tenant, tokens, model=""):
+        reserved.append(tokens)
+        return await admit(tenant, tokens, model)
+
+    def recording_release(ticket, used_tokens):
+        used.append(used_tokens)
+        release(ticket, used_tokens)
+
+    admission.admit, admission.release = recording_admit, recording_release
+    req, responses = await first_stream(served)
+    prompt = responses[-1].usage.prompt_tokens
+    await collect(served.stub, resumed(req, responses, 3))
+    assert reserved == [prompt + 8, 8 - 3] and used == [prompt + 8, 8 - 3]
+
+
 # ---- the server refuses a resume that does not match its request --------------------------------------
 
 async def first_stream(h, **sampling) -> tuple[pb.GenerateRequest, list[pb.GenerateResponse]]:
