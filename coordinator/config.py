@@ -344,8 +344,8 @@ _DRAFT_KEYS = {
     DraftMethod.LAYERS: ("layers", "path", "kv_cache_memory_bytes", "context_lookup", "stop_confidence",
                          "float16_products"),
     DraftMethod.NGRAM: ("min_ngram", "max_ngram", "max_proposal", "pool", "pool_tokens", "max_pools"),
-    DraftMethod.EAGLE: ("path", "kv_cache_memory_bytes"),
-    DraftMethod.EAGLE3: ("path", "kv_cache_memory_bytes"),
+    DraftMethod.EAGLE: ("path", "kv_cache_memory_bytes", "context_lookup", "stop_confidence"),
+    DraftMethod.EAGLE3: ("path", "kv_cache_memory_bytes", "context_lookup", "stop_confidence"),
     DraftMethod.MEDUSA: ("path",),
 }
 

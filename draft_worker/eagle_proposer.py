@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from duospec.draft_worker.context_lookup import ContextLookup
 from duospec.draft_worker.model_proposer import PREFILL_CHUNK_TOKENS, proposals_from_logits
 from duospec.draft_worker.proposer import DraftMethod, DraftState, FeatureStore, Proposal, Proposer
 from duospec.engine import SlotChunk, SlotsExhausted
@@ -46,9 +47,12 @@ class _HeadState:
 
 class EagleProposer(Proposer):
     def __init__(self, runner: EagleRunner | Eagle3Runner, method: DraftMethod = DraftMethod.EAGLE, *,
-                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS):
+                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS, lookup: ContextLookup | None = None,
+                 stop_below: float = 0.0):
         self.runner = runner
         self.method = method
+        self.lookup = lookup  # as the model drafter's (model_proposer.py): copies where the head is unsure
+        self.stop_below = stop_below
         self.max_context = runner.max_context
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.hidden_size = runner.config.hidden_size
@@ -59,12 +63,16 @@ class EagleProposer(Proposer):
         # No prefix cache for the head: its rows depend on features as well as tokens (nothing is committed).
         anchor = None if seq.sampling.greedy else len(seq.tokens) - 1
         seq.proposer_state = _HeadState(self.runner.allocate_slot(), anchor=anchor)
+        if self.lookup is not None:
+            self.lookup.open(seq)
 
     def rewind(self, seq: DraftState, length: int) -> None:
         state: _HeadState = seq.proposer_state
         state.fed = min(state.fed, length)
         state.fed_true = min(state.fed_true, state.fed)
         state.pred.truncate(state.fed)
+        if self.lookup is not None:
+            self.lookup.rewind(seq, length)
 
     def branch(self, parent: DraftState, child: DraftState) -> bool:
         try:
@@ -86,6 +94,8 @@ class EagleProposer(Proposer):
         if state is not None:
             self.runner.free_slot(state.slot)
             seq.proposer_state = None
+        if self.lookup is not None:
+            self.lookup.close(seq)
 
     def _usable(self, seq: DraftState) -> int:
         """Positions [0, n) whose target features this sequence's rows may read."""
@@ -154,7 +164,7 @@ class EagleProposer(Proposer):
             ready.append((row, i))
         if ready:
             chosen = proposals_from_logits(logits[[row for row, _ in ready]], [seqs[i] for _, i in ready],
-                                           columns=getattr(self.runner, "draft_ids", None))
+                                           self.lookup, self.stop_below, getattr(self.runner, "draft_ids", None))
             for (_, i), proposal in zip(ready, chosen):
                 proposals[i] = proposal
         return proposals

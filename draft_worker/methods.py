@@ -27,18 +27,18 @@ def build_proposer(spec: DraftSpec, target_path: str, *, device: str = "cpu", dt
         runner = load_draft_runner(spec, target_path, device=device, dtype=dtype, max_slots=max_slots,
                                    max_context=max_context, kv=kv)
     chunking = {} if prefill_chunk_tokens is None else {"prefill_chunk_tokens": prefill_chunk_tokens}
-    if spec.method in (DraftMethod.EAGLE, DraftMethod.EAGLE3):
-        from duospec.draft_worker.eagle_proposer import EagleProposer
-
-        return EagleProposer(runner, spec.method, **chunking)
     from duospec.draft_worker.context_lookup import ContextLookup
     from duospec.draft_worker.model_proposer import CPU_STOP_CONFIDENCE, ModelProposer
 
     stop = spec.stop_confidence
     if stop is None:
         stop = CPU_STOP_CONFIDENCE if str(getattr(runner, "device", device)).startswith("cpu") else 0.0
-    return ModelProposer(runner, spec.method, lookup=ContextLookup() if spec.context_lookup else None,
-                         stop_below=stop, **chunking)
+    chains = {"lookup": ContextLookup() if spec.context_lookup else None, "stop_below": stop, **chunking}
+    if spec.method in (DraftMethod.EAGLE, DraftMethod.EAGLE3):
+        from duospec.draft_worker.eagle_proposer import EagleProposer
+
+        return EagleProposer(runner, spec.method, **chains)
+    return ModelProposer(runner, spec.method, **chains)
 
 
 def load_draft_runner(spec: DraftSpec, target_path: str, **kwargs):

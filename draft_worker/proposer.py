@@ -130,14 +130,14 @@ class DraftSpec:
     tensor_parallel_size: int = setting(
         1, "model: the draft's tensor-parallel group size, ranks on one node", lo=1, hi=MAX_TENSOR_PARALLEL)
     context_lookup: bool = setting(
-        True, "model, layers: where the draft model is unsure (top probability < 0.5) and the text's last two "
-        "tokens occurred earlier in the sequence's verified text, a greedy request drafts what followed them there "
-        "instead (draft_worker/context_lookup.py)")
+        True, "model, layers, eagle, eagle3: where the draft model (or head) is unsure (top probability < 0.5) "
+        "and the text's last two tokens occurred earlier in the sequence's verified text, a greedy request drafts "
+        "what followed them there instead (draft_worker/context_lookup.py)")
     stop_confidence: float | None = setting(
-        None, "model, layers: a greedy request's chain of drafts ends after a token the draft model gave less than "
-        "this probability, until the target's verdict (0: drafts run to the lookahead bound); absent = 0.4 for a "
-        "drafter on the CPU (it shares cores with the target: drafting what is likely wasted slows the verify), "
-        "0 on an accelerator", lo=0.0, hi=1.0)
+        None, "model, layers, eagle, eagle3: a greedy request's chain of drafts ends after a token the draft model "
+        "(or head) gave less than this probability, until the target's verdict (0: drafts run to the lookahead "
+        "bound); absent = 0.4 for a drafter on the CPU (it shares cores with the target: drafting what is likely "
+        "wasted slows the verify), 0 on an accelerator", lo=0.0, hi=1.0)
     float16_products: bool = setting(
         True, "model, layers: on a CPU, the draft model's matrix products run in float16 wherever that measured "
         "faster at load (half the bytes to read: a one-row step of the SmolLM2 draft 4.4 -> 3.1 ms); false keeps "

@@ -150,6 +150,12 @@ def test_the_chain_stop_is_on_for_a_drafter_on_the_cpu_and_off_on_an_accelerator
     assert CPU_STOP_CONFIDENCE > 0
     assert stop("cpu") == CPU_STOP_CONFIDENCE and stop("cuda") == 0.0
     assert stop("cpu", stop_confidence=0.0) == 0.0 and stop("cuda", stop_confidence=0.3) == 0.3
+    # an EAGLE / EAGLE-3 head drafts with the same lookup and chain stop
+    head = types.SimpleNamespace(device=torch.device("cpu"), max_context=64, config=types.SimpleNamespace(hidden_size=8))
+    for method in (DraftMethod.EAGLE, DraftMethod.EAGLE3):
+        proposer = build_proposer(DraftSpec(method, path="h"), "t", runner=head)
+        assert proposer.lookup is not None and proposer.stop_below == CPU_STOP_CONFIDENCE
+        assert build_proposer(DraftSpec(method, path="h", context_lookup=False), "t", runner=head).lookup is None
 
 
 def test_the_teacher_forced_simulation_copies_only_from_text_verified_before_each_round():
