@@ -400,7 +400,7 @@ def _parse_draft(f: "Fields", base_dir: pathlib.Path, target: str) -> DraftSpec 
     if path == "":
         raise ConfigError(f"{d.where('path')}: empty; give the draft checkpoint's directory or remove the key")
     memory = d.setting(DraftSpec, "kv_cache_memory_bytes")
-    # only the model and layers methods admit these keys (_DRAFT_KEYS)
+    # only the methods whose _DRAFT_KEYS list them admit these keys; the others get the defaults
     chains = {key: d.setting(DraftSpec, key) for key in ("context_lookup", "stop_confidence", "float16_products")}
     if method.loads_path:
         return DraftSpec(method, path=resolve_model_path(d.get("path", str, required=True), base_dir),

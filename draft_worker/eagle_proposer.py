@@ -53,6 +53,7 @@ class EagleProposer(Proposer):
         self.method = method
         self.lookup = lookup  # as the model drafter's (model_proposer.py): copies where the head is unsure
         self.stop_below = stop_below
+        self.columns = getattr(runner, "draft_ids", None)  # EAGLE-3's draft vocabulary (None: EAGLE's whole one)
         self.max_context = runner.max_context
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.hidden_size = runner.config.hidden_size
@@ -164,7 +165,7 @@ class EagleProposer(Proposer):
             ready.append((row, i))
         if ready:
             chosen = proposals_from_logits(logits[[row for row, _ in ready]], [seqs[i] for _, i in ready],
-                                           self.lookup, self.stop_below, getattr(self.runner, "draft_ids", None))
+                                           self.lookup, self.stop_below, self.columns)
             for (_, i), proposal in zip(ready, chosen):
                 proposals[i] = proposal
         return proposals

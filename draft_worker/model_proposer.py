@@ -108,6 +108,7 @@ class ModelProposer(Proposer):
         self.method = method
         self.lookup = lookup  # copies from the verified text where the model is unsure (None: off)
         self.stop_below = stop_below  # a greedy chain ends after a token less likely than this (proposals_from_logits)
+        self.columns = getattr(runner, "draft_ids", None)  # a trimmed draft vocabulary (None: the whole one)
         self.max_context = runner.max_context
         # A long prompt is read this many tokens per step, so the other sequences keep drafting.
         self.prefill_chunk_tokens = prefill_chunk_tokens
@@ -160,7 +161,7 @@ class ModelProposer(Proposer):
                 ready.append(row)
         if ready:
             chosen = proposals_from_logits(logits[ready], [seqs[r] for r in ready], self.lookup, self.stop_below,
-                                           getattr(self.runner, "draft_ids", None))
+                                           self.columns)
             for row, proposal in zip(ready, chosen):
                 proposals[row] = proposal
         return proposals
