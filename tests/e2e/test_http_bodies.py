@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import select
 import socket
-import threading
+import tracemalloc
 
 import pytest
 
@@ -52,32 +51,19 @@ def _send_and_read(port: int, headers: dict[str, str], body_chunks: int, *, chun
         return int(lines[0].split()[1]), json.loads(rest), sent
 
 
-class _PeakRss:
-    """The largest resident size of this process (which runs the server) while it is open."""
-
-    def __init__(self):
-        self._page = os.sysconf("SC_PAGE_SIZE")
-        self.before = self._rss()
-        self.peak = self.before
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _rss(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self._page
-
-    def _sample(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._rss())
-            self._stop.wait(0.001)
+class _PeakAllocated:
+    """The most memory Python code in this process (the server's included) held at once while it is open,
+    above what it held when it opened. Traced allocations, not the resident size: the resident size also
+    moves with every other thread's allocator arenas in a long test session, which is noise here."""
 
     def __enter__(self):
-        self._thread.start()
+        tracemalloc.start()
+        self.before = tracemalloc.get_traced_memory()[0]
         return self
 
     def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
+        self.growth = tracemalloc.get_traced_memory()[1] - self.before
+        tracemalloc.stop()
 
 
 async def test_a_body_over_the_limit_is_413_before_it_is_read_and_memory_stays_flat(harness):
@@ -96,12 +82,12 @@ async def test_a_body_over_the_limit_is_413_before_it_is_read_and_memory_stays_f
     assert str(limit) in error["message"] and "max_request_body_bytes" in error["message"]
     # Chunked, no length: refused once the bytes read pass the limit, long before the 64 MiB are sent,
     # and never held whole.
-    with _PeakRss() as rss:
+    with _PeakAllocated() as held:
         status, body, sent = await asyncio.to_thread(
             _send_and_read, port, {**key, "transfer-encoding": "chunked"}, BODY // len(CHUNK), chunked=True)
     assert status == 413 and body["error"]["code"] == "request_too_large"
     assert limit < sent < BODY, sent
-    assert rss.peak - rss.before < 24 << 20, (rss.before, rss.peak)  # the server kept at most the limit's worth
+    assert held.growth < 3 * limit, held.growth  # the limit's worth and read buffers, never the body (16x the limit)
     async with client(harness) as c:  # and it serves on
         assert (await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)).choices[0].text is not None
 
