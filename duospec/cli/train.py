@@ -89,7 +89,9 @@ def _register_distill(subparsers) -> None:
         "trimmed vocabulary (the draft's LM head covers the N tokens the target emits most; trained on the "
         "target's outputs cached once; --data: `duospec distill-data` folders, FOLDER:N for a folder's first N "
         "answers, and/or stdlib)")
-    trimmed.add_argument("--draft-vocab", type=int, metavar="N", help="draft vocabulary size, e.g. 8192")
+    trimmed.add_argument("--draft-vocab", type=int, metavar="N",
+                         help="draft vocabulary size, e.g. 16384; with --init at least the init's (a larger N keeps "
+                              "the init's tokens and adds those the target emits most in --data)")
     trimmed.add_argument("--init", type=Path, metavar="DIR",
                          help="start from this draft checkpoint (its shape and draft vocabulary): continue a shipped draft")
     trimmed.add_argument("--add-layers", type=int, metavar="K",
