@@ -151,7 +151,7 @@ def test_init_continues_a_draft_keeping_its_vocabulary(target_dir, trained, tmp_
 
 
 def test_init_with_a_larger_vocabulary_keeps_its_tokens_and_adds_the_most_emitted(target_dir, trained, tmp_path):
-    """What the shipped SmolLM2 draft needed: its 8,192 tokens, chosen on code, covered 84 % of everyday answers."""
+    """Why: the shipped SmolLM2 draft's 8,192 tokens, chosen on code, cover 84 % of the target's everyday answers."""
     from duospec.training.eagle3 import choose_draft_vocab
 
     assert _distill(target_dir, tmp_path / "grown", "--steps", "2", "--init", str(trained[0]),
