@@ -79,8 +79,11 @@ class ServerSettings:
     grammar_compile_timeout_s: float = setting(
         DEFAULT_COMPILE_TIMEOUT_S, "how long a request's JSON schema, regex or grammar may take to compile; "
         "past it the request is INVALID_ARGUMENT (HTTP 400) naming the field", lo=0.01, hi=600.0)
-    default_max_new_tokens: int = setting(
-        256, "used when a request leaves max_new_tokens at 0; at most max_new_tokens_limit", lo=1, hi=1 << 24)
+    # Unset, a request without max_tokens runs to its end as OpenAI's and vLLM's do, within what the
+    # operator and the tenant allow; a fixed number here cuts every such answer at that length.
+    default_max_new_tokens: int | None = setting(
+        None, "used when a request leaves max_new_tokens unset (0); absent: the room left in the model's "
+        "context, up to max_new_tokens_limit and the tenant's max_tokens_per_request", lo=1, hi=1 << 24)
     grace_period_s: float = setting(
         10.0, "SIGTERM: how long in-flight streams may finish before they are cancelled", lo=0.0, hi=MAX_GRACE_PERIOD_S)
     # nginx's send_timeout: a client that stopped reading fills the connection's buffers; past this
@@ -296,7 +299,7 @@ def _parse_server(f: "Fields", base_dir: pathlib.Path) -> ServerSettings:
     if not settings.metrics_host.strip():
         raise ConfigError(f"{f.where('metrics_host')}: empty; give the address /metrics listens on "
                           "(127.0.0.1, the address your Prometheus reaches, or 0.0.0.0 for every interface)")
-    if settings.default_max_new_tokens > settings.max_new_tokens_limit:
+    if settings.default_max_new_tokens is not None and settings.default_max_new_tokens > settings.max_new_tokens_limit:
         raise ConfigError(
             f"{f.where('default_max_new_tokens')}: {settings.default_max_new_tokens} is above "
             f"max_new_tokens_limit {settings.max_new_tokens_limit}; lower it or raise the limit"

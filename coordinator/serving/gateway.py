@@ -332,6 +332,7 @@ class Gateway:
                 validate_request, request, info, self.tokenizers[info.name], self.settings,
                 self.default_modes.get(info.name, SpeculationMode.PEARL), uuid.uuid4().hex,
                 max_prompt_chars=self.max_prompt_chars.get(info.name),
+                token_allowance=tenant.limits.max_tokens_per_request or None,
             )
             grammar = None
             if validated.request.constraint is not None:

@@ -94,9 +94,21 @@ def create_app(gateway: Gateway, is_serving: Callable[[], bool]):
             return error_response(exc)
         return JSONResponse(oai.model_list(gateway.visible_models(caller)))
 
+    async def model(request: Request) -> Response:
+        """GET /v1/models/{id}: one model the caller may use, as the list shows it; 404 otherwise."""
+        try:
+            caller = caller_of(request)
+            name = request.path_params["name"]
+            listed = oai.model_list([m for m in gateway.visible_models(caller) if m.name == name])["data"]
+            if not listed:
+                raise GatewayError("NOT_FOUND", f"no model {name!r} for this API key; GET /v1/models lists yours")
+        except GatewayError as exc:
+            return error_response(exc)
+        return JSONResponse(listed[0])
+
     async def parse(request: Request, caller: Caller, chat: bool, naming: dict):
-        """(GenerateRequest, ToolRequest | None, stream, include_usage) from the body; a GatewayError
-        counted as refused."""
+        """(GenerateRequest, ToolRequest | None, one call at most, stream, include_usage) from the body;
+        a GatewayError counted as refused."""
         try:
             body = oai.parse_body(await _read_body(request, gateway.settings.max_request_body_bytes))
             if chat and body.get("max_completion_tokens") is not None:
@@ -104,15 +116,17 @@ def create_app(gateway: Gateway, is_serving: Callable[[], bool]):
             client_id = request.headers.get("x-request-id", "")
             req = oai.chat_request(body, client_id) if chat else oai.completion_request(body, client_id)
             tools = oai_tools.tool_request(body) if chat else None  # whether to look for tool calls
-            return (req, tools, *oai.stream_options(body))
+            naming["constraint_field"] = oai_tools.constraint_field(body, tools, chat=chat)
+            single = body.get("parallel_tool_calls") is False
+            return (req, tools, single, *oai.stream_options(body))
         except GatewayError as exc:
             raise gateway.refuse(caller, exc) from None
 
     async def generate(request: Request, *, chat: bool) -> Response:
-        naming = {"chat": chat, "max_tokens_field": "max_tokens"}
+        naming = {"chat": chat, "max_tokens_field": "max_tokens", "constraint_field": None}
         try:
             caller = await gateway.accept(request.headers.get("authorization"))
-            req, tools, stream, include_usage = await parse(request, caller, chat, naming)
+            req, tools, single, stream, include_usage = await parse(request, caller, chat, naming)
             deltas = gateway.generate(caller, req)
             try:
                 # Errors before the first token are plain HTTP errors; a client that leaves while its
@@ -128,7 +142,7 @@ def create_app(gateway: Gateway, is_serving: Callable[[], bool]):
         created = int(time.time())
         shape = _LogprobShape(gateway.tokenizers[model], chat) if req.HasField("logprobs") else None
         if stream:
-            calls = oai_tools.StreamedCalls() if tools is not None else None
+            calls = oai_tools.StreamedCalls(single) if tools is not None else None
             return _ClosingStream(_events(deltas, first, rid, model, created, chat, include_usage, naming, shape, calls),
                                   media_type="text/event-stream", headers={"cache-control": "no-cache"})
         try:
@@ -138,7 +152,7 @@ def create_app(gateway: Gateway, is_serving: Callable[[], bool]):
         finish = oai.finish_reason(final.finish_reason)
         logprobs = shape(final.logprobs) if shape else None
         if chat and tools is not None:
-            content, calls = parse_tool_calls(text)
+            content, calls = parse_tool_calls(text, single=single)
             obj = oai.chat_object(rid, model, created, (content or None) if calls else text,
                                   oai_tools.finish_with_calls(finish, len(calls)), chunk=False,
                                   token_ids=final.token_ids, logprobs=logprobs,
@@ -161,6 +175,7 @@ def create_app(gateway: Gateway, is_serving: Callable[[], bool]):
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{name:path}", model, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ]
@@ -260,7 +275,10 @@ async def _events(deltas, first, rid: str, model: str, created: int, chat: bool,
                 if finish is not None:
                     break
                 delta = await deltas.__anext__()
-        except GatewayError as exc:  # mid-stream: the status line is gone, so the error is an event
+        except Exception as exc:  # mid-stream: the status line is gone, so the error is an event
+            if not isinstance(exc, GatewayError):
+                log.error("HTTP stream %s: internal error", rid, exc_info=exc)
+                exc = GatewayError("INTERNAL", "internal error; see the server log")
             _, body, _ = oai.as_http_error(exc, **naming)
             yield oai.sse(body)
             yield oai.SSE_DONE

@@ -6,7 +6,8 @@ its errors name the gRPC field path, and `field_name()` turns that back into the
 sent (`sampling.temperature` -> `temperature`).
 
 Defaults follow OpenAI's API, not duospec's gRPC one: `temperature` 1.0 (send 0 for greedy),
-`top_p` 1.0, `n` 1. `max_tokens` unset = the server's default_max_new_tokens (within the context).
+`top_p` 1.0, `n` 1. `max_tokens` unset = the room left in the context (OpenAI's and vLLM's rule), up to
+the server's max_new_tokens_limit and the tenant's max_tokens_per_request.
 Structured output (`response_format`, `tools`, `tool_choice`): coordinator/serving/openai_tools.py.
 Log-probabilities (`logprobs: N` for completions; `logprobs: true, top_logprobs: N` for chat, N <= 20)
 are the target's, the same in every speculation mode (greedy: its log-softmax; sampled: log p after
@@ -36,12 +37,16 @@ _FINISH = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReaso
            FinishReason.GRAMMAR_DEAD_END: "grammar_dead_end"}
 # Accepted and ignored: they change nothing about what is generated.
 _IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+# OpenAI's and vLLM's sampling knobs that duospec does not have: accepted at the value that changes
+# nothing (what clients send by default), refused at any other.
+_NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0, "min_tokens": 0,
+            "skip_special_tokens": True, "include_stop_str_in_output": False}
+_CHAT_NEUTRAL = {"add_generation_prompt": True}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n",
-           "stream", "stream_options", "logprobs", "ignore_eos", "speculation", "presence_penalty",
-           "frequency_penalty", "logit_bias"}
-COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                         "response_format"}
+           "stream", "stream_options", "logprobs", "ignore_eos", "speculation", "logit_bias",
+           *_NEUTRAL, *openai_tools.OUTPUT_FIELDS}
+COMPLETION_FIELDS = (_COMMON - {"response_format"}) | {"prompt", "echo", "best_of", "suffix"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", *_CHAT_NEUTRAL}
 
 HTTP_STATUS = {
     "INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "FAILED_PRECONDITION": 400, "UNAUTHENTICATED": 401,
@@ -107,6 +112,7 @@ def completion_request(body: dict, request_id: str = "") -> pb.GenerateRequest:
         raise bad("prompt", f"a batch of {len(prompt)} prompts; send one prompt per request")
     else:
         raise bad("prompt", "required: a string, or a list of token ids")
+    openai_tools.apply_output_constraint(body, req, chat=False)
     return req
 
 
@@ -124,6 +130,7 @@ def chat_request(body: dict, request_id: str = "") -> pb.GenerateRequest:
         req.logprobs = _integer(body, "top_logprobs", 0, minimum=0)
     elif wants:
         req.logprobs = 0
+    _neutral(body, _CHAT_NEUTRAL)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "required: a non-empty list of {role, content}")
@@ -138,11 +145,16 @@ def chat_request(body: dict, request_id: str = "") -> pb.GenerateRequest:
         field = f"messages[{i}].content"
         if role == "tool" or (role == "assistant" and m.get("tool_calls")):  # an agent's earlier turns
             content = _content_text(m["content"], field) if m.get("content") is not None else ""
-            role, content = openai_tools.tool_turn(role, content, m.get("tool_calls"), f"messages[{i}]")
+            role, content = openai_tools.tool_turn(m["role"], content, m.get("tool_calls"), f"messages[{i}]")
+            if m["role"] == "tool" and i and messages[i - 1].get("role") == "tool":
+                # results of one turn's parallel calls: one user turn, as templates that alternate roles want
+                previous = req.messages.messages[-1]
+                previous.content += "\n" + _text(content, field)
+                continue
         else:
             content = _content_text(m.get("content"), field)
         req.messages.messages.add(role=_text(role, f"messages[{i}].role"), content=_text(content, field))
-    openai_tools.apply_response_format(body, req)
+    openai_tools.apply_output_constraint(body, req, chat=True)
     openai_tools.apply_tools(openai_tools.tool_request(body), body, req)
     return req
 
@@ -168,9 +180,7 @@ def _common(body: dict, request_id: str, *, max_tokens_field: str) -> pb.Generat
     req.model = model or ""
     if body.get("n") not in (None, 1):
         raise bad("n", f"{body.get('n')!r}: only n = 1 is supported; send separate requests")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise bad(name, "not supported; leave it 0")
+    _neutral(body, _NEUTRAL)
     if body.get("logit_bias"):
         raise bad("logit_bias", "not supported; leave it unset")
     temperature = _number(body, "temperature", 1.0)
@@ -203,6 +213,13 @@ def _common(body: dict, request_id: str, *, max_tokens_field: str) -> pb.Generat
     return req
 
 
+def _neutral(body: dict, knobs: dict) -> None:
+    for name, value in knobs.items():
+        given = body.get(name)
+        if given is not None and (given != value or isinstance(given, bool) != isinstance(value, bool)):
+            raise bad(name, f"{given!r}: not supported; leave it unset or {json.dumps(value)}")
+
+
 def _speculation(raw: Any, out: pb.SpeculationParams) -> None:
     if raw is None:
         return
@@ -213,7 +230,7 @@ def _speculation(raw: Any, out: pb.SpeculationParams) -> None:
         raise bad(f"speculation.{unknown[0]}", "unknown field; use mode, max_draft_tokens, cache or tree")
     mode = raw.get("mode")
     if mode is not None:
-        if mode not in _MODES:
+        if not isinstance(mode, str) or mode not in _MODES:
             raise bad("speculation.mode", f"{mode!r}; use one of {', '.join(_MODES)}")
         out.mode = _MODES[mode]
     if raw.get("max_draft_tokens") is not None:
@@ -304,12 +321,14 @@ _FIELD_NAMES = [  # gRPC field path (validation.py) -> the JSON field the user s
     (re.compile(r"^prompt_token_ids\.ids(\[\d+\])?$"), r"prompt\1"),
     (re.compile(r"^messages\.messages(\[\d+\])?(\.role|\.content)?$"), r"messages\1\2"),
     (re.compile(r"^messages$"), "messages"),
-    (re.compile(r"^constraint\.json_(schema|object)$"), "response_format"),  # (coordinator/serving/openai_tools.py)
-    (re.compile(r"^constraint\.grammar$"), "tools"),  # tool_choice required / named
 ]
 
 
-def field_name(grpc_field: str, *, chat: bool, max_tokens_field: str = "max_tokens") -> str:
+def field_name(grpc_field: str, *, chat: bool, max_tokens_field: str = "max_tokens",
+               constraint_field: str | None = None) -> str:
+    """`constraint_field`: the JSON field the request's constraint came from (openai_tools.constraint_field)."""
+    if constraint_field and grpc_field.startswith("constraint"):
+        return constraint_field
     for pattern, repl in _FIELD_NAMES:
         if pattern.match(grpc_field):
             name = pattern.sub(repl, grpc_field)
@@ -319,12 +338,13 @@ def field_name(grpc_field: str, *, chat: bool, max_tokens_field: str = "max_toke
     return grpc_field
 
 
-def as_http_error(exc: GatewayError, *, chat: bool = False, max_tokens_field: str = "max_tokens"):
+def as_http_error(exc: GatewayError, *, chat: bool = False, max_tokens_field: str = "max_tokens",
+                  constraint_field: str | None = None):
     """(status, body, headers) in OpenAI's error shape; the message names the JSON field."""
     status = getattr(exc, "http_status", None) or HTTP_STATUS.get(exc.code, 500)
     message, param = str(exc), None
     if exc.field:
-        param = field_name(exc.field, chat=chat, max_tokens_field=max_tokens_field)
+        param = field_name(exc.field, chat=chat, max_tokens_field=max_tokens_field, constraint_field=constraint_field)
         prefix = exc.field + ":"
         if message.startswith(prefix):
             message = param + ":" + message[len(prefix):]

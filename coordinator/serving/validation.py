@@ -84,15 +84,18 @@ def validate_request(
     internal_request_id: str,
     *,
     max_prompt_chars: int | None = None,
+    token_allowance: int | None = None,
 ) -> ValidatedRequest:
-    """`max_prompt_chars`: the bound `max_prompt_chars()` worked out for the model (None: none)."""
+    """`max_prompt_chars`: the bound `max_prompt_chars()` worked out for the model (None: none);
+    `token_allowance`: the tenant's max_tokens_per_request (None: none), which bounds the default
+    max_new_tokens so that a request leaving it unset is not refused for it."""
     if len(req.request_id) > MAX_REQUEST_ID_CHARS:
         raise invalid("request_id", f"{len(req.request_id)} characters; use at most {MAX_REQUEST_ID_CHARS}")
     if not (req.request_id.isascii() and req.request_id.isprintable()):
         # It goes into log lines and the ledger: no control characters, no line breaks.
         raise invalid("request_id", "use printable ASCII characters only (no control characters or line breaks)")
     prompt_ids = _prompt_token_ids(req, info, tokenizer, max_prompt_chars)
-    max_new = _max_new_tokens(req.stopping, len(prompt_ids), info, settings)
+    max_new = _max_new_tokens(req.stopping, len(prompt_ids), info, settings, token_allowance)
     stops = _stop_strings(req.stopping)
     stop_ids = _stop_token_ids(req.stopping, info)
     mode, max_draft = _speculation(req.speculation, info, default_mode)
@@ -168,10 +171,12 @@ def _chat_token_ids(messages: pb.ChatMessages, info: ModelInfo, tokenizer: Any) 
     turns = [{"role": m.role, "content": m.content} for m in messages.messages]
     tools = _tools(messages.tools_json)
     extra = {}
-    if tools and "tools" in str(tokenizer.chat_template):
-        extra["tools"] = tools  # the model's own tool format
-    elif tools:
-        from duospec.structured.tools import Tool, default_tool_prompt
+    from duospec.structured.tools import OPEN, Tool, default_tool_prompt
+
+    template = str(tokenizer.chat_template)
+    if tools and "tools" in template and OPEN in template:
+        extra["tools"] = tools  # the model's own offer, in the format the parser and the constraints read
+    elif tools:  # (a template whose calls take another format, e.g. Llama 3's bare JSON, gets ours too)
 
         offer = default_tool_prompt([Tool(t["function"]["name"], t["function"].get("parameters") or {},
                                           t["function"].get("description") or "") for t in tools])
@@ -228,13 +233,16 @@ def constraint_field(req: pb.GenerateRequest) -> str:
     return f"constraint.{req.constraint.WhichOneof('kind')}"
 
 
-def _max_new_tokens(stopping: pb.StoppingCriteria, n_prompt: int, info: ModelInfo, s: ServerSettings) -> int:
+def _max_new_tokens(stopping: pb.StoppingCriteria, n_prompt: int, info: ModelInfo, s: ServerSettings,
+                    token_allowance: int | None) -> int:
     room = info.max_context - n_prompt
     if room < 1:
         raise _no_room(n_prompt, info)
     requested = stopping.max_new_tokens
     if requested == 0:
-        return min(s.default_max_new_tokens, room)
+        default = min(room, s.default_max_new_tokens or s.max_new_tokens_limit)
+        # a prompt past the allowance is refused by admission, which says so
+        return max(1, min(default, token_allowance - n_prompt)) if token_allowance else default
     if requested > s.max_new_tokens_limit:
         raise invalid("stopping.max_new_tokens", f"{requested} is above the server limit {s.max_new_tokens_limit}")
     if requested > room:

@@ -15,6 +15,11 @@ from dataclasses import dataclass
 # so one request cannot make either side parse megabytes (the OpenAI body limit is larger).
 MAX_CONSTRAINT_BYTES = 256 * 1024
 
+# JSON as `json.dumps` writes it (", " and ": ", no other whitespace): what instruct models write, and no
+# room for a model to pad a document with whitespace until max_tokens (llguidance's "x-guidance" options;
+# a schema's own override them).
+JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+
 # How long a compile may take before the request is refused (ServerSettings.grammar_compile_timeout_s).
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 

@@ -16,19 +16,13 @@ import llguidance
 import torch
 
 from duospec.structured.backend import Grammar, GrammarBackend, Matcher, allocate_bitmask, allowed_tokens
-from duospec.structured.constraint import Constraint, ConstraintError, ConstraintKind
+from duospec.structured.constraint import JSON_OPTIONS, Constraint, ConstraintError, ConstraintKind
 
 # Work limits of one grammar (llguidance's units; the defaults written down so they are ours): the
 # compile-time fuel bounds how long a pathological regex can keep a compile thread busy after the
 # caller's time limit has given up on it, the per-step fuel how long one mask may take.
 LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_items=50_000,
               max_lexer_states=250_000, max_grammar_size=500_000, max_items_in_row=2000)
-
-
-# JSON as `json.dumps` writes it (", " and ": ", no other whitespace): what instruct models write, and no
-# room for a model to pad a document with whitespace until max_tokens. A schema's own "x-guidance"
-# options override these.
-JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 
 
 def _limits() -> llguidance.LLParserLimits:

@@ -21,7 +21,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from duospec.structured.constraint import Constraint, ConstraintKind
+from duospec.structured.constraint import JSON_OPTIONS, Constraint, ConstraintKind
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # A block's opening up to its arguments: {"name": "<name>", "arguments": and any whitespace (complete once
@@ -48,14 +48,18 @@ class ToolCall:
     arguments: str  # JSON text of the arguments object, as OpenAI's `function.arguments`
 
 
-def calls_constraint(tools: Sequence[Tool], *, single: bool = False) -> Constraint:
-    """Output = tool-call blocks (one when `single`, else one or more), each calling one of `tools`."""
+def calls_constraint(tools: Sequence[Tool], *, single: bool = False, answer: dict | None = None) -> Constraint:
+    """Output = tool-call blocks (one when `single`, else one or more), each calling one of `tools`; with
+    `answer` (a JSON schema), either those calls or one JSON document under it (tool_choice auto with a
+    response format: the model calls tools or gives its final answer in the asked shape)."""
     call = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                        "properties": {"name": {"const": t.name}, "arguments": t.parameters}} for t in tools],
-            # JSON as json.dumps writes it (the layout of duospec's JSON schemas; no whitespace padding)
-            "x-guidance": {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}}
+            "x-guidance": JSON_OPTIONS}
+    calls = "call" if single else 'call ("\\n" call)*'
+    if answer is not None:
+        calls += f" | %json {json.dumps({**answer, 'x-guidance': {**JSON_OPTIONS, **answer.get('x-guidance', {})}})}"
     lark = "\n".join([
-        "start: call" if single else 'start: call ("\\n" call)*',
+        f"start: {calls}",
         f"call: {json.dumps(OPEN + chr(10))} %json {json.dumps(call)} {json.dumps(chr(10) + CLOSE)}",
     ])
     return Constraint(ConstraintKind.GRAMMAR, lark)
@@ -81,9 +85,11 @@ class ToolCallParser:
     JSON breaks after that opening, ends with the pieces sent so far. A block that never opens as a
     call is content, unless its JSON turns out to be a call in another layout (then it goes out whole
     at its close). `feed` and `finish` return ("content", text), ("call_start", name) and ("arguments",
-    text) events in output order."""
+    text) events in output order. `single` (parallel_tool_calls false): what follows the first call is
+    dropped, calls and text alike (the turn ends at its call, as OpenAI's does)."""
 
-    def __init__(self) -> None:
+    def __init__(self, single: bool = False) -> None:
+        self.single = single
         self._buffer = ""
         self._inside = False
         self.calls = 0
@@ -94,6 +100,9 @@ class ToolCallParser:
         self._buffer += text
         events: list[tuple[str, object]] = []
         while True:
+            if self._called_once():
+                self._buffer = ""
+                return events
             if self._inside:
                 end = self._buffer.find(CLOSE)
                 if end < 0:
@@ -114,6 +123,9 @@ class ToolCallParser:
             return events
 
     def finish(self) -> list[tuple[str, object]]:
+        if self._called_once():
+            self._buffer = ""
+            return []
         if self._inside and self._head is not None:  # cut at max_tokens: the call ends with what was sent
             self._buffer, self._inside, self._head, self._sent = "", False, None, 0
             return []
@@ -122,6 +134,9 @@ class ToolCallParser:
         events: list[tuple[str, object]] = []
         self._content(events, rest)
         return events
+
+    def _called_once(self) -> bool:
+        return self.single and self.calls > 0 and not self._inside
 
     def _stream_call(self, events: list, body: str) -> None:
         """An open block's text so far: its name once complete, then its arguments but what may be
@@ -184,9 +199,9 @@ def _partial_length(text: str, tag: str) -> int:
     return 0
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
+def parse_tool_calls(text: str, *, single: bool = False) -> tuple[str, list[ToolCall]]:
     """A whole output: (its content, the calls in it), as the stream of it gives them."""
-    parser = ToolCallParser()
+    parser = ToolCallParser(single)
     content, calls = "", []
     for kind, value in parser.feed(text) + parser.finish():
         if kind == "content":

@@ -309,3 +309,66 @@ def test_a_prompt_longer_than_the_context_can_hold_is_refused_before_tokenizing(
     fits = text * (MAX_CONTEXT - 1)  # as many characters per token as there can be, and still room for one
     assert len(tok.encode(fits)) < MAX_CONTEXT
     assert validate(pb.GenerateRequest(prompt=fits), tok).request.max_new_tokens >= 1
+
+
+def test_a_request_without_max_new_tokens_gets_the_room_left_within_the_limits(tiny_pair):
+    """As OpenAI and vLLM: unset max_new_tokens runs to the context's end, but never past the server's
+    max_new_tokens_limit or its default, nor past the tenant's per-request allowance (which would
+    refuse the request)."""
+    from transformers import AutoTokenizer
+
+    from duospec.coordinator.api import ModelInfo, SpeculationMode
+    from duospec.coordinator.config import ServerSettings
+    from duospec.coordinator.serving.validation import validate_request
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
+    info = ModelInfo(MODEL, "t", None, len(tok), MAX_CONTEXT, None)
+    prompt = [5] * 20
+
+    def max_new(settings=ServerSettings(), allowance=None, asked=0):
+        req = pb.GenerateRequest(stopping=pb.StoppingCriteria(max_new_tokens=asked))
+        req.prompt_token_ids.ids.extend(prompt)
+        return validate_request(req, info, tok, settings, SpeculationMode.OFF, "id",
+                                token_allowance=allowance).request.max_new_tokens
+
+    assert ServerSettings().max_new_tokens_limit >= MAX_CONTEXT
+    assert max_new() == MAX_CONTEXT - len(prompt)
+    assert max_new(ServerSettings(max_new_tokens_limit=50)) == 50
+    assert max_new(ServerSettings(default_max_new_tokens=7)) == 7
+    assert max_new(allowance=32) == 32 - len(prompt)
+    assert max_new(allowance=10) == 1  # the prompt alone is past it: admission refuses it, and says why
+    assert max_new(allowance=32, asked=40) == 40  # asked for: admission judges it as asked
+
+
+@pytest.mark.parametrize("template, native", [
+    ("{% for t in tools %}{{ t }}{% endfor %} reply with <tool_call>...</tool_call>", True),  # Hermes / Qwen
+    ("{% for t in tools %}{{ t }}{% endfor %} reply with a JSON object", False),  # Llama 3's bare JSON
+    ("{{ messages }}", False),  # no tools at all
+])
+def test_tools_go_through_the_template_only_where_it_calls_in_the_tool_call_format(template, native):
+    """The parser and the constraints read `<tool_call>` blocks: a template that offers tools in that
+    format gets them; any other gets duospec's system prompt, which asks for that format."""
+    import json
+
+    from duospec.coordinator.api import ModelInfo
+    from duospec.coordinator.serving.validation import _chat_token_ids
+
+    class Recording:
+        chat_template = template
+
+        def apply_chat_template(self, turns, **kwargs):
+            self.turns, self.kwargs = turns, kwargs
+            return "rendered"
+
+        def encode(self, text, add_special_tokens):
+            return [1, 2]
+
+    tokenizer = Recording()
+    tools = [{"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}]
+    messages = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="a")], tools_json=json.dumps(tools))
+    assert _chat_token_ids(messages, ModelInfo("m", "t", None, 100, 256, None), tokenizer) == [1, 2]
+    assert ("tools" in tokenizer.kwargs) == native
+    offered = tokenizer.turns[0]["role"] == "system" and "<tool_call>" in tokenizer.turns[0]["content"]
+    assert offered != native
+    if offered:
+        assert '"name":"ping"' in tokenizer.turns[0]["content"]

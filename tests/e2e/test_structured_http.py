@@ -156,7 +156,14 @@ async def test_auto_offers_the_tools_in_the_prompt_and_answers(harness):
           tool_choice="required"), "tools", "frobnicate"),
     (dict(response_format=_json_schema_format({"type": "frobnicate"})), "response_format", "frobnicate"),
     (dict(response_format={"type": "yaml"}), "response_format", "json_schema"),
-    (dict(response_format={"type": "json_object"}, tools=TOOLS), "response_format", "cannot be combined"),
+    (dict(response_format={"type": "json_object"}, extra_body={"guided_regex": "a+"}), "guided_regex",
+     "cannot be combined with response_format"),
+    (dict(tools=TOOLS, extra_body={"guided_regex": "a+"}), "tool_choice", "auto combines with a JSON"),
+    (dict(extra_body={"guided_choice": []}), "guided_choice", "non-empty list"),
+    (dict(extra_body={"guided_json": {"type": "frobnicate"}}), "guided_json", "frobnicate"),
+    (dict(extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}}), "structured_outputs", "one of"),
+    (dict(extra_body={"repetition_penalty": 1.2}), "repetition_penalty", "leave it unset or 1"),
+    (dict(extra_body={"speculation": {"mode": ["pearl"]}}), "speculation.mode", "use one of"),
 ])
 async def test_bad_structured_requests_are_400s_naming_the_field(harness, kwargs, param, words):
     with pytest.raises(openai.BadRequestError) as info:
@@ -169,8 +176,10 @@ async def test_an_agents_history_with_tool_calls_and_results_is_rendered(harness
     history = [
         *MESSAGES,
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "ping", "arguments": "{}"}}]},
+            {"id": "call_1", "type": "function", "function": {"name": "ping", "arguments": "{}"}},
+            {"id": "call_2", "type": "function", "function": {"name": "ping", "arguments": ""}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "pong"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "pong again"},
     ]
     reply = await client(harness).chat.completions.create(model="tiny", messages=history, max_tokens=4,
                                                           temperature=0, tools=TOOLS)
@@ -179,8 +188,62 @@ async def test_an_agents_history_with_tool_calls_and_results_is_rendered(harness
 
     prompt = AutoTokenizer.from_pretrained(str(harness.target)).decode(list(harness.coordinator.started[-1].prompt_token_ids))
     assert '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>' in prompt
-    assert "<tool_response>\npong\n</tool_response>" in prompt
+    # the results of one turn's calls are one user turn ("" arguments are a call without any)
+    assert prompt.count('{"name": "ping", "arguments": {}}') == 2
+    assert "<tool_response>\npong\n</tool_response>\n<tool_response>\npong again\n</tool_response>" in prompt
     with pytest.raises(openai.BadRequestError) as info:
         await client(harness).chat.completions.create(model="tiny", max_tokens=4, messages=[
             {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{x"}}]}])
     assert info.value.body["param"] == "messages[0].tool_calls[0].function.arguments"
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+async def test_auto_with_a_response_format_gives_valid_calls_or_a_valid_answer(harness, parallel):
+    """tool_choice auto and a json_schema: the output is tool calls or the answer in that schema, and
+    nothing else; parallel_tool_calls false, one call at most. Sampled with several seeds, so both
+    branches are taken."""
+    branches = set()
+    for seed in range(6):
+        reply = await client(harness).chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=300, temperature=1.0, seed=seed, tools=TOOLS,
+            response_format=_json_schema_format(), parallel_tool_calls=parallel)
+        choice = reply.choices[0]
+        if choice.message.tool_calls:
+            branches.add("calls")
+            assert choice.finish_reason == "tool_calls" and (parallel or len(choice.message.tool_calls) == 1)
+            for call in choice.message.tool_calls:
+                jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+        else:
+            branches.add("answer")
+            assert choice.finish_reason == "stop", choice
+            jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    assert branches == {"calls", "answer"}
+
+
+async def test_vllm_structured_output_fields_constrain_chat_and_completions(harness):
+    """Clients written for vLLM send guided_choice / guided_regex / guided_json or structured_outputs."""
+    async def chat(**extra):
+        reply = await client(harness).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=60,
+                                                              temperature=0, extra_body=extra)
+        return reply.choices[0].message.content, reply.choices[0].finish_reason
+
+    choices = ["sunny", "rainy", "snow and wind"]
+    assert (await chat(guided_choice=choices))[0] in choices
+    assert (await chat(structured_outputs={"choice": choices}))[0] in choices
+    for extra in ({"guided_json": SCHEMA}, {"guided_json": json.dumps(SCHEMA)}, {"structured_outputs": {"json": SCHEMA}}):
+        text, finish = await chat(**extra)
+        assert finish == "stop"
+        jsonschema.validate(json.loads(text), SCHEMA)
+    reply = await client(harness).completions.create(model="tiny", prompt="The forecast:", max_tokens=20,
+                                                     temperature=0, extra_body={"guided_regex": "[0-9]{2,4} ?(C|F)"})
+    import re
+
+    assert re.fullmatch("[0-9]{2,4} ?(C|F)", reply.choices[0].text) and reply.choices[0].finish_reason == "stop"
+
+
+async def test_one_model_is_retrieved_by_its_id(harness):
+    model = await client(harness).models.retrieve("tiny")
+    assert model.id == "tiny" and model.object == "model"
+    with pytest.raises(openai.NotFoundError) as info:
+        await client(harness).models.retrieve("nope")
+    assert "GET /v1/models" in info.value.body["message"]

@@ -99,3 +99,33 @@ def test_a_call_cut_at_max_tokens_ends_with_what_was_sent():
     parser = ToolCallParser()
     events = parser.feed(OPEN + '\n{"name": "ping", "arguments": {"x": "abc') + parser.finish()
     assert events == [("call_start", "ping"), ("arguments", '{"x": "abc')]
+
+
+def test_auto_with_a_response_format_admits_calls_or_the_answer_and_nothing_else(backend):
+    answer = {"type": "object", "required": ["city"], "additionalProperties": False,
+              "properties": {"city": {"type": "string"}}}
+    either = calls_constraint([WEATHER, PING], answer=answer)
+    assert _admits(backend, either, block("ping", {}) + "\n" + block("get_weather", {"city": "x"}))
+    assert _admits(backend, either, json.dumps({"city": "Oslo"}))
+    assert not _admits(backend, either, json.dumps({"town": "Oslo"}))  # not the answer's schema
+    assert not _admits(backend, either, "Sure. " + json.dumps({"city": "Oslo"}))
+    assert not _admits(backend, either, json.dumps({"city": "Oslo"}) + "\n" + block("ping", {}))
+    one = calls_constraint([WEATHER, PING], single=True, answer=answer)
+    assert _admits(backend, one, block("ping", {})) and _admits(backend, one, json.dumps({"city": "Oslo"}))
+    assert not _admits(backend, one, block("ping", {}) + "\n" + block("ping", {}))
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_one_call_at_most_drops_what_follows_the_first_call(size):
+    """parallel_tool_calls false with tool_choice auto: the turn ends at its first call."""
+    text = "Checking.\n" + block("get_weather", {"city": "Oslo"}) + "\nand then\n" + block("ping", {})
+    parser, events = ToolCallParser(single=True), []
+    for i in range(0, len(text), size):
+        events += parser.feed(text[i:i + size])
+    events += parser.finish()
+    assert [kind for kind, _ in events if kind == "call_start"] == ["call_start"]
+    assert "".join(v for kind, v in events if kind == "content") == "Checking.\n"
+    assert parse_tool_calls(text, single=True) == ("Checking.\n", [ToolCall("get_weather", '{"city": "Oslo"}')])
+    # a block that is not a call is content, and does not end the turn
+    assert parse_tool_calls(OPEN + "[1]" + CLOSE + block("ping", {}) + "x", single=True) == (
+        OPEN + "[1]" + CLOSE, [ToolCall("ping", "{}")])
