@@ -204,15 +204,18 @@ async def test_auto_with_a_response_format_gives_valid_calls_or_a_valid_answer(h
     branches are taken."""
     branches = set()
     for seed in range(6):
-        reply = await client(harness).chat.completions.create(
-            model="tiny", messages=MESSAGES, max_tokens=300, temperature=1.0, seed=seed, tools=TOOLS,
-            response_format=_json_schema_format(), parallel_tool_calls=parallel)
+        kwargs = dict(max_tokens=300, temperature=1.0, seed=seed, tools=TOOLS, response_format=_json_schema_format(),
+                      parallel_tool_calls=parallel)
+        reply = await client(harness).chat.completions.create(model="tiny", messages=MESSAGES, **kwargs)
         choice = reply.choices[0]
         if choice.message.tool_calls:
             branches.add("calls")
             assert choice.finish_reason == "tool_calls" and (parallel or len(choice.message.tool_calls) == 1)
             for call in choice.message.tool_calls:
                 jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+            _, calls, finish = await _stream(harness, **kwargs)  # seeded: the same calls, streamed
+            assert finish == "tool_calls" and [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == [
+                (c.function.name, c.function.arguments) for c in choice.message.tool_calls]
         else:
             branches.add("answer")
             assert choice.finish_reason == "stop", choice
