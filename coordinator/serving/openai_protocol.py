@@ -46,7 +46,8 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop
            "stream", "stream_options", "logprobs", "ignore_eos", "speculation", "logit_bias",
            *_NEUTRAL, *openai_tools.OUTPUT_FIELDS}
 COMPLETION_FIELDS = (_COMMON - {"response_format"}) | {"prompt", "echo", "best_of", "suffix"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", *_CHAT_NEUTRAL}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                         "chat_template_kwargs", *_CHAT_NEUTRAL}
 
 HTTP_STATUS = {
     "INVALID_ARGUMENT": 400, "OUT_OF_RANGE": 400, "FAILED_PRECONDITION": 400, "UNAUTHENTICATED": 401,
@@ -154,6 +155,11 @@ def chat_request(body: dict, request_id: str = "") -> pb.GenerateRequest:
         else:
             content = _content_text(m.get("content"), field)
         req.messages.messages.add(role=_text(role, f"messages[{i}].role"), content=_text(content, field))
+    variables = body.get("chat_template_kwargs")
+    if variables is not None:  # vLLM's extension: variables for the chat template ({"enable_thinking": false})
+        if not isinstance(variables, dict):
+            raise bad("chat_template_kwargs", 'must be an object of template variables, like {"enable_thinking": false}')
+        req.messages.chat_template_kwargs_json = json.dumps(variables)
     openai_tools.apply_output_constraint(body, req, chat=True)
     openai_tools.apply_tools(openai_tools.tool_request(body), body, req)
     return req
@@ -321,6 +327,7 @@ _FIELD_NAMES = [  # gRPC field path (validation.py) -> the JSON field the user s
     (re.compile(r"^prompt_token_ids\.ids(\[\d+\])?$"), r"prompt\1"),
     (re.compile(r"^messages\.messages(\[\d+\])?(\.role|\.content)?$"), r"messages\1\2"),
     (re.compile(r"^messages$"), "messages"),
+    (re.compile(r"^messages\.chat_template_kwargs_json$"), "chat_template_kwargs"),
 ]
 
 

@@ -184,12 +184,39 @@ def _chat_token_ids(messages: pb.ChatMessages, info: ModelInfo, tokenizer: Any) 
             turns[0] = {"role": "system", "content": turns[0]["content"] + "\n\n" + offer}
         else:
             turns.insert(0, {"role": "system", "content": offer})
+    variables = _template_kwargs(messages.chat_template_kwargs_json)
     # Render to text first, then encode: the template already contains any BOS it wants.
     try:
-        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, **extra)
+        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True, **extra, **variables)
     except Exception as exc:  # the template refuses them (e.g. roles that do not alternate)
         raise invalid("messages", f"the model's chat template refused these messages: {exc}") from None
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+# apply_chat_template's own arguments, and what duospec sets itself: not template variables
+_TEMPLATE_RESERVED = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                      "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                      "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+MAX_TEMPLATE_KWARGS_CHARS = 16384
+
+
+def _template_kwargs(kwargs_json: str) -> dict:
+    """ChatMessages.chat_template_kwargs_json: a JSON object of variables for the chat template."""
+    if not kwargs_json:
+        return {}
+    field = "messages.chat_template_kwargs_json"
+    if len(kwargs_json) > MAX_TEMPLATE_KWARGS_CHARS:
+        raise invalid(field, f"{len(kwargs_json)} characters; send at most {MAX_TEMPLATE_KWARGS_CHARS}")
+    try:
+        kwargs = json.loads(kwargs_json)
+    except json.JSONDecodeError as exc:
+        raise invalid(field, f"not valid JSON: {exc}") from None
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+        raise invalid(field, 'must be a JSON object of template variables, like {"enable_thinking": false}')
+    reserved = sorted(_TEMPLATE_RESERVED & set(kwargs))
+    if reserved:
+        raise invalid(field, f"{reserved[0]!r} is set by the server, not a template variable; remove it")
+    return kwargs
 
 
 def _tools(tools_json: str) -> list[dict]:

@@ -372,3 +372,34 @@ def test_tools_go_through_the_template_only_where_it_calls_in_the_tool_call_form
     assert offered != native
     if offered:
         assert '"name":"ping"' in tokenizer.turns[0]["content"]
+
+
+def test_chat_template_variables_reach_the_template_and_bad_ones_are_refused():
+    """vLLM's chat_template_kwargs ({"enable_thinking": false} for Qwen3): template variables, never
+    apply_chat_template's own arguments."""
+    from duospec.coordinator.api import ModelInfo
+    from duospec.coordinator.serving.validation import RequestError, _chat_token_ids
+
+    class Recording:
+        chat_template = "{{ messages }}"
+
+        def apply_chat_template(self, turns, **kwargs):
+            self.kwargs = kwargs
+            return "rendered"
+
+        def encode(self, text, add_special_tokens):
+            return [1]
+
+    info, tokenizer = ModelInfo("m", "t", None, 100, 256, None), Recording()
+
+    def render(kwargs_json):
+        return _chat_token_ids(pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="a")],
+                                               chat_template_kwargs_json=kwargs_json), info, tokenizer)
+
+    render('{"enable_thinking": false}')
+    assert tokenizer.kwargs["enable_thinking"] is False and tokenizer.kwargs["add_generation_prompt"] is True
+    for bad, words in (('{"tokenize": true}', "set by the server"), ("[1]", "JSON object"), ("{", "not valid JSON"),
+                       ('{"a b": 1}', "JSON object")):
+        with pytest.raises(RequestError) as info_:
+            render(bad)
+        assert info_.value.field == "messages.chat_template_kwargs_json" and words in str(info_.value), bad

@@ -164,6 +164,8 @@ async def test_auto_offers_the_tools_in_the_prompt_and_answers(harness):
     (dict(extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}}), "structured_outputs", "one of"),
     (dict(extra_body={"repetition_penalty": 1.2}), "repetition_penalty", "leave it unset or 1"),
     (dict(extra_body={"speculation": {"mode": ["pearl"]}}), "speculation.mode", "use one of"),
+    (dict(extra_body={"chat_template_kwargs": {"tokenize": True}}), "chat_template_kwargs", "set by the server"),
+    (dict(extra_body={"chat_template_kwargs": [1]}), "chat_template_kwargs", "template variables"),
 ])
 async def test_bad_structured_requests_are_400s_naming_the_field(harness, kwargs, param, words):
     with pytest.raises(openai.BadRequestError) as info:
@@ -233,6 +235,7 @@ async def test_vllm_structured_output_fields_constrain_chat_and_completions(harn
     choices = ["sunny", "rainy", "snow and wind"]
     assert (await chat(guided_choice=choices))[0] in choices
     assert (await chat(structured_outputs={"choice": choices}))[0] in choices
+    assert (await chat(guided_choice=choices, chat_template_kwargs={"enable_thinking": False}))[0] in choices
     for extra in ({"guided_json": SCHEMA}, {"guided_json": json.dumps(SCHEMA)}, {"structured_outputs": {"json": SCHEMA}}):
         text, finish = await chat(**extra)
         assert finish == "stop"
