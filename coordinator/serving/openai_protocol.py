@@ -192,12 +192,14 @@ def _common(body: dict, request_id: str, *, max_tokens_field: str) -> pb.Generat
     temperature = _number(body, "temperature", 1.0)
     req.sampling.temperature = temperature
     top_p = _number(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise bad("top_p", f"{top_p}; use a value in (0, 1]")
+    if not 0 <= top_p <= 1:
+        raise bad("top_p", f"{top_p}; use a value in [0, 1]")
+    if top_p == 0:  # OpenAI's range includes it: a nucleus of the likeliest token alone, i.e. greedy
+        req.sampling.temperature, top_p = 0.0, 1.0
     req.sampling.top_p = top_p
     req.sampling.top_k = _integer(body, "top_k", 0, minimum=0)  # vLLM's extension; -1 also means off
-    if body.get("seed") is not None:
-        req.sampling.seed = _integer(body, "seed", 0, minimum=0, end=1 << 64)
+    if body.get("seed") is not None:  # OpenAI's and vLLM's seeds are signed 64-bit: a negative one as its bits
+        req.sampling.seed = _integer(body, "seed", 0, minimum=-(1 << 63), end=1 << 64) % (1 << 64)
     max_tokens = body.get(max_tokens_field)
     if max_tokens is not None:
         if not _is_int(max_tokens) or not 1 <= max_tokens < _UINT32_END:

@@ -136,6 +136,18 @@ async def test_sampled_requests_with_a_seed_repeat(harness):
     assert runs[0].choices[0].token_ids == runs[1].choices[0].token_ids
 
 
+async def test_top_p_0_is_greedy_and_a_negative_seed_is_its_64_bits(harness):
+    """Both in OpenAI's ranges, and sent by clients: top_p 0 keeps the likeliest token alone; a signed
+    64-bit seed is taken as its bits."""
+    async def ids(**kwargs):
+        async with client(harness) as c:
+            reply = await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, **kwargs)
+        return reply.choices[0].token_ids
+
+    assert await ids(temperature=0.9, top_p=0) == await ids(temperature=0)
+    assert await ids(temperature=0.9, seed=-1) == await ids(temperature=0.9, seed=(1 << 64) - 1)
+
+
 async def test_models_and_health(harness):
     async with client(harness) as c:
         listed = await c.models.list()
@@ -160,7 +172,8 @@ async def test_models_and_health(harness):
     ({"extra_body": {"speculation": {"mode": "fast"}}}, 400, "speculation.mode"),
     ({"extra_body": {"frobnicate": 1}}, 400, "frobnicate"),
     ({"max_tokens": 5_000_000_000}, 400, "max_tokens"),  # past uint32: a 400, not a 500
-    ({"top_p": 0}, 400, "top_p"),
+    ({"top_p": -0.1}, 400, "top_p"),
+    ({"seed": -(1 << 63) - 1}, 400, "seed"),
     ({"prompt": [1, 2, 1 << 40]}, 400, "prompt"),
     ({"extra_body": {"speculation": {"max_draft_tokens": 9}}}, 400, "speculation.max_draft_tokens"),  # cap 8
 ])
