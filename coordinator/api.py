@@ -118,6 +118,21 @@ class SpecStats:
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
+    def plus(self, other: "SpecStats | None") -> "SpecStats":
+        """These counts and `other`'s summed (a request's parts served by different schedulers, or the
+        choices of one request)."""
+        if other is None:
+            return self
+        out = SpecStats()
+        for f in dataclasses.fields(SpecStats):
+            x, y = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(x, list):
+                n = max(len(x), len(y))
+                setattr(out, f.name, [(x[i] if i < len(x) else 0) + (y[i] if i < len(y) else 0) for i in range(n)])
+            else:
+                setattr(out, f.name, x + y)
+        return out
+
 
 @dataclass(frozen=True)
 class TokenLogprob:

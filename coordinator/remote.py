@@ -284,11 +284,11 @@ class RemoteCoordinator:
                         stats = event.stats
                         if isinstance(event, TokensEvent):
                             delivered += event.token_ids
-                            yield dataclasses.replace(event, stats=_added(before, event.stats)) if attempt else event
+                            yield dataclasses.replace(event, stats=before.plus(event.stats)) if attempt else event
                         else:
                             yield dataclasses.replace(event, prompt_tokens=len(request.prompt_token_ids),
                                                       completion_tokens=len(delivered),
-                                                      stats=_added(before, event.stats)) if attempt else event
+                                                      stats=before.plus(event.stats)) if attempt else event
                             return
                 raise _Lost("its stream ended without a finish")
             except _Lost as exc:
@@ -296,7 +296,7 @@ class RemoteCoordinator:
                 replica.reachable = False  # until its next published load
                 log.warning("the scheduler of replica %d of %s was lost under request %s after %d tokens (%s)",
                             replica.index, model.info.name, request.request_id, len(delivered), why)
-                before = _added(before, stats)
+                before = before.plus(stats)
             finish = request.ended_by(tuple(delivered), model.info.end_token_ids)
             if finish is not None:  # the lost stream had delivered its last token already
                 yield FinishEvent(finish, len(request.prompt_token_ids), len(delivered), before)
@@ -326,21 +326,6 @@ class RemoteCoordinator:
         for model in self.entries.values():
             for replica in model.replicas:
                 await replica.close()
-
-
-def _added(a: SpecStats, b: SpecStats | None) -> SpecStats:
-    """Counts of the request's parts served by different schedulers, summed."""
-    if b is None:
-        return a
-    out = SpecStats()
-    for f in dataclasses.fields(SpecStats):
-        x, y = getattr(a, f.name), getattr(b, f.name)
-        if isinstance(x, list):
-            n = max(len(x), len(y))
-            setattr(out, f.name, [(x[i] if i < len(x) else 0) + (y[i] if i < len(y) else 0) for i in range(n)])
-        else:
-            setattr(out, f.name, x + y)
-    return out
 
 
 async def _quietly(awaitable) -> None:

@@ -107,8 +107,8 @@ def create_app(gateway: Gateway, is_serving: Callable[[], bool]):
         return JSONResponse(listed[0])
 
     async def parse(request: Request, caller: Caller, chat: bool, naming: dict):
-        """(GenerateRequest, ToolRequest | None, one call at most, stream, include_usage) from the body;
-        a GatewayError counted as refused."""
+        """(GenerateRequest, ToolRequest | None, one call at most, choices, stream, include_usage) from the
+        body; a GatewayError counted as refused."""
         try:
             body = oai.parse_body(await _read_body(request, gateway.settings.max_request_body_bytes))
             if chat and body.get("max_completion_tokens") is not None:
@@ -118,7 +118,7 @@ def create_app(gateway: Gateway, is_serving: Callable[[], bool]):
             tools = oai_tools.tool_request(body) if chat else None  # whether to look for tool calls
             naming["constraint_field"] = oai_tools.constraint_field(body, tools, chat=chat)
             single = body.get("parallel_tool_calls") is False
-            return (req, tools, single, *oai.stream_options(body))
+            return (req, tools, single, oai.choice_count(body), *oai.stream_options(body))
         except GatewayError as exc:
             raise gateway.refuse(caller, exc) from None
 
@@ -126,44 +126,49 @@ def create_app(gateway: Gateway, is_serving: Callable[[], bool]):
         naming = {"chat": chat, "max_tokens_field": "max_tokens", "constraint_field": None}
         try:
             caller = await gateway.accept(request.headers.get("authorization"))
-            req, tools, single, stream, include_usage = await parse(request, caller, chat, naming)
-            deltas = gateway.generate(caller, req)
-            try:
-                # Errors before the first token are plain HTTP errors; a client that leaves while its
-                # request waits in the queue or is prefilled gives its place up.
-                first = await _until_disconnect(request, deltas.__anext__())
-            except BaseException:
-                await deltas.aclose()
-                raise
+            req, tools, single, n, stream, include_usage = await parse(request, caller, chat, naming)
+            # Errors before the first token are plain HTTP errors; a client that leaves while its
+            # request waits in the queue or is prefilled gives its place up.
+            opened = await _until_disconnect(request, _open(gateway, caller, oai.choice_requests(req, n)))
         except GatewayError as exc:
             return error_response(exc, **naming)
         model = req.model or gateway.default_model
-        rid = ("chatcmpl-" if chat else "cmpl-") + first.request_id
+        rid = ("chatcmpl-" if chat else "cmpl-") + opened[0][1].request_id
         created = int(time.time())
-        shape = _LogprobShape(gateway.tokenizers[model], chat) if req.HasField("logprobs") else None
+
+        def shape():
+            return _LogprobShape(gateway.tokenizers[model], chat) if req.HasField("logprobs") else None
+
         if stream:
-            calls = oai_tools.StreamedCalls(single) if tools is not None else None
-            return _ClosingStream(_events(deltas, first, rid, model, created, chat, include_usage, naming, shape, calls),
+            finals: list = [None] * n
+            choices = [_choice_chunks(deltas, first, i, finals, rid, model, created, chat, shape(),
+                                      oai_tools.StreamedCalls(single) if tools is not None else None)
+                       for i, (deltas, first) in enumerate(opened)]
+            return _ClosingStream(_events(choices, finals, rid, model, created, chat, include_usage, naming),
                                   media_type="text/event-stream", headers={"cache-control": "no-cache"})
         try:
-            final, text = await _until_disconnect(request, _collect(deltas, first))
+            results = await _until_disconnect(request, _all([_collect(deltas, first) for deltas, first in opened]))
         except GatewayError as exc:
             return error_response(exc, **naming)
-        finish = oai.finish_reason(final.finish_reason)
-        logprobs = shape(final.logprobs) if shape else None
-        if chat and tools is not None:
-            content, calls = parse_tool_calls(text, single=single)
-            obj = oai.chat_object(rid, model, created, (content or None) if calls else text,
-                                  oai_tools.finish_with_calls(finish, len(calls)), chunk=False,
-                                  token_ids=final.token_ids, logprobs=logprobs,
-                                  tool_calls=[oai_tools.tool_call_json(c, i) for i, c in enumerate(calls)])
-        elif chat:
-            obj = oai.chat_object(rid, model, created, text, finish, chunk=False, token_ids=final.token_ids,
-                                  logprobs=logprobs)
-        else:
-            obj = oai.completion_object(rid, model, created, text, finish, token_ids=final.token_ids,
-                                        logprobs=logprobs)
-        obj["usage"] = oai.usage(final.prompt_tokens, final.completion_tokens, final.stats)
+
+        def whole(index: int, final, text: str) -> dict:
+            finish = oai.finish_reason(final.finish_reason)
+            logprobs = shape()(final.logprobs) if req.HasField("logprobs") else None
+            if chat and tools is not None:
+                content, calls = parse_tool_calls(text, single=single)
+                return oai.chat_object(rid, model, created, (content or None) if calls else text,
+                                       oai_tools.finish_with_calls(finish, len(calls)), chunk=False, index=index,
+                                       token_ids=final.token_ids, logprobs=logprobs,
+                                       tool_calls=[oai_tools.tool_call_json(c, i) for i, c in enumerate(calls)])
+            if chat:
+                return oai.chat_object(rid, model, created, text, finish, chunk=False, index=index,
+                                       token_ids=final.token_ids, logprobs=logprobs)
+            return oai.completion_object(rid, model, created, text, finish, index=index, token_ids=final.token_ids,
+                                         logprobs=logprobs)
+
+        objects = [whole(i, final, text) for i, (final, text) in enumerate(results)]
+        obj = {**objects[0], "choices": [o["choices"][0] for o in objects]}
+        obj["usage"] = oai.choices_usage([final for final, _ in results])
         return JSONResponse(obj)
 
     async def completions(request: Request) -> Response:
@@ -247,45 +252,116 @@ async def _wait_disconnect(request) -> None:
             return
 
 
-async def _events(deltas, first, rid: str, model: str, created: int, chat: bool, include_usage: bool, naming,
-                  shape: _LogprobShape | None, calls: oai_tools.StreamedCalls | None = None):
-    """The SSE events of a stream; with `calls` (a chat request with tools) text inside <tool_call>
-    blocks goes out as tool-call deltas instead of content."""
+async def _open(gateway: Gateway, caller: Caller, requests: list) -> list:
+    """(deltas, first delta) of each request (the choices of one), opened together: admitted, queued
+    and prefilled at once. If one fails, all are closed and its error raised."""
+    streams = [gateway.generate(caller, r) for r in requests]
+    try:
+        firsts = await _all([s.__anext__() for s in streams])
+    except BaseException:
+        for s in streams:
+            await s.aclose()
+        raise
+    return list(zip(streams, firsts))
+
+
+async def _all(awaitables: list) -> list:
+    """asyncio.gather, but when one fails (or the caller is cancelled) the others are cancelled and
+    waited for, so no choice goes on generating for nobody."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def _choice_chunks(deltas, first, index: int, finals: list, rid: str, model: str, created: int, chat: bool,
+                         shape: _LogprobShape | None, calls: oai_tools.StreamedCalls | None):
+    """One choice's stream chunks (dicts, `index` in each); its last delta goes into `finals[index]`.
+    With `calls` (a chat request with tools) text inside <tool_call> blocks goes out as tool-call
+    deltas instead of content."""
     delta, is_first = first, True
     async with contextlib.aclosing(deltas):
+        while True:
+            finish = oai.finish_reason(delta.finish_reason)
+            logprobs = shape(delta.logprobs) if shape and delta.logprobs else None
+            if chat and calls is not None:
+                content, tool_calls = calls.feed(delta.text, last=finish is not None)
+                finish = oai_tools.finish_with_calls(finish, calls.calls)
+                if is_first or content or tool_calls or delta.token_ids or finish:
+                    yield oai.chat_object(rid, model, created, content or None, finish, chunk=True, index=index,
+                                          first=is_first, token_ids=delta.token_ids, logprobs=logprobs,
+                                          tool_calls=tool_calls)
+            elif chat:
+                if is_first or delta.text or delta.token_ids or finish:
+                    yield oai.chat_object(rid, model, created, delta.text, finish, chunk=True, index=index,
+                                          first=is_first, token_ids=delta.token_ids, logprobs=logprobs)
+            elif delta.text or delta.token_ids or finish:
+                yield oai.completion_object(rid, model, created, delta.text, finish, index=index,
+                                            token_ids=delta.token_ids, logprobs=logprobs)
+            is_first = False
+            if finish is not None:
+                break
+            delta = await deltas.__anext__()
+    finals[index] = delta
+
+
+async def _merged(generators: list):
+    """The items of several async generators as they come (one: as it is); closing this closes them all."""
+    if len(generators) == 1:
+        async with contextlib.aclosing(generators[0]) as only:
+            async for item in only:
+                yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(generators))  # the client's pace holds them all back
+    ended = object()
+
+    async def pump(generator) -> None:
         try:
-            while True:
-                finish = oai.finish_reason(delta.finish_reason)
-                logprobs = shape(delta.logprobs) if shape and delta.logprobs else None
-                if chat and calls is not None:
-                    content, tool_calls = calls.feed(delta.text, last=finish is not None)
-                    finish = oai_tools.finish_with_calls(finish, calls.calls)
-                    if is_first or content or tool_calls or delta.token_ids or finish:
-                        yield oai.sse(oai.chat_object(rid, model, created, content or None, finish, chunk=True,
-                                                      first=is_first, token_ids=delta.token_ids, logprobs=logprobs,
-                                                      tool_calls=tool_calls))
-                elif chat:
-                    if is_first or delta.text or delta.token_ids or finish:
-                        yield oai.sse(oai.chat_object(rid, model, created, delta.text, finish, chunk=True,
-                                                      first=is_first, token_ids=delta.token_ids, logprobs=logprobs))
-                elif delta.text or delta.token_ids or finish:
-                    yield oai.sse(oai.completion_object(rid, model, created, delta.text, finish,
-                                                        token_ids=delta.token_ids, logprobs=logprobs))
-                is_first = False
-                if finish is not None:
-                    break
-                delta = await deltas.__anext__()
-        except Exception as exc:  # mid-stream: the status line is gone, so the error is an event
-            if not isinstance(exc, GatewayError):
-                log.error("HTTP stream %s: internal error", rid, exc_info=exc)
-                exc = GatewayError("INTERNAL", "internal error; see the server log")
-            _, body, _ = oai.as_http_error(exc, **naming)
-            yield oai.sse(body)
-            yield oai.SSE_DONE
-            return
+            async with contextlib.aclosing(generator):
+                async for item in generator:
+                    await queue.put((item, None))
+            await queue.put((ended, None))
+        except Exception as exc:
+            await queue.put((None, exc))
+
+    tasks = [asyncio.create_task(pump(g)) for g in generators]
+    try:
+        left = len(tasks)
+        while left:
+            item, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if item is ended:
+                left -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _events(choices: list, finals: list, rid: str, model: str, created: int, chat: bool, include_usage: bool,
+                  naming):
+    """The SSE events of a stream: its choices' chunks as they come, then the usage and [DONE]."""
+    try:
+        async with contextlib.aclosing(_merged(choices)) as chunks:
+            async for chunk in chunks:
+                yield oai.sse(chunk)
+    except Exception as exc:  # mid-stream: the status line is gone, so the error is an event
+        if not isinstance(exc, GatewayError):
+            log.error("HTTP stream %s: internal error", rid, exc_info=exc)
+            exc = GatewayError("INTERNAL", "internal error; see the server log")
+        _, body, _ = oai.as_http_error(exc, **naming)
+        yield oai.sse(body)
+        yield oai.SSE_DONE
+        return
     if include_usage:
-        yield oai.sse(oai.usage_chunk(rid, model, created, chat=chat,
-                                      usage_body=oai.usage(delta.prompt_tokens, delta.completion_tokens, delta.stats)))
+        yield oai.sse(oai.usage_chunk(rid, model, created, chat=chat, usage_body=oai.choices_usage(finals)))
     yield oai.SSE_DONE
 
 

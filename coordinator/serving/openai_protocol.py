@@ -6,7 +6,7 @@ its errors name the gRPC field path, and `field_name()` turns that back into the
 sent (`sampling.temperature` -> `temperature`).
 
 Defaults follow OpenAI's API, not duospec's gRPC one: `temperature` 1.0 (send 0 for greedy),
-`top_p` 1.0, `n` 1. `max_tokens` unset = the room left in the context (OpenAI's and vLLM's rule), up to
+`top_p` 1.0, `n` 1 (up to MAX_CHOICES). `max_tokens` unset = the room left in the context (OpenAI's and vLLM's rule), up to
 the server's max_new_tokens_limit and the tenant's max_tokens_per_request.
 Structured output (`response_format`, `tools`, `tool_choice`): coordinator/serving/openai_tools.py.
 Log-probabilities (`logprobs: N` for completions; `logprobs: true, top_logprobs: N` for chat, N <= 20)
@@ -184,8 +184,6 @@ def _common(body: dict, request_id: str, *, max_tokens_field: str) -> pb.Generat
     if model is not None and not isinstance(model, str):
         raise bad("model", "must be a string")
     req.model = model or ""
-    if body.get("n") not in (None, 1):
-        raise bad("n", f"{body.get('n')!r}: only n = 1 is supported; send separate requests")
     _neutral(body, _NEUTRAL)
     if body.get("logit_bias"):
         raise bad("logit_bias", "not supported; leave it unset")
@@ -252,6 +250,31 @@ def _reject_unknown(body: dict, allowed: set[str]) -> None:
     unknown = sorted(set(body) - allowed - _IGNORED - {"stream"})
     if unknown:
         raise bad(unknown[0], "unknown field for this endpoint")
+
+
+MAX_CHOICES = 128
+
+
+def choice_count(body: dict) -> int:
+    """`n`: how many choices to generate for the prompt (each a request of its own to the gateway, so
+    each is admitted as a stream, charged its tokens and recorded in the ledger; the call counts once
+    against requests per minute, as OpenAI counts it)."""
+    return _integer(body, "n", 1, minimum=1, end=MAX_CHOICES + 1)
+
+
+def choice_requests(req: pb.GenerateRequest, n: int) -> list[pb.GenerateRequest]:
+    """The requests of `n` choices. A seeded request's choice i draws with seed + i: the choices differ
+    and each repeats; unseeded ones draw independently; greedy ones are the same text n times."""
+    if n == 1:
+        return [req]
+    out = []
+    for i in range(n):
+        choice = pb.GenerateRequest()
+        choice.CopyFrom(req)
+        if req.sampling.HasField("seed"):
+            choice.sampling.seed = (req.sampling.seed + i) % (1 << 64)
+        out.append(choice)
+    return out
 
 
 def stream_options(body: dict) -> tuple[bool, bool]:
@@ -387,11 +410,20 @@ def usage(prompt_tokens: int, completion_tokens: int, stats: SpecStats | None) -
     }
 
 
-def completion_object(rid: str, model: str, created: int, text: str, finish: str | None, *,
+def choices_usage(finals: list) -> dict:
+    """The usage of a request's choices (their last deltas): the prompt once, as OpenAI counts it, the
+    completions and the speculation stats summed."""
+    stats = None
+    for final in finals:
+        stats = final.stats if stats is None else stats.plus(final.stats)
+    return usage(finals[0].prompt_tokens, sum(f.completion_tokens for f in finals), stats)
+
+
+def completion_object(rid: str, model: str, created: int, text: str, finish: str | None, *, index: int = 0,
                       token_ids: tuple[int, ...] = (), logprobs: dict | None = None) -> dict:
     """A completion or one of its stream chunks (same shape); `token_ids` is duospec's extension."""
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs,
+            "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs,
                          "token_ids": list(token_ids)}]}
 
 
@@ -426,7 +458,7 @@ def chat_logprobs(tokenizer, logprobs) -> dict:
 
 
 def chat_object(rid: str, model: str, created: int, text: str | None, finish: str | None, *,
-                chunk: bool, first: bool = False, token_ids: tuple[int, ...] = (),
+                chunk: bool, index: int = 0, first: bool = False, token_ids: tuple[int, ...] = (),
                 logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
     """A chat completion, or (`chunk`) one of its stream chunks; `token_ids` is duospec's extension."""
     if chunk:
@@ -437,12 +469,12 @@ def chat_object(rid: str, model: str, created: int, text: str | None, finish: st
             delta["content"] = text
         if tool_calls:
             delta["tool_calls"] = tool_calls
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs,
+        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs,
                   "token_ids": list(token_ids)}
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [choice]}
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text,
+            "choices": [{"index": index, "message": {"role": "assistant", "content": text,
                                                  **({"tool_calls": tool_calls} if tool_calls else {})},
                          "finish_reason": finish, "logprobs": logprobs, "token_ids": list(token_ids)}]}
 

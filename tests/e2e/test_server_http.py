@@ -15,11 +15,12 @@ from server_support import MAX_CONTEXT, MODEL, collect, running_server, server_c
 
 openai = pytest.importorskip("openai")
 
-KEYS = {name: new_api_key() for name in ("alpha", "tight", "nomodels")}
+KEYS = {name: new_api_key() for name in ("alpha", "tight", "nomodels", "pair")}
 TENANTS = [
     Tenant("alpha", key_hashes=(hash_api_key(KEYS["alpha"]),)),
     Tenant("tight", key_hashes=(hash_api_key(KEYS["tight"]),), limits=TenantLimits(requests_per_minute=1)),
     Tenant("nomodels", key_hashes=(hash_api_key(KEYS["nomodels"]),), allowed_models=("other",)),
+    Tenant("pair", key_hashes=(hash_api_key(KEYS["pair"]),), limits=TenantLimits(max_concurrent_streams=2)),
 ]
 PROMPT = "def fib(n):\n    return"
 
@@ -148,6 +149,45 @@ async def test_top_p_0_is_greedy_and_a_negative_seed_is_its_64_bits(harness):
     assert await ids(temperature=0.9, seed=-1) == await ids(temperature=0.9, seed=(1 << 64) - 1)
 
 
+async def test_n_choices_are_n_requests_seeded_apart_plain_and_streamed(harness):
+    """Choice i of a seeded request is the request alone with seed + i; streamed, each choice's chunks
+    carry its index and add up to the plain choice; the usage counts the prompt once."""
+    async with client(harness) as c:
+        kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0.9, seed=11,
+                      extra_body={"ignore_eos": True})
+        many = await c.completions.create(n=3, **kwargs)
+        alone = [await c.completions.create(**{**kwargs, "seed": 11 + i}) for i in range(3)]
+        assert [ch.index for ch in many.choices] == [0, 1, 2]
+        assert [ch.token_ids for ch in many.choices] == [a.choices[0].token_ids for a in alone]
+        assert len({tuple(ch.token_ids) for ch in many.choices}) > 1
+        assert many.usage.prompt_tokens == alone[0].usage.prompt_tokens and many.usage.completion_tokens == 30
+        chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0.9, seed=5)
+        plain = await c.chat.completions.create(n=2, **chat)
+        texts, finishes = {}, {}
+        async for chunk in await c.chat.completions.create(n=2, stream=True, stream_options={"include_usage": True},
+                                                           **chat):
+            for ch in chunk.choices:
+                texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+                finishes[ch.index] = ch.finish_reason or finishes.get(ch.index)
+            if chunk.usage is not None:
+                assert chunk.usage.completion_tokens == plain.usage.completion_tokens
+        assert texts == {i: ch.message.content for i, ch in enumerate(plain.choices)}
+        assert finishes == {i: ch.finish_reason for i, ch in enumerate(plain.choices)}
+
+
+async def test_n_choices_past_a_tenants_streams_are_refused_whole_and_release_all(harness):
+    """Each choice is a stream of the tenant's: at two streams at most, n = 3 is refused whole (a 429),
+    and the choices that were admitted are closed with it; n = 2 is served."""
+    from server_support import wait_until_nothing_held
+
+    async with client(harness, "pair") as c:
+        with pytest.raises(openai.RateLimitError) as info:
+            await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=50, n=3)
+        assert "open streams" in info.value.body["message"]
+        await wait_until_nothing_held(harness.server, harness.coordinator, MODEL)
+        assert len((await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, n=2)).choices) == 2
+
+
 async def test_models_and_health(harness):
     async with client(harness) as c:
         listed = await c.models.list()
@@ -167,7 +207,8 @@ async def test_models_and_health(harness):
     ({"temperature": -1.0}, 400, "temperature"),
     ({"top_p": 1.5}, 400, "top_p"),
     ({"max_tokens": 100_000}, 400, "max_tokens"),
-    ({"n": 2}, 400, "n"),
+    ({"n": 0}, 400, "n"),
+    ({"n": 129}, 400, "n"),
     ({"model": "no-such-model"}, 404, "model"),
     ({"extra_body": {"speculation": {"mode": "fast"}}}, 400, "speculation.mode"),
     ({"extra_body": {"frobnicate": 1}}, 400, "frobnicate"),
