@@ -86,6 +86,11 @@ class ServerSettings:
         "context, up to max_new_tokens_limit and the tenant's max_tokens_per_request", lo=1, hi=1 << 24)
     grace_period_s: float = setting(
         10.0, "SIGTERM: how long in-flight streams may finish before they are cancelled", lo=0.0, hi=MAX_GRACE_PERIOD_S)
+    # Browsers call an API of another origin only where it says they may (a web UI served elsewhere);
+    # API keys ride in a header, not cookies, so "*" opens no session to other sites.
+    cors_allow_origins: str | None = setting(
+        None, "origins a browser may call the HTTP API from, comma-separated (https://ui.example.com), or *; "
+        "absent: no CORS headers (browsers refuse cross-origin calls)")
     # nginx's send_timeout: a client that stopped reading fills the connection's buffers; past this
     # its stream ends as a cancelled one does, giving its KV slots and admission ticket back.
     send_timeout_s: float = setting(

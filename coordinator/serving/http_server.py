@@ -184,7 +184,16 @@ def create_app(gateway: Gateway, is_serving: Callable[[], bool]):
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ]
-    return Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_allowed, 500: _server_error})
+    middleware = []
+    if gateway.settings.cors_allow_origins:
+        from starlette.middleware import Middleware
+        from starlette.middleware.cors import CORSMiddleware
+
+        origins = [o.strip() for o in gateway.settings.cors_allow_origins.split(",") if o.strip()]
+        middleware.append(Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
+                                     allow_headers=["*"], expose_headers=["Retry-After"]))
+    return Starlette(routes=routes, middleware=middleware,
+                     exception_handlers={404: _not_found, 405: _not_allowed, 500: _server_error})
 
 
 class _LogprobShape:

@@ -188,6 +188,30 @@ async def test_n_choices_past_a_tenants_streams_are_refused_whole_and_release_al
         assert len((await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, n=2)).choices) == 2
 
 
+async def test_cors_only_for_the_origins_configured(harness, chat_pair):
+    """A browser's preflight is answered for a configured origin; without cors_allow_origins no
+    cross-origin header is sent (browsers then refuse the call)."""
+    import httpx2 as httpx
+
+    preflight = {"origin": "https://ui.example.com", "access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization, content-type"}
+    async with httpx.AsyncClient() as raw:
+        refused = await raw.options(harness.base_url + "/chat/completions", headers=preflight)
+        assert "access-control-allow-origin" not in refused.headers
+        settings = ServerSettings(host="127.0.0.1", port=0, metrics_port=0, http_port=_free_port(),
+                                  cors_allow_origins="https://ui.example.com, https://other.example.com")
+        async with running_server(server_coordinator(chat_pair), settings, tenants=TENANTS) as h:
+            base = f"http://127.0.0.1:{h.server.http_port}/v1"
+            allowed = await raw.options(base + "/chat/completions", headers=preflight)
+            assert allowed.status_code == 200
+            assert allowed.headers["access-control-allow-origin"] == "https://ui.example.com"
+            elsewhere = await raw.options(base + "/chat/completions", headers={**preflight, "origin": "https://evil.example"})
+            assert elsewhere.headers.get("access-control-allow-origin") is None
+            listed = await raw.get(base + "/models", headers={"origin": "https://ui.example.com",
+                                                               "authorization": f"Bearer {KEYS['alpha']}"})
+            assert listed.status_code == 200 and listed.headers["access-control-allow-origin"] == "https://ui.example.com"
+
+
 async def test_models_and_health(harness):
     async with client(harness) as c:
         listed = await c.models.list()
