@@ -332,7 +332,8 @@ class Gateway:
                 validate_request, request, info, self.tokenizers[info.name], self.settings,
                 self.default_modes.get(info.name, SpeculationMode.PEARL), uuid.uuid4().hex,
                 max_prompt_chars=self.max_prompt_chars.get(info.name),
-                token_allowance=tenant.limits.max_tokens_per_request or None,
+                token_allowance=min((t for t in (tenant.limits.max_tokens_per_request,
+                                                 tenant.limits.tokens_per_minute) if t), default=None),
             )
             grammar = None
             if validated.request.constraint is not None:

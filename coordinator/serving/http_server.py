@@ -127,13 +127,21 @@ def create_app(gateway: Gateway, is_serving: Callable[[], bool]):
         try:
             caller = await gateway.accept(request.headers.get("authorization"))
             req, tools, single, n, stream, include_usage = await parse(request, caller, chat, naming)
-            # Errors before the first token are plain HTTP errors; a client that leaves while its
-            # request waits in the queue or is prefilled gives its place up.
-            opened = await _until_disconnect(request, _open(gateway, caller, oai.choice_requests(req, n)))
+            # Each choice is a stream of its own, run on its own: one that waits for a slot never holds
+            # the others' slots waiting for it (n choices wait for nothing but themselves).
+            choices = [gateway.generate(caller, r) for r in oai.choice_requests(req, n)]
+            if stream:
+                # Errors before the first token are plain HTTP errors; a client that leaves while its
+                # request waits in the queue or is prefilled gives its place up. The other choices
+                # open as the stream runs (their errors are error events).
+                first = await _until_disconnect(request, _first(choices[0], choices[1:]))
+            else:
+                results = await _until_disconnect(request, _all([_collect(deltas) for deltas in choices]))
+                first = results[0][0]
         except GatewayError as exc:
             return error_response(exc, **naming)
         model = req.model or gateway.default_model
-        rid = ("chatcmpl-" if chat else "cmpl-") + opened[0][1].request_id
+        rid = ("chatcmpl-" if chat else "cmpl-") + first.request_id
         created = int(time.time())
 
         def shape():
@@ -141,15 +149,11 @@ def create_app(gateway: Gateway, is_serving: Callable[[], bool]):
 
         if stream:
             finals: list = [None] * n
-            choices = [_choice_chunks(deltas, first, i, finals, rid, model, created, chat, shape(),
-                                      oai_tools.StreamedCalls(single) if tools is not None else None)
-                       for i, (deltas, first) in enumerate(opened)]
-            return _ClosingStream(_events(choices, finals, rid, model, created, chat, include_usage, naming),
+            chunks = [_choice_chunks(deltas, first if i == 0 else None, i, finals, rid, model, created, chat, shape(),
+                                     oai_tools.StreamedCalls(single) if tools is not None else None)
+                      for i, deltas in enumerate(choices)]
+            return _ClosingStream(_events(chunks, finals, rid, model, created, chat, include_usage, naming),
                                   media_type="text/event-stream", headers={"cache-control": "no-cache"})
-        try:
-            results = await _until_disconnect(request, _all([_collect(deltas, first) for deltas, first in opened]))
-        except GatewayError as exc:
-            return error_response(exc, **naming)
 
         def whole(index: int, final, text: str) -> dict:
             finish = oai.finish_reason(final.finish_reason)
@@ -224,12 +228,13 @@ async def _read_body(request, limit: int) -> bytes:
     return bytes(body)
 
 
-async def _collect(deltas, first):
+async def _collect(deltas):
     """All deltas of a plain request: (the last delta, with every token id and logprob; the whole text)."""
     from dataclasses import replace
 
-    parts, ids, logprobs, last = [first.text], list(first.token_ids), list(first.logprobs), first
     async with contextlib.aclosing(deltas):
+        first = await deltas.__anext__()
+        parts, ids, logprobs, last = [first.text], list(first.token_ids), list(first.logprobs), first
         while last.finish_reason is None:
             last = await deltas.__anext__()
             parts.append(last.text)
@@ -261,17 +266,16 @@ async def _wait_disconnect(request) -> None:
             return
 
 
-async def _open(gateway: Gateway, caller: Caller, requests: list) -> list:
-    """(deltas, first delta) of each request (the choices of one), opened together: admitted, queued
-    and prefilled at once. If one fails, all are closed and its error raised."""
-    streams = [gateway.generate(caller, r) for r in requests]
+async def _first(deltas, others: list):
+    """The first delta of a stream's first choice; if it fails, the stream and the `others` (not yet
+    started) are closed."""
     try:
-        firsts = await _all([s.__anext__() for s in streams])
+        return await deltas.__anext__()
     except BaseException:
-        for s in streams:
-            await s.aclose()
+        for choice in (deltas, *others):
+            with contextlib.suppress(Exception):
+                await choice.aclose()
         raise
-    return list(zip(streams, firsts))
 
 
 async def _all(awaitables: list) -> list:
@@ -289,11 +293,12 @@ async def _all(awaitables: list) -> list:
 
 async def _choice_chunks(deltas, first, index: int, finals: list, rid: str, model: str, created: int, chat: bool,
                          shape: _LogprobShape | None, calls: oai_tools.StreamedCalls | None):
-    """One choice's stream chunks (dicts, `index` in each); its last delta goes into `finals[index]`.
+    """One choice's stream chunks (dicts, `index` in each), from its `first` delta (None: not yet read);
+    its last delta goes into `finals[index]`.
     With `calls` (a chat request with tools) text inside <tool_call> blocks goes out as tool-call
     deltas instead of content."""
-    delta, is_first = first, True
     async with contextlib.aclosing(deltas):
+        delta, is_first = first or await deltas.__anext__(), True
         while True:
             finish = oai.finish_reason(delta.finish_reason)
             logprobs = shape(delta.logprobs) if shape and delta.logprobs else None

@@ -192,7 +192,7 @@ def _common(body: dict, request_id: str, *, max_tokens_field: str) -> pb.Generat
     top_p = _number(body, "top_p", 1.0)
     if not 0 <= top_p <= 1:
         raise bad("top_p", f"{top_p}; use a value in [0, 1]")
-    if top_p == 0:  # OpenAI's range includes it: a nucleus of the likeliest token alone, i.e. greedy
+    if top_p == 0 and temperature >= 0:  # in OpenAI's range: a nucleus of the likeliest token alone, greedy
         req.sampling.temperature, top_p = 0.0, 1.0
     req.sampling.top_p = top_p
     req.sampling.top_k = _integer(body, "top_k", 0, minimum=0)  # vLLM's extension; -1 also means off
@@ -416,6 +416,8 @@ def choices_usage(finals: list) -> dict:
     stats = None
     for final in finals:
         stats = final.stats if stats is None else stats.plus(final.stats)
+    if stats is not None and finals[0].stats is not None:  # the prompt's cached part, once too
+        stats.cached_prompt_tokens = finals[0].stats.cached_prompt_tokens
     return usage(finals[0].prompt_tokens, sum(f.completion_tokens for f in finals), stats)
 
 

@@ -8,7 +8,7 @@ offered through ChatMessages.tools_json), and tool calls back into OpenAI's resp
 - `tools` with `tool_choice`:
   - `none`: the tools are not offered; free text.
   - `auto` (the default with tools): offered; free text, parsed for `<tool_call>` blocks (with
-    `parallel_tool_calls: false`, what follows the first call is dropped). With a JSON response
+    `parallel_tool_calls: false`, the turn ends at the first block's close). With a JSON response
     format: constrained to calls or the answer in that format.
   - `required`: offered; the output is constrained to one or more tool calls (one with
     `parallel_tool_calls: false`).
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from duospec.coordinator.serving.gateway import GatewayError
+from duospec.coordinator.serving.validation import MAX_STOP_STRINGS
 from duospec.structured.tools import CLOSE, OPEN, Tool, ToolCall, ToolCallParser, calls_constraint
 from duospec.v1 import generation_pb2 as pb
 
@@ -183,13 +184,20 @@ def apply_tools(tools: ToolRequest | None, body: dict, req: pb.GenerateRequest) 
     # parallel_tool_calls: false asks for one call at most (OpenAI's default allows several)
     single = body.get("parallel_tool_calls") is False
     answer = req.constraint.WhichOneof("kind")
-    if tools.choice == "auto" and answer in ("regex", "grammar"):
-        raise _bad("tool_choice", "auto combines with a JSON response format only; send tool_choice none or "
-                   "required, or a json_schema")
+    if answer in ("regex", "grammar"):
+        raise _bad("tool_choice", "tools combine with a JSON response format only; send tool_choice none, or "
+                   "a json_schema")
     if tools.choice == "auto" and answer is not None:
         schema = json.loads(req.constraint.json_schema) if answer == "json_schema" else {"type": "object"}
+        if schema is False or not isinstance(schema, (dict, bool)):
+            raise _bad("response_format", "a JSON schema must be an object (false matches nothing)")
+        if not isinstance(schema.get("x-guidance", {}) if schema is not True else {}, dict):
+            raise _bad("response_format", '"x-guidance" must be an object of options')
         req.constraint.grammar = calls_constraint(tools.tools, single=single,
                                                   answer={} if schema is True else schema).text
+    elif tools.choice == "auto" and single and len(req.stopping.stop) < MAX_STOP_STRINGS:
+        # one call at most: the turn ends where the first block closes (the parser then ends the call)
+        req.stopping.stop.append(CLOSE)
     elif tools.choice == "required":
         req.constraint.grammar = calls_constraint(tools.tools, single=single).text
     elif tools.choice == "named":

@@ -87,8 +87,9 @@ def validate_request(
     token_allowance: int | None = None,
 ) -> ValidatedRequest:
     """`max_prompt_chars`: the bound `max_prompt_chars()` worked out for the model (None: none);
-    `token_allowance`: the tenant's max_tokens_per_request (None: none), which bounds the default
-    max_new_tokens so that a request leaving it unset is not refused for it."""
+    `token_allowance`: the most tokens the tenant may have in one request (its max_tokens_per_request or
+    tokens_per_minute, the smaller; None: no limit), which bounds the default max_new_tokens so that a
+    request leaving it unset is not refused for it."""
     if len(req.request_id) > MAX_REQUEST_ID_CHARS:
         raise invalid("request_id", f"{len(req.request_id)} characters; use at most {MAX_REQUEST_ID_CHARS}")
     if not (req.request_id.isascii() and req.request_id.isprintable()):

@@ -163,16 +163,33 @@ async def test_n_choices_are_n_requests_seeded_apart_plain_and_streamed(harness)
         assert many.usage.prompt_tokens == alone[0].usage.prompt_tokens and many.usage.completion_tokens == 30
         chat = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0.9, seed=5)
         plain = await c.chat.completions.create(n=2, **chat)
-        texts, finishes = {}, {}
+        texts, finishes, usages = {}, {}, []
         async for chunk in await c.chat.completions.create(n=2, stream=True, stream_options={"include_usage": True},
                                                            **chat):
             for ch in chunk.choices:
                 texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
                 finishes[ch.index] = ch.finish_reason or finishes.get(ch.index)
             if chunk.usage is not None:
-                assert chunk.usage.completion_tokens == plain.usage.completion_tokens
+                usages.append(chunk.usage)
+        assert [u.completion_tokens for u in usages] == [plain.usage.completion_tokens]
         assert texts == {i: ch.message.content for i, ch in enumerate(plain.choices)}
         assert finishes == {i: ch.finish_reason for i, ch in enumerate(plain.choices)}
+
+
+async def test_more_choices_than_the_servers_slots_are_served_in_turn(chat_pair):
+    """Each choice runs on its own: with more choices than generation slots, those admitted finish and
+    make room for the rest (none waits holding a slot for another), plain and streamed."""
+    settings = ServerSettings(host="127.0.0.1", port=0, metrics_port=0, http_port=_free_port(),
+                              max_concurrent_requests=2)
+    async with running_server(server_coordinator(chat_pair), settings, tenants=TENANTS) as h:
+        h.base_url = f"http://127.0.0.1:{h.server.http_port}/v1"
+        async with client(h, timeout=60) as c:
+            plain = await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, n=5, temperature=0)
+            assert len(plain.choices) == 5 and len({tuple(ch.token_ids) for ch in plain.choices}) == 1
+            ended = set()
+            async for chunk in await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, n=5, stream=True):
+                ended.update(ch.index for ch in chunk.choices if ch.finish_reason)
+            assert ended == set(range(5))
 
 
 async def test_n_choices_past_a_tenants_streams_are_refused_whole_and_release_all(harness):

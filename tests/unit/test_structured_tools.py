@@ -129,3 +129,31 @@ def test_one_call_at_most_drops_what_follows_the_first_call(size):
     # a block that is not a call is content, and does not end the turn
     assert parse_tool_calls(OPEN + "[1]" + CLOSE + block("ping", {}) + "x", single=True) == (
         OPEN + "[1]" + CLOSE, [ToolCall("ping", "{}")])
+
+
+def test_one_call_at_most_with_auto_ends_the_turn_at_the_first_close():
+    """parallel_tool_calls false with tool_choice auto: `</tool_call>` is a stop string, so the stream
+    ends at the first block's close (cut there, as stop strings are) and the call is whole."""
+    from duospec.coordinator.serving.openai_protocol import chat_request
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "parallel_tool_calls": False,
+            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER.parameters}}]}
+    assert list(chat_request(body).stopping.stop) == [CLOSE]
+    assert list(chat_request({**body, "parallel_tool_calls": True}).stopping.stop) == []
+    cut = "Checking.\n" + block("get_weather", {"city": "Oslo"})[: -len(CLOSE)]
+    assert parse_tool_calls(cut, single=True) == ("Checking.\n", [ToolCall("get_weather", '{"city": "Oslo"}')])
+
+
+@pytest.mark.parametrize("answer, words", [
+    ({"type": "json_schema", "json_schema": {"name": "a", "schema": False}}, "false matches nothing"),
+    ({"type": "json_schema", "json_schema": {"name": "a", "schema": {"x-guidance": None}}}, "x-guidance"),
+])
+def test_tools_with_an_unusable_answer_schema_are_400s_naming_the_format(answer, words):
+    from duospec.coordinator.serving.gateway import GatewayError
+    from duospec.coordinator.serving.openai_protocol import chat_request
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "response_format": answer,
+            "tools": [{"type": "function", "function": {"name": "ping"}}]}
+    with pytest.raises(GatewayError) as info:
+        chat_request(body)
+    assert info.value.field == "response_format" and words in str(info.value)
