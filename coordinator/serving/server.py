@@ -149,10 +149,13 @@ class DuospecServer:
             server,
         )
         address = f"{self.settings.host}:{self.settings.port}"
-        if self.settings.tls is not None:
-            self.port = server.add_secure_port(address, server_credentials(self.settings.tls))
-        else:
-            self.port = server.add_insecure_port(address)
+        try:
+            if self.settings.tls is not None:
+                self.port = server.add_secure_port(address, server_credentials(self.settings.tls))
+            else:
+                self.port = server.add_insecure_port(address)
+        except RuntimeError:  # grpcio's newer way to say the port is taken (older ones return 0)
+            self.port = 0
         if self.port == 0:
             raise OSError(f"could not bind {address}; is the port in use? pick another with --port")
         await self._set_health(False)

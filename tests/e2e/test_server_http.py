@@ -229,6 +229,28 @@ async def test_cors_only_for_the_origins_configured(harness, chat_pair):
             assert listed.status_code == 200 and listed.headers["access-control-allow-origin"] == "https://ui.example.com"
 
 
+async def test_two_gateways_share_the_http_and_grpc_ports(chat_pair):
+    """`server.gateways: N` runs N processes on one port pair (SO_REUSEPORT): both bind it, and new
+    connections are spread over them; without the option a second bind is refused."""
+    import httpx2 as httpx
+
+    settings = ServerSettings(host="127.0.0.1", port=_free_port(), metrics_port=0, http_port=_free_port())
+    coordinators = [server_coordinator(chat_pair), server_coordinator(chat_pair)]
+    async with running_server(coordinators[0], settings, tenants=TENANTS, reuse_port=True), \
+            running_server(coordinators[1], settings, tenants=TENANTS, reuse_port=True):
+        for _ in range(24):  # a connection each
+            async with httpx.AsyncClient() as raw:
+                reply = await raw.post(f"http://127.0.0.1:{settings.http_port}/v1/completions",
+                                       headers={"authorization": f"Bearer {KEYS['alpha']}"},
+                                       json={"model": MODEL, "prompt": PROMPT, "max_tokens": 1})
+                assert reply.status_code == 200
+        served = [len(c.started) for c in coordinators]
+        assert sum(served) == 24 and min(served) > 0, served
+        with pytest.raises(OSError, match="could not bind"):
+            async with running_server(server_coordinator(chat_pair), settings, tenants=TENANTS):
+                pass
+
+
 async def test_models_and_health(harness):
     async with client(harness) as c:
         listed = await c.models.list()
