@@ -230,10 +230,11 @@ def test_over_max_tokens_per_request_is_resource_exhausted_not_unknown(served):
     req.prompt_token_ids.ids.extend([5] * 20)
     code, _ = call_once(served[1], req, (("authorization", f"Bearer {SMALL_KEY}"),))
     assert code == "RESOURCE_EXHAUSTED"
-    # left unset, max_new_tokens is what the allowance leaves after the prompt: served, not refused
-    code, messages = call_once(served[1], pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[5] * 20)),
+    # left unset, max_new_tokens is what the allowance leaves after the prompt (2, below the server's
+    # default of 4): served, not refused
+    code, messages = call_once(served[1], pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[5] * 22)),
                                (("authorization", f"Bearer {SMALL_KEY}"),))
-    assert code == "OK" and messages[-1].usage.completion_tokens <= 4, messages[-1]
+    assert code == "OK" and 1 <= messages[-1].usage.completion_tokens <= 2, messages[-1]
 
 
 def test_fuzzing_leaked_no_slot_or_ticket(served):
