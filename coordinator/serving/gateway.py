@@ -332,8 +332,7 @@ class Gateway:
                 validate_request, request, info, self.tokenizers[info.name], self.settings,
                 self.default_modes.get(info.name, SpeculationMode.PEARL), uuid.uuid4().hex,
                 max_prompt_chars=self.max_prompt_chars.get(info.name),
-                token_allowance=min((t for t in (tenant.limits.max_tokens_per_request,
-                                                 tenant.limits.tokens_per_minute) if t), default=None),
+                token_allowance=tenant.limits.tokens_one_request_may_take,
             )
             grammar = None
             if validated.request.constraint is not None:

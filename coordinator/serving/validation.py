@@ -87,9 +87,9 @@ def validate_request(
     token_allowance: int | None = None,
 ) -> ValidatedRequest:
     """`max_prompt_chars`: the bound `max_prompt_chars()` worked out for the model (None: none);
-    `token_allowance`: the most tokens the tenant may have in one request (its max_tokens_per_request or
-    tokens_per_minute, the smaller; None: no limit), which bounds the default max_new_tokens so that a
-    request leaving it unset is not refused for it."""
+    `token_allowance`: the most tokens the tenant may have in one request
+    (TenantLimits.tokens_one_request_may_take; None: no limit), which bounds the default
+    max_new_tokens so that a request leaving it unset is not refused for it."""
     if len(req.request_id) > MAX_REQUEST_ID_CHARS:
         raise invalid("request_id", f"{len(req.request_id)} characters; use at most {MAX_REQUEST_ID_CHARS}")
     if not (req.request_id.isascii() and req.request_id.isprintable()):
@@ -178,7 +178,6 @@ def _chat_token_ids(messages: pb.ChatMessages, info: ModelInfo, tokenizer: Any) 
     if tools and "tools" in template and OPEN in template:
         extra["tools"] = tools  # the model's own offer, in the format the parser and the constraints read
     elif tools:  # (a template whose calls take another format, e.g. Llama 3's bare JSON, gets ours too)
-
         offer = default_tool_prompt([Tool(t["function"]["name"], t["function"].get("parameters") or {},
                                           t["function"].get("description") or "") for t in tools])
         if turns[0]["role"] == "system":

@@ -57,6 +57,12 @@ class TenantLimits:
     max_concurrent_streams: int | None = None
     max_tokens_per_request: int | None = None
 
+    @property
+    def tokens_one_request_may_take(self) -> int | None:
+        """The most tokens (prompt + new) one request can be admitted with: the smaller of the
+        per-request and per-minute limits (None: neither is set)."""
+        return min((t for t in (self.max_tokens_per_request, self.tokens_per_minute) if t), default=None)
+
 
 @dataclass(frozen=True)
 class Tenant:
